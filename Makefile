@@ -1,0 +1,27 @@
+# qurl: `make run` sets up .venv and runs the main job on the embedded default; `make test` runs the tests.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# On these CPU machines pip finds torch 2.13.0 (CPU build) on local disk; pinning it keeps pip from
+# pulling a multi-GB CUDA build. On GPU images set TORCH_SPEC to the image's torch (or "").
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[dev]' $(TORCH_SPEC)
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/qurl train
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Explicit, documented patches that let megatron-core run on CPU with gloo."""

@@ -1,0 +1,1 @@
+"""qurl: RL from verifiable rewards with 8-bit quantized rollout (QuRL: ACR + UAQ)."""
