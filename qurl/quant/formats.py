@@ -1,0 +1,176 @@
+"""Symmetric 8-bit quantizers: INT8 and FP8-E4M3 codes with fp32 scales.
+
+QuRL rolls out with a W8A8 copy of the policy. This module holds the number formats only:
+
+- **Weights, per output channel** (`quantize_per_channel`): one fp32 scale per row of a linear weight
+  `w: [out, in]`, `scale = absmax(row) / qmax`, codes = `w / scale` rounded into the format. This is the
+  layout SGLang's `w8a8_int8` and per-channel `fp8` methods hold (`weight` codes `[out, in]`,
+  `weight_scale` fp32 `[out, 1]`).
+- **Activations, per token, dynamically** (`quantize_per_token`): the same recipe over the last dim of
+  `x: [..., in]`, computed at run time for every token.
+- **FP8 block scaling** (`quantize_fp8_block`): one scale per `block x block` tile (128x128 is what
+  SGLang and slime use for FP8 checkpoints); edge tiles are partial.
+
+Formats: INT8 codes are integers in [-127, 127] (symmetric: -128 is never produced), round half to
+even. FP8 E4M3 ("fn" variant: no infinities, max finite 448) keeps 3 mantissa bits, so for values in
+its normal range the round-trip relative error is <= 2^-4; values below 2^-6 (times scale) fall into
+the subnormal range where the absolute error is <= 2^-10 * scale.
+
+Invariants:
+- scales are fp32, finite and > 0. A row (token, tile) that is all zero gets scale 1.0 and zero codes,
+  so dequantization gives exact zeros and nothing divides by zero.
+- codes never saturate into NaN: values are clamped to +-qmax before the cast (a plain cast of an
+  out-of-range float to float8_e4m3fn gives NaN in torch).
+- non-finite input (NaN/inf) is refused with ValueError rather than quietly encoded.
+- arithmetic happens in fp32 whatever the input dtype (bf16 weights are upcast first).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Fmt = Literal["int8", "fp8"]
+FP8_MAX = 448.0
+INT8_MAX = 127
+FORMATS: tuple[str, ...] = ("int8", "fp8")
+
+_CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def qmax(fmt: Fmt) -> float:
+    """Largest code magnitude of `fmt`: 127 for INT8, 448 for FP8 E4M3."""
+    check_fmt(fmt)
+    return float(INT8_MAX) if fmt == "int8" else FP8_MAX
+
+
+def code_dtype(fmt: Fmt) -> torch.dtype:
+    """torch dtype of the codes of `fmt` (torch.int8 or torch.float8_e4m3fn)."""
+    check_fmt(fmt)
+    return _CODE_DTYPES[fmt]
+
+
+def check_fmt(fmt: str) -> None:
+    """Raise ValueError unless `fmt` is a known 8-bit format."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    if not torch.is_floating_point(x):
+        raise ValueError(f"{what} must be a floating-point tensor, got dtype {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{what} contains NaN or inf; refusing to quantize it")
+
+
+def _safe_scale(absmax: torch.Tensor, q: float) -> torch.Tensor:
+    """absmax / q, with 1.0 where that is 0 (all-zero rows, or absmax so tiny the division underflows)."""
+    scale = absmax / q
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _encode(x32: torch.Tensor, scale: torch.Tensor, fmt: Fmt) -> torch.Tensor:
+    """Codes of `x32 / scale` in `fmt` (scale broadcasts against x32)."""
+    q = qmax(fmt)
+    y = (x32 / scale).clamp(-q, q)  # clamp: fp rounding of absmax/q can push |y| just above q
+    if fmt == "int8":
+        return torch.round(y).to(torch.int8)
+    return y.to(torch.float8_e4m3fn)
+
+
+def quantize_per_channel(w: torch.Tensor, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel quantization of a linear weight.
+
+    w: [out, in] (any float dtype) -> (codes [out, in] int8 | float8_e4m3fn, scale [out, 1] fp32),
+    with `w ~= codes.float() * scale`.
+    """
+    check_fmt(fmt)
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [out, in], got shape {tuple(w.shape)}")
+    _check_finite(w, "w")
+    w32 = w.to(torch.float32)
+    scale = _safe_scale(w32.abs().amax(dim=1, keepdim=True), qmax(fmt))
+    return _encode(w32, scale, fmt), scale
+
+
+def dequantize_per_channel(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_per_channel`: codes [out, in], scale [out, 1] -> [out, in] in `dtype`."""
+    if codes.dim() != 2 or scale.shape != (codes.shape[0], 1):
+        raise ValueError(
+            f"codes must be [out, in] and scale [out, 1]; got {tuple(codes.shape)} and {tuple(scale.shape)}"
+        )
+    return (codes.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
+def quantize_per_token(x: torch.Tensor, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization over the last dim.
+
+    x: [..., in] -> (codes [..., in], scale [..., 1] fp32); `x ~= codes.float() * scale`.
+    """
+    check_fmt(fmt)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    _check_finite(x, "x")
+    x32 = x.to(torch.float32)
+    scale = _safe_scale(x32.abs().amax(dim=-1, keepdim=True), qmax(fmt))
+    return _encode(x32, scale, fmt), scale
+
+
+def dequantize_per_token(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_per_token`: codes [..., in], scale [..., 1] -> [..., in]."""
+    if scale.shape != (*codes.shape[:-1], 1):
+        raise ValueError(f"scale must be {(*codes.shape[:-1], 1)}, got {tuple(scale.shape)}")
+    return (codes.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+
+
+def _block_grid(shape: tuple[int, int], block: int) -> tuple[int, int]:
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    out, inn = shape
+    return -(-out // block), -(-inn // block)
+
+
+def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: int) -> torch.Tensor:
+    """Per-tile scale [nbo, nbi] -> per-element scale [out, in] (edge tiles cropped)."""
+    full = scale.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8-E4M3 quantization with one scale per `block x block` tile.
+
+    w: [out, in] -> (codes float8_e4m3fn [out, in], scale fp32 [ceil(out/block), ceil(in/block)]).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [out, in], got shape {tuple(w.shape)}")
+    nbo, nbi = _block_grid((w.shape[0], w.shape[1]), block)
+    _check_finite(w, "w")
+    w32 = w.to(torch.float32)
+    # Pad with zeros to whole tiles; zeros never raise a tile's absmax.
+    padded = torch.zeros(nbo * block, nbi * block, dtype=torch.float32, device=w.device)
+    padded[: w.shape[0], : w.shape[1]] = w32
+    absmax = padded.abs().view(nbo, block, nbi, block).amax(dim=(1, 3))
+    scale = _safe_scale(absmax, FP8_MAX)
+    codes = _encode(w32, _expand_blocks(scale, (w.shape[0], w.shape[1]), block), "fp8")
+    return codes, scale
+
+
+def dequantize_fp8_block(
+    codes: torch.Tensor, scale: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_fp8_block`: codes [out, in], scale [ceil(out/b), ceil(in/b)] -> [out, in]."""
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be 2-D [out, in], got shape {tuple(codes.shape)}")
+    shape = (codes.shape[0], codes.shape[1])
+    if tuple(scale.shape) != _block_grid(shape, block):
+        raise ValueError(
+            f"scale must be {_block_grid(shape, block)} for codes {shape} and block {block}, "
+            f"got {tuple(scale.shape)}"
+        )
+    full = _expand_blocks(scale.to(torch.float32), shape, block)
+    return (codes.to(torch.float32) * full).to(dtype)
