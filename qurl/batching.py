@@ -1,0 +1,88 @@
+"""Turn scored trajectories into the learner's padded training batch.
+
+Layout: one row per trajectory, `tokens = prompt ++ response`, right-padded to the longest row.
+Every per-token tensor is aligned with `tokens`: column j describes token j, whose log-prob is
+log p(tokens[j] | tokens[:j]). So `loss_mask` is 1 exactly on response columns, `behav_logp` holds
+the engine's log-prob there (0 elsewhere), and `staleness` = learner version − version that sampled
+the token (0 = on-policy apart from quantization). Advantages are per sequence, computed within each
+prompt's group of G samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qurl.algo.advantages import grpo_advantages, overlong_penalty, uniform_groups
+from qurl.types import Trajectory
+
+
+@dataclass
+class TrainBatch:
+    tokens: torch.Tensor  # [B, L] int64
+    loss_mask: torch.Tensor  # [B, L] float32
+    behav_logp: torch.Tensor  # [B, L] float32
+    staleness: torch.Tensor  # [B, L] int64
+    adv: torch.Tensor  # [B] float32
+    rewards: torch.Tensor  # [B] float32 (after shaping)
+    prompt_uids: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+def build_batch(
+    groups: list[list[Trajectory]],
+    *,
+    version: int,
+    pad_id: int,
+    advantage: str = "grpo",
+    dynamic_sampling: bool = False,
+    overlong_buffer: int = 0,
+    overlong_penalty_value: float = 1.0,
+    max_new_tokens: int | None = None,
+) -> tuple[TrainBatch | None, dict[str, float]]:
+    """Pack complete groups (each the G samples of one prompt) into a TrainBatch.
+
+    Returns (batch or None if dynamic sampling dropped every group, stats)."""
+    if advantage not in ("grpo", "drgrpo"):
+        raise ValueError(f"advantage={advantage!r}: must be grpo or drgrpo")
+    trajs = [t for g in groups for t in g]
+    if not trajs:
+        raise ValueError("build_batch: no trajectories")
+    group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    lengths = torch.tensor([len(t.response_ids) for t in trajs])
+    if overlong_buffer > 0:
+        if max_new_tokens is None:
+            raise ValueError("overlong shaping needs max_new_tokens")
+        rewards = rewards + overlong_penalty(
+            lengths, max_len=max_new_tokens, buffer_len=overlong_buffer, penalty=overlong_penalty_value)
+    adv = grpo_advantages(rewards, group_ids, scale_by_std=(advantage == "grpo"))
+    stats = {"groups": float(len(groups)), "groups_uniform": 0.0}
+    if dynamic_sampling:
+        uniform = uniform_groups(rewards, group_ids)
+        stats["groups_uniform"] = float(len(set(group_ids[uniform].tolist())))
+        keep = (~uniform).nonzero().flatten().tolist()
+        if not keep:
+            return None, stats
+        trajs = [trajs[i] for i in keep]
+        adv, rewards = adv[keep], rewards[keep]
+
+    seq_lens = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    B, L = len(trajs), max(seq_lens)
+    tokens = torch.full((B, L), pad_id, dtype=torch.int64)
+    loss_mask = torch.zeros(B, L)
+    behav = torch.zeros(B, L)
+    stale = torch.zeros(B, L, dtype=torch.int64)
+    for i, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        tokens[i, :p] = t.prompt_ids
+        tokens[i, p:p + r] = t.response_ids
+        loss_mask[i, p:p + r] = 1.0
+        behav[i, p:p + r] = t.behav_logp.float()
+        stale[i, p:p + r] = version - t.versions
+    batch = TrainBatch(tokens, loss_mask, behav, stale, adv.float(), rewards,
+                       [t.prompt_uid for t in trajs])
+    return batch, stats

@@ -1,0 +1,142 @@
+"""`qurl` command line: train, eval, report, compare, bench, launch.
+
+    qurl train [--preset cpu-tiny] [--config run.toml] [--set section.field=value ...]
+    qurl train --resume runs/<run> [--set run.steps=80]
+    qurl eval runs/<run>            greedy accuracy of the latest checkpoint
+    qurl report runs/<run>          PNG plots from metrics.jsonl
+    qurl compare [--set ...]        sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
+    qurl bench engine|stream|sync   side-by-side throughput numbers
+    qurl launch --preset P --dry-run  per-node torchrun + SGLang commands
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from qurl.config import PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
+
+
+def _config_from_args(args: argparse.Namespace) -> Config:
+    if getattr(args, "resume", None):
+        from qurl.runs import read_config
+
+        cfg = read_config(Path(args.resume))
+        return validate(override(cfg, parse_sets(args.set or [])))
+    return load_config(args.preset, args.config, args.set)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
+    p.add_argument("--config", help="TOML file with [section] tables overriding the preset")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[])
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config_from_args(args)
+    if args.resume:
+        cfg = override(cfg, {"run.dir": str(Path(args.resume).parent),
+                             "run.name": Path(args.resume).name})
+    from qurl.learner.dist import launch
+
+    result = launch(_train_entry, cfg, resume=bool(args.resume))
+    if result:
+        print(f"final greedy accuracy: {result.get('accuracy', float('nan')):.3f}")
+    return 0
+
+
+def _train_entry(cfg: Config, resume: bool, rank: int, world_size: int) -> dict:
+    if cfg.rollout.mode == "async":
+        from qurl.pipeline.controller import train_async
+
+        return train_async(cfg, resume=resume, rank=rank, world_size=world_size)
+    from qurl.learn import train
+
+    return train(cfg, resume=resume, rank=rank, world_size=world_size)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from qurl.report import report
+
+    print(report(args.run_dir, args.out))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from qurl.evaluate import eval_run
+
+    rec = eval_run(Path(args.run_dir), max_examples=args.n)
+    print(f"{args.run_dir}: greedy accuracy {rec['accuracy']:.3f} on {int(rec['n'])} examples")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "engine":
+        from qurl.engines.bench import bench_local_engine
+
+        bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens)
+    elif args.what == "stream":
+        from qurl.stream.bench import bench_stream
+
+        bench_stream()
+    else:
+        from qurl.sync.bench import bench_sync
+
+        bench_sync()
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from qurl.pipeline.compare import compare
+
+    compare(load_config(args.preset, args.config, args.set), out_dir=args.out)
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from qurl.launch import main_launch
+
+    return main_launch(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser(prog="qurl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("train", help="train (or resume) a run")
+    _add_config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR")
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("eval", help="greedy accuracy of a run's latest checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("-n", type=int, default=None, help="at most this many eval examples")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("report", help="PNG plots from a run's metrics.jsonl")
+    p.add_argument("run_dir")
+    p.add_argument("--out")
+    p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("compare", help="sync vs async, bf16 vs int8+ACR+UAQ, same seed and budget")
+    _add_config_args(p)
+    p.add_argument("--out", default="runs/compare")
+    p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
+    p.add_argument("what", choices=("engine", "stream", "sync"))
+    p.add_argument("--preset-model", default="small")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("launch", help="per-node torchrun + SGLang commands (see --help there)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_launch)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"qurl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

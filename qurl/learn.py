@@ -1,0 +1,148 @@
+"""The learner loop: QuRL's synchronous RLVR step, one version per step.
+
+    UAQ once (inside the learner, on the master weights); sync v0 to the 8-bit engine
+    for step in 1..N:
+        prompts   <- data cursor
+        groups    <- rollout with the 8-bit engine (behav_logp, version per token) + verifiable reward
+        batch     <- group advantages (GRPO / Dr.GRPO), padded
+        train     <- prox_logp recomputed once; ≥2 mini-batches of the decoupled/ACR surrogate
+        version  += 1; re-quantize master weights -> engine (flip fraction measured)
+        log, evaluate, checkpoint (atomic) as configured
+
+Every TP rank runs this loop; rank 0 alone owns the engine, the data and the run directory and
+broadcasts each batch to the other ranks. The async pipeline (qurl/pipeline/) replaces the rollout
+line with a staleness-bounded stream of trajectories; η=0 reduces it to this loop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from qurl.batching import build_batch
+from qurl.config import Config
+from qurl.data.cursor import DataCursor
+from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
+from qurl.learner.megatron import MegatronLearner
+from qurl.metrics import MetricsLogger
+from qurl.rollout import PromptCodec, evaluate, rollout
+from qurl.runs import CheckpointDir, check_resume_config, read_config, rng_state, run_dir_for, \
+    set_rng_state, write_config
+from qurl.setup import load_datasets, make_engine, prepare_base_model
+from qurl.types import SamplingParams
+from qurl.weights import WeightSync
+
+
+def _train_record(step: int, version: int, rstats: dict, bstats: dict, tstats: dict, sstats: dict,
+                  t_train: float, batch_tokens: int) -> dict:
+    rec = {"kind": "train", "step": step, "version": version}
+    rec.update(rstats)
+    rec.update(bstats)
+    rec.update(tstats)
+    rec.update(sstats)
+    rec["time/train"] = t_train
+    rec["train_tokens_per_s"] = batch_tokens / max(t_train, 1e-9)
+    return rec
+
+
+def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
+    """Run (or resume) the synchronous loop. Returns the final eval record on rank 0."""
+    run_dir = run_dir_for(cfg)
+    ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
+    init_learner_dist(cfg.learner, rank, world_size)
+    main = is_main_rank()
+    if main:
+        if resume:
+            check_resume_config(read_config(run_dir), cfg)
+        write_config(run_dir, cfg)
+    model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
+    torch.manual_seed(cfg.run.seed)
+    learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed)
+    start, state = 0, None
+    if resume:
+        latest = broadcast_object(str(ckpts.latest()) if main and ckpts.latest() else None)
+        if latest is None:
+            raise FileNotFoundError(f"{run_dir}: nothing to resume (no checkpoint yet)")
+        learner.load(Path(latest))
+        state = torch.load(Path(latest) / "state.pt", weights_only=False)
+        start = state["step"]
+
+    engine = logger = cursor = codec = None
+    train_set = eval_set = []
+    if main:
+        train_set, eval_set = load_datasets(cfg)
+        cursor = DataCursor(len(train_set), seed=cfg.run.seed)
+        engine = make_engine(cfg, model_dir)
+        codec = PromptCodec(engine.tokenizer, cfg.data.template)
+        logger = MetricsLogger(run_dir, total_steps=cfg.run.steps, start_step=start,
+                               wandb=cfg.run.wandb, wandb_mode=cfg.run.wandb_mode,
+                               run_name=cfg.run.name, config=asdict(cfg), progress=cfg.run.progress)
+        if state is not None:
+            cursor.load_state_dict(state["cursor"])
+            set_rng_state(state["rng"])
+    sync = WeightSync(cfg.rollout.precision)
+    version = start
+    sync.push(learner.named_weights(), engine, version)
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            stop_token_ids=(engine.tokenizer.eos_token_id,) if main else ())
+
+    def run_eval(step: int) -> dict | None:
+        if not main:
+            return None
+        rec = {"kind": "eval", "step": step, "version": version,
+               **evaluate(engine, eval_set, codec, max_new_tokens=cfg.rollout.eval_max_new_tokens,
+                          reward_timeout_s=cfg.data.reward_timeout_s)}
+        logger.log(rec)
+        logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} on {int(rec['n'])}")
+        return rec
+
+    last_eval = run_eval(0) if start == 0 else None
+    for step in range(start + 1, cfg.run.steps + 1):
+        if main:
+            examples = [train_set[i] for i in cursor.take(cfg.rollout.prompts_per_step)]
+            groups, rstats = rollout(engine, examples, codec, params,
+                                     group_size=cfg.rollout.group_size, run_seed=cfg.run.seed,
+                                     step=step, reward_timeout_s=cfg.data.reward_timeout_s)
+            batch, bstats = build_batch(
+                groups, version=version, pad_id=engine.tokenizer.pad_token_id,
+                advantage=cfg.algo.advantage, dynamic_sampling=cfg.algo.dynamic_sampling,
+                overlong_buffer=cfg.algo.overlong_buffer,
+                overlong_penalty_value=cfg.algo.overlong_penalty,
+                max_new_tokens=cfg.rollout.max_new_tokens)
+        batch = broadcast_object(batch if main else None)
+        t0 = time.perf_counter()
+        tstats = {} if batch is None else learner.train_step(
+            batch.tokens, batch.loss_mask, batch.behav_logp, batch.adv, staleness=batch.staleness,
+            temperature=cfg.rollout.temperature)
+        t_train = time.perf_counter() - t0
+        version += 1
+        sstats = sync.push(learner.named_weights(), engine, version)
+        if main:
+            logger.log(_train_record(step, version, rstats, bstats, tstats, sstats, t_train,
+                                     batch.num_tokens if batch is not None else 0))
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
+            last_eval = run_eval(step)
+        if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
+            save_checkpoint(ckpts, learner, step, version, cursor)
+    if start < cfg.run.steps or last_eval is None:
+        last_eval = run_eval(cfg.run.steps)
+    if main:
+        logger.close()
+    return last_eval or {}
+
+
+def save_checkpoint(ckpts: CheckpointDir, learner: MegatronLearner, step: int, version: int,
+                    cursor: DataCursor | None) -> None:
+    """All ranks write their learner shard into one temp dir; rank 0 adds state.pt and commits."""
+    main = is_main_rank()
+    tmp = Path(broadcast_object(str(ckpts.begin(step)) if main else None))
+    learner.save(tmp)
+    broadcast_object(None)  # barrier: every shard is on disk before the rename
+    if main:
+        torch.save({"step": step, "version": version, "cursor": cursor.state_dict(),
+                    "rng": rng_state()}, tmp / "state.pt")
+        ckpts.commit(tmp)

@@ -1,0 +1,82 @@
+"""Where per-step numbers go: `metrics.jsonl` (always), wandb (when enabled), a progress bar.
+
+Each record is one JSON object with `step` and `kind` ("train" | "eval"). Values must be finite or
+explicitly `null`: a NaN is written as null *and* counted in `nan_fields`, never silently as 0.
+On resume the file is truncated to the records at or before the checkpoint's step, so a resumed run's
+metrics.jsonl equals an uninterrupted one's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+    out, nans = {}, []
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            nans.append(k)
+            v = None
+        out[k] = v
+    if nans:
+        out["nan_fields"] = nans
+    return out
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, wandb: bool = False,
+                 wandb_mode: str = "offline", run_name: str = "", config: dict | None = None,
+                 progress: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a")
+        self._wandb = None
+        if wandb and wandb_mode != "disabled":
+            import wandb as wb  # optional: only imported when asked for
+
+            self._wandb = wb.init(project="qurl", name=run_name, mode=wandb_mode, config=config,
+                                  dir=str(run_dir), resume="allow")
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="qurl", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        rec = _clean(record)
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"{rec['kind']}/{k}": v for k, v in rec.items()
+                             if isinstance(v, (int, float)) and v is not None}, step=rec["step"])
+        if self._bar is not None and rec["kind"] == "train":
+            self._bar.update(1)
+            self._bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("reward", "kl_behav_prox", "flip_frac")
+                                   if isinstance(rec.get(k), float)})
+
+    def write(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()

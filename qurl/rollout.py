@@ -1,0 +1,108 @@
+"""Rollout: prompts in, scored trajectories out — the generation half of an RLVR step.
+
+For each prompt, G responses are sampled from the engine (8-bit weights in QuRL), each token with the
+behaviour log-prob and the policy version that sampled it; every response is decoded and scored by
+the verifiable reward. Sampling seeds are derived from (run seed, step, prompt uid, sample index), so
+a resumed run samples exactly what an uninterrupted one would, whatever the batch composition.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from qurl.data.datasets import Example
+from qurl.data.rewards import score_batch
+from qurl.data.templates import render_prompt
+from qurl.engines.base import Engine
+from qurl.types import GenRequest, GenResult, SamplingParams, Trajectory
+
+
+def request_seed(run_seed: int, step: int, uid: str, sample_idx: int) -> int:
+    digest = hashlib.sha256(f"{run_seed}/{step}/{uid}/{sample_idx}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass
+class PromptCodec:
+    """Renders a question with the configured template and tokenizes it; decodes responses."""
+
+    tokenizer: object
+    template: str = "plain"
+
+    def encode(self, question: str) -> list[int]:
+        text = render_prompt(question, self.template, tokenizer=self.tokenizer)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+
+def make_requests(examples: list[Example], codec: PromptCodec, params: SamplingParams, *,
+                  group_size: int, run_seed: int, step: int) -> list[GenRequest]:
+    reqs = []
+    for ex in examples:
+        ids = codec.encode(ex.prompt)
+        for j in range(group_size):
+            seeded = replace(params, seed=request_seed(run_seed, step, ex.uid, j))
+            reqs.append(GenRequest(rid=f"{ex.uid}#{j}", prompt_ids=ids, params=seeded))
+    return reqs
+
+
+def to_trajectories(results: list[GenResult], examples: list[Example], codec: PromptCodec, *,
+                    reward_timeout_s: float) -> list[list[Trajectory]]:
+    """Score results (ordered as make_requests made them) and group them per prompt."""
+    by_uid = {ex.uid: ex for ex in examples}
+    texts = [codec.decode(r.output_ids) for r in results]
+    golds = [by_uid[r.rid.rsplit("#", 1)[0]].answer for r in results]
+    scores = score_batch(texts, golds, timeout_s=reward_timeout_s)
+    groups: dict[str, list[Trajectory]] = {}
+    for res, sc in zip(results, scores):
+        uid, j = res.rid.rsplit("#", 1)
+        groups.setdefault(uid, []).append(Trajectory(
+            prompt_uid=uid, sample_idx=int(j),
+            prompt_ids=torch.tensor(res.prompt_ids, dtype=torch.int64),
+            response_ids=res.output_ids.to(torch.int64), behav_logp=res.logprobs.float(),
+            versions=res.versions.to(torch.int64), reward=float(sc.reward),
+            finish_reason=res.finish_reason, reward_timed_out=sc.timed_out))
+    return [groups[ex.uid] for ex in examples if ex.uid in groups]
+
+
+def rollout(engine: Engine, examples: list[Example], codec: PromptCodec, params: SamplingParams, *,
+            group_size: int, run_seed: int, step: int, reward_timeout_s: float,
+            between_steps: Callable[[], None] | None = None) -> tuple[list[list[Trajectory]], dict]:
+    """Sample G responses per prompt and score them. Returns (groups, timing/throughput stats)."""
+    t0 = time.perf_counter()
+    reqs = make_requests(examples, codec, params, group_size=group_size, run_seed=run_seed, step=step)
+    results = engine.generate(reqs, between_steps=between_steps)
+    t1 = time.perf_counter()
+    groups = to_trajectories(results, examples, codec, reward_timeout_s=reward_timeout_s)
+    t2 = time.perf_counter()
+    new_tokens = sum(len(r.output_ids) for r in results)
+    trajs = [t for g in groups for t in g]
+    stats = {
+        "time/generate": t1 - t0, "time/reward": t2 - t1,
+        "rollout_tokens_per_s": new_tokens / max(t1 - t0, 1e-9),
+        "reward": sum(t.reward for t in trajs) / len(trajs),
+        "response_len": new_tokens / len(results),
+        "truncated_frac": sum(r.finish_reason == "length" for r in results) / len(results),
+        "reward_timeouts": float(sum(t.reward_timed_out for t in trajs)),
+    }
+    return groups, stats
+
+
+def evaluate(engine: Engine, examples: list[Example], codec: PromptCodec, *, max_new_tokens: int,
+             reward_timeout_s: float) -> dict[str, float]:
+    """Greedy accuracy on held-out examples with the engine's current weights."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    reqs = [GenRequest(rid=f"{ex.uid}#0", prompt_ids=codec.encode(ex.prompt), params=params)
+            for ex in examples]
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    groups = to_trajectories(results, examples, codec, reward_timeout_s=reward_timeout_s)
+    rewards = [g[0].reward for g in groups]
+    return {"accuracy": sum(r > 0 for r in rewards) / len(rewards), "n": float(len(rewards)),
+            "time/eval": time.perf_counter() - t0}
