@@ -38,7 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         cfg = override(cfg, {"run.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
-    from qurl.learner.dist import launch
+    from qurl.ranks import launch
 
     result = launch(_train_entry, cfg, resume=bool(args.resume))
     if result:
@@ -46,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_entry(cfg: Config, resume: bool, rank: int, world_size: int) -> dict:
+def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> dict:
     if cfg.rollout.mode == "async":
         from qurl.pipeline.controller import train_async
 
