@@ -17,8 +17,10 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
+RUN ?= cpu-tiny-$(shell date +%Y%m%d-%H%M%S)
 run: setup
-	$(BIN)/qurl train
+	$(BIN)/qurl train --set run.name=$(RUN)
+	$(BIN)/qurl report runs/$(RUN)
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qurl.batching import build_batch
-from qurl.config import Config
+from qurl.config import Config, ConfigError
 from qurl.data.cursor import DataCursor
 from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
@@ -56,6 +56,9 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
     if main:
         if resume:
             check_resume_config(read_config(run_dir), cfg)
+        elif (run_dir / "ckpt" / "latest").exists():
+            raise ConfigError(f"{run_dir} already holds a run: resume it with --resume {run_dir} "
+                              "or pick another run.name")
         write_config(run_dir, cfg)
     model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
     torch.manual_seed(cfg.run.seed)
