@@ -1,0 +1,271 @@
+"""The local rollout engine: a batched, KV-cached sampling decoder over an HF model, in bf16/int8/fp8.
+
+On CPU machines this is the engine; everywhere it is the numerical reference for what an 8-bit
+rollout engine should return. It wraps the HF Qwen2/Llama model loaded from a checkpoint dir and, for
+`precision` "int8" / "fp8", swaps the seven linears of every decoder layer (q/k/v/o, gate/up/down)
+for the W8A8 modules of `qurl.engines.qlinear`; embeddings, lm_head, norms, attention math and the KV
+cache stay in the full-precision compute `dtype` ("bf16" precision = no quantization at all, weights
+in `dtype`; tests use float32 on CPU).
+
+Decoding. A batch of requests is left-padded to a common prompt length; `attention_mask` masks the
+pads and `position_ids` count only real tokens, so every row computes exactly what it would alone.
+One prefill forward fills an HF `DynamicCache`; then one forward per decode step feeds each row its
+last sampled token. Rows stop on EOS / their stop tokens (the stop token is kept in the output, so
+the learner trains on emitting it) or at `max_new_tokens`; finished rows are dropped from the batch
+and the cache. Sampling (temperature, top-p, greedy, per-request seeds) is `engines/sampling.py`.
+
+Weights and versions. Each sampled token is tagged with the version of the weights whose forward
+produced its logits. `between_steps` is called between decode steps; if it calls `load_weights`, the
+next tokens are sampled by the new weights and tagged with the new version, while the KV cache of
+the tokens already processed is kept although older weights computed it (AReaL's interruptible
+generation makes the same trade: recomputing the prefix would cost a prefill per update).
+
+`load_weights` stages then commits: every chunk is checked (known name, shape, dtype kind, finite
+values; 8-bit codes arrive with their `_scale`) and full-precision linears are quantized before
+anything is written, so a bad chunk raises ValueError naming the tensor and leaves the old weights
+and version in place. Staging holds one copy of the incoming tensors.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear
+from qurl.engines.sampling import check_params, request_generator, sample_row
+from qurl.models.hf import load_checkpoint
+from qurl.quant.formats import quantize_per_channel
+from qurl.types import GenRequest, GenResult
+
+PRECISIONS = ("bf16", "int8", "fp8")
+LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+SCALE = "_scale"
+
+
+def quantize_model_linears(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
+    """Replace the 7 linears of every decoder layer of an HF causal LM by 8-bit modules, in place.
+
+    Returns {HF weight name ("model.layers.0.self_attn.q_proj.weight"): module}."""
+    out: dict[str, QuantLinear] = {}
+    for i, layer in enumerate(model.model.layers):
+        for kind in LINEAR_KINDS:
+            parent_name, attr = kind.split(".")
+            parent = getattr(layer, parent_name)
+            qmod = QUANT_LINEARS[fmt].from_linear(getattr(parent, attr))
+            setattr(parent, attr, qmod)
+            out[f"model.layers.{i}.{kind}.weight"] = qmod
+    return out
+
+
+class LocalEngine:
+    """Engine protocol (engines/base.py) over a local HF checkpoint; see the module docstring."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        precision: str = "bf16",
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        max_batch: int = 64,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.precision, self.dtype, self.max_batch = precision, dtype, max_batch
+        self.device = torch.device(device)
+        model, tok = load_checkpoint(model_dir, dtype=dtype)
+        self.model = model.to(self.device)
+        self.tokenizer = tok
+        self._qlinears: dict[str, QuantLinear] = (
+            quantize_model_linears(self.model, precision) if precision != "bf16" else {}
+        )
+        # name -> live tensor (parameter or buffer); tied lm_head.weight aliases the embedding.
+        self._tensors: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        if eos_token_ids is None:
+            gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+            ids = set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+            ids.add(tok.eos_token_id)
+            eos_token_ids = (i for i in ids if i is not None)
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self._gen = torch.Generator().manual_seed(seed)
+        self._version = 0
+        # transformers 5.2x renamed forward's `past_key_values` to `cache` (old name deprecated).
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def names(self) -> list[str]:
+        """Every tensor name `load_weights` accepts (8-bit engines: linears also as `<name>_scale`)."""
+        return list(self._tensors)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stage, validate and then commit named tensors; set `version` after the last one."""
+        staged: dict[str, torch.Tensor] = {}
+        for name, t in chunks:
+            staged[name] = self._check_chunk(name, t)
+        writes = self._resolve(staged)
+        with torch.no_grad():
+            for name, t in writes.items():
+                self._tensors[name].copy_(t)
+        self._version = int(version)
+
+    def _check_chunk(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if name not in self._tensors:
+            hint = " (this engine is bf16: send full-precision weights)" if name.endswith(SCALE) else ""
+            raise ValueError(f"{name}: no tensor of that name in the engine's model{hint}")
+        target = self._tensors[name]
+        if tuple(t.shape) != tuple(target.shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(target.shape)}")
+        quant_weight = name in self._qlinears
+        if t.dtype in CODE_DTYPES:
+            if not quant_weight:
+                raise ValueError(f"{name}: got 8-bit codes ({t.dtype}) for a full-precision tensor")
+            if t.dtype != target.dtype:
+                raise ValueError(f"{name}: got {t.dtype} codes, this {self.precision} engine holds {target.dtype}")
+        elif not torch.is_floating_point(t):
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        elif not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains NaN or inf")
+        return t.detach().to(self.device, copy=True)  # copy: the sender may reuse its buffers
+
+    def _resolve(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pair codes with scales and quantize full-precision linears; returns the tensors to write."""
+        writes = dict(staged)
+        for name, qmod in self._qlinears.items():
+            w, s = staged.get(name), staged.get(name + SCALE)
+            if w is None:
+                if s is not None:
+                    raise ValueError(f"{name + SCALE}: scale sent without its codes {name}")
+                continue
+            if w.dtype in CODE_DTYPES:
+                if s is None:
+                    raise ValueError(f"{name}: 8-bit codes sent without {name + SCALE}")
+                qmod.check_codes(w, s, name)
+            else:
+                if s is not None:
+                    raise ValueError(f"{name + SCALE}: scale sent with a full-precision {name}")
+                writes[name], writes[name + SCALE] = quantize_per_channel(w, qmod.fmt)  # type: ignore[arg-type]
+        return writes
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def token_logits(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+        """Logits predicting each output token, teacher-forced, under the current weights: [T, V] fp32."""
+        if not prompt_ids or not output_ids:
+            raise ValueError("prompt_ids and output_ids must be non-empty")
+        ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        p = len(prompt_ids)
+        return logits[p - 1 : p - 1 + len(output_ids)].cpu()
+
+    def logprobs(self, prompt_ids: list[int], output_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """log softmax(logits / T)[token] of each output token: [T] fp32 (T == 0 scores at T = 1)."""
+        logits = self.token_logits(prompt_ids, output_ids)
+        t = temperature if temperature > 0 else 1.0
+        logp = torch.log_softmax(logits / t, dim=-1)
+        return logp.gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1)
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, requests: list[GenRequest], between_steps: Callable[[], None] | None = None
+    ) -> list[GenResult]:
+        """Sample every request to completion, in batches of at most `max_batch`, in order."""
+        for r in requests:
+            self._check_request(r)
+        results: list[GenResult] = []
+        for i in range(0, len(requests), self.max_batch):
+            results.extend(self._generate_batch(requests[i : i + self.max_batch], between_steps))
+        return results
+
+    def _check_request(self, r: GenRequest) -> None:
+        p = r.params
+        check_params(r.rid, p.temperature, p.top_p, p.max_new_tokens)
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.rid}: prompt_ids is empty")
+        bad = [t for t in r.prompt_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {r.rid}: prompt token id {bad[0]} outside [0, {self.vocab_size})")
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         use_cache=True, **{self._cache_kw: cache})
+        return out.logits[:, -1, :].float().cpu()  # [B, V]
+
+    @torch.no_grad()
+    def _generate_batch(
+        self, reqs: list[GenRequest], between_steps: Callable[[], None] | None
+    ) -> list[GenResult]:
+        from transformers import DynamicCache
+
+        n, plen = len(reqs), max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((n, plen), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, plen), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, plen - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, plen - len(r.prompt_ids):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [request_generator(r.params.seed, self._gen) for r in reqs]
+        stops = [self.eos_token_ids | set(r.params.stop_token_ids) for r in reqs]
+        toks: list[list[int]] = [[] for _ in reqs]
+        lps: list[list[float]] = [[] for _ in reqs]
+        vers: list[list[int]] = [[] for _ in reqs]
+        reasons = ["length"] * n
+        active = list(range(n))  # request index of each row of the live batch
+        cache = DynamicCache(config=self.model.config)
+        dev = self.device
+        mask, pos = mask.to(dev), pos.to(dev)
+        logits = self._forward(ids.to(dev), mask, pos, cache)
+        next_pos = pos[:, -1] + 1
+        while True:
+            keep, last = [], []
+            for row, i in enumerate(active):
+                p = reqs[i].params
+                tok, lp = sample_row(logits[row], p.temperature, p.top_p, gens[i])
+                toks[i].append(tok)
+                lps[i].append(lp)
+                vers[i].append(self._version)
+                if tok in stops[i]:
+                    reasons[i] = "stop"
+                elif len(toks[i]) < p.max_new_tokens:
+                    keep.append(row)
+                    last.append(tok)
+            if not keep:
+                break
+            if between_steps is not None:
+                between_steps()
+            if len(keep) < len(active):  # drop finished rows from batch and KV cache
+                sel = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(sel)
+                mask, next_pos = mask[sel], next_pos[sel]
+                active = [active[r] for r in keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            step_ids = torch.tensor(last, device=dev).unsqueeze(1)
+            logits = self._forward(step_ids, mask, next_pos.unsqueeze(1), cache)
+            next_pos = next_pos + 1
+        return [
+            GenResult(
+                rid=r.rid, prompt_ids=list(r.prompt_ids),
+                output_ids=torch.tensor(toks[i], dtype=torch.int64),
+                logprobs=torch.tensor(lps[i], dtype=torch.float32),
+                versions=torch.tensor(vers[i], dtype=torch.int64),
+                finish_reason=reasons[i],
+            )
+            for i, r in enumerate(reqs)
+        ]

@@ -1,0 +1,189 @@
+"""8-bit linear layers (W8A8) for the local rollout engine: real int8 GEMMs, FP8 E4M3 GEMMs.
+
+A W8A8 linear `y = x W^T + b` with `W: [out, in]` holds
+- `weight`: 8-bit codes `[out, in]` (int8 or float8_e4m3fn), per output channel symmetric,
+- `weight_scale`: fp32 `[out, 1]`, so `W ~= weight * weight_scale`,
+- `bias`: full precision `[out]` or None (Qwen2's q/k/v biases),
+the layout SGLang's `w8a8_int8` / per-channel `fp8` methods hold and `qurl.quant.named` produces.
+At run time every token's activation row is quantized dynamically (`quantize_per_token`:
+`x ~= xq * x_scale`, `x_scale: [M, 1]`), and
+
+    y = (xq @ weight^T) * x_scale * weight_scale^T + bias
+
+where the product of codes is computed by an 8-bit kernel:
+- INT8: `torch._int_mm` (int8 x int8 -> exact int32 accumulation; no dequantize-then-float). On CPU
+  it takes any shape. On CUDA it needs M > 16 and K, N multiples of 8, so rows are zero-padded to
+  at least 32 and K/N to multiples of 8 there (zero rows/columns add nothing to the sum). The int32
+  sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
+- FP8: `torch._scaled_mm` (unit tensor-wise scales, fp32 output) where the device has an FP8 GEMM (CUDA sm89+; recent
+  CPU builds of torch also implement it, probed once per device). Elsewhere an *exact emulation*:
+  the codes are widened to fp32 (every E4M3 value is exactly representable) and multiplied in fp32.
+  Products of two E4M3 values have <= 8 significant bits, so each product is exact in fp32 and the
+  only difference to a hardware FP8 GEMM (which also accumulates in fp32) is summation order.
+  Both paths quantize activations identically, so they sample from the same distribution.
+
+Invariants: codes and scales are buffers (not parameters: nothing trains them) named so that the
+module's state_dict keys are the HF names + `_scale`; `load_codes` validates dtype and shape before
+writing anything; output dtype equals the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qurl.quant.formats import code_dtype, quantize_per_channel, quantize_per_token
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] >= size:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]]
+    return nn.functional.pad(t, pad)
+
+
+def int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact int8 GEMM `a @ w^T`: a [M, K] int8, w [N, K] int8 -> [M, N] int32 via torch._int_mm."""
+    if a.device.type != "cuda":
+        return torch._int_mm(a, w.t())
+    m, k = a.shape
+    n = w.shape[0]
+    k8, n8 = -(-k // 8) * 8, -(-n // 8) * 8
+    a_p = _pad_to(_pad_to(a, 1, k8), 0, max(m, 32))
+    w_p = _pad_to(_pad_to(w, 1, k8), 0, n8)
+    return torch._int_mm(a_p, w_p.t())[:m, :n]
+
+
+_SCALED_MM_OK: dict[tuple[str, int | None], bool] = {}
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` on fp8 codes with fp32 output works on `device`
+    (probed once: a 16x32x16 product compared with the fp32 emulation)."""
+    key = (device.type, device.index)
+    if key not in _SCALED_MM_OK:
+        ok = hasattr(torch, "_scaled_mm")
+        if ok and device.type == "cuda":
+            ok = torch.cuda.get_device_capability(device) >= (8, 9)
+        if ok:
+            try:
+                g = torch.Generator().manual_seed(0)
+                a = torch.randn(16, 32, generator=g).to(device, torch.float8_e4m3fn)
+                b = torch.randn(16, 32, generator=g).to(device, torch.float8_e4m3fn)
+                one = torch.ones((), device=device)
+                got = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+                ref = a.float() @ b.float().t()
+                ok = bool(torch.allclose(got, ref, rtol=1e-5, atol=1e-5))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _SCALED_MM_OK[key] = ok
+    return _SCALED_MM_OK[key]
+
+
+class QuantLinear(nn.Module):
+    """Shared body of the W8A8 linears: codes [out, in], fp32 scale [out, 1], optional bias [out]."""
+
+    fmt: str = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, bias_dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        cdt = code_dtype(self.fmt)  # type: ignore[arg-type]
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=cdt, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "QuantLinear":
+        """Quantize an nn.Linear per output channel into a new module of this class."""
+        w = linear.weight.detach()
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                  w.dtype, device=w.device)
+        mod.load_codes(*quantize_per_channel(w, mod.fmt))  # type: ignore[arg-type]
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach())
+        return mod
+
+    def check_codes(self, codes: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> None:
+        """Raise ValueError (naming `name`) unless codes/scale fit this layer; writes nothing."""
+        want = (self.out_features, self.in_features)
+        if tuple(codes.shape) != want or codes.dtype != self.weight.dtype:
+            raise ValueError(
+                f"{name}: expected {self.fmt} codes {self.weight.dtype} {want}, "
+                f"got {codes.dtype} {tuple(codes.shape)}"
+            )
+        if tuple(scale.shape) != (self.out_features, 1) or not torch.is_floating_point(scale):
+            raise ValueError(
+                f"{name}_scale: expected float scale ({self.out_features}, 1), "
+                f"got {scale.dtype} {tuple(scale.shape)}"
+            )
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise ValueError(f"{name}_scale: scales must be finite and > 0")
+        if self.fmt == "fp8" and not bool(torch.isfinite(codes.float()).all()):
+            raise ValueError(f"{name}: fp8 codes contain NaN")
+
+    @torch.no_grad()
+    def load_codes(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """Replace the weight by `codes` [out, in] and `scale` [out, 1] (validated first)."""
+        self.check_codes(codes, scale)
+        self.weight.copy_(codes)
+        self.weight_scale.copy_(scale.to(torch.float32))
+
+    def _code_product(self, xq: torch.Tensor) -> torch.Tensor:  # [M, in] codes -> [M, out] fp32
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] -> [..., out] in x.dtype."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        xq, xs = quantize_per_token(x2, self.fmt)  # type: ignore[arg-type]
+        y = self._code_product(xq) * xs * self.weight_scale.t()
+        if self.bias is not None:
+            y = y + self.bias.to(torch.float32)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantLinear):
+    """W8A8 INT8 linear: int8 per-channel weights, per-token dynamic int8 activations, torch._int_mm."""
+
+    fmt = "int8"
+
+    def _code_product(self, xq: torch.Tensor) -> torch.Tensor:
+        return int8_matmul(xq, self.weight).to(torch.float32)
+
+
+class Fp8Linear(QuantLinear):
+    """W8A8 FP8 (E4M3) linear: torch._scaled_mm where available, exact fp32 emulation otherwise.
+
+    `backend` ("auto" | "scaled_mm" | "emulate") picks the GEMM; "auto" probes the device once."""
+
+    fmt = "fp8"
+    backend: str = "auto"
+
+    def _code_product(self, xq: torch.Tensor) -> torch.Tensor:
+        use = self.backend
+        if use == "auto":
+            use = "scaled_mm" if scaled_mm_available(xq.device) else "emulate"
+        if use == "scaled_mm":
+            # Unit tensor-wise scales (the most widely supported _scaled_mm mode); the real row-wise
+            # scales are applied in fp32 by `forward`, exactly as for the emulation.
+            one = torch.ones((), device=xq.device)
+            return torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one,
+                                    out_dtype=torch.float32)
+        return xq.to(torch.float32) @ self.weight.to(torch.float32).t()
+
+
+QUANT_LINEARS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "fp8": Fp8Linear}
+
+
+def from_linear(linear: nn.Linear, fmt: str) -> QuantLinear:
+    """nn.Linear -> Int8Linear (fmt "int8") or Fp8Linear (fmt "fp8"), weights quantized per channel."""
+    if fmt not in QUANT_LINEARS:
+        raise ValueError(f"fmt must be one of {tuple(QUANT_LINEARS)}, got {fmt!r}")
+    return QUANT_LINEARS[fmt].from_linear(linear)
