@@ -1,0 +1,50 @@
+"""Tiny random HF Qwen2 / Llama models for the Megatron conversion and learner tests.
+
+Weights are drawn from a seeded generator with a wide spread (and non-trivial norm gains and q/k/v
+biases) so that logits are far from uniform and every mapped tensor matters.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 100
+
+
+def qwen2_config(tie: bool = True) -> Qwen2Config:
+    return Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=tie, max_position_embeddings=64,
+                       architectures=["Qwen2ForCausalLM"])
+
+
+def llama_config() -> LlamaConfig:
+    # head_dim 32 != hidden/heads (16): exercises kv_channels; untied embeddings.
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       rope_theta=20000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       max_position_embeddings=64, architectures=["LlamaForCausalLM"])
+
+
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    """kind: 'qwen2' (qkv bias, tied) | 'qwen2-untied' | 'llama' (no bias, untied). fp32, eval mode."""
+    cfg = {"qwen2": lambda: qwen2_config(True), "qwen2-untied": lambda: qwen2_config(False),
+           "llama": llama_config}[kind]()
+    cfg._attn_implementation = "eager"
+    model = Qwen2ForCausalLM(cfg) if kind.startswith("qwen2") else LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict as a checkpoint holds it: a tied lm_head is not stored."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
