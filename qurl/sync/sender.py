@@ -1,0 +1,228 @@
+"""Learner side of a weight sync: named weights -> 8-bit chunks -> byte buckets -> broadcast.
+
+One sync of version v, run on learner rank 0:
+
+    named_weights()  ->  engine_chunks(fmt)  ->  plan_buckets(budget)  ->  for each bucket:
+        pack into one uint8 buffer -> announce(metadata) -> broadcast(buffer) -> wait for receivers
+
+`named_weights()` yields HF names with UAQ's invariant scaling already in the master weights, so
+quantizing them gives exactly the grid the engine computes with. The chunks sent are the ones an
+engine loads (see qurl/engines/base.py): for `int8` / `fp8` (per channel) each decoder linear
+becomes `<name>` codes [out, in] + `<name>_scale` fp32 [out, 1]; for `fp8_block` (SGLang's `fp8`
+method with 128x128 blocks) `<name>` codes + `<name>_scale_inv` fp32 [ceil(out/128), ceil(in/128)];
+embeddings, lm_head, norms and biases pass through (cast to `wire_dtype` if set: SGLang engines
+hold them in bf16, so sending bf16 halves those bytes); `bf16` quantizes nothing and sends every
+floating tensor as bf16; `none` passes chunks through untouched (they are already engine chunks).
+
+Announcements. Before each bucket's broadcast the sender calls `announce(BucketAnnouncement)`;
+the announcement carries version, bucket index, `last`, load format and names/dtypes/shapes —
+everything a receiver needs to allocate the buffer and rebuild the tensors. The transport of the
+announcement is the caller's: the async pipeline sends `ann.to_dict()` on its ZeroMQ control
+channel; the SGLang adapter puts the same fields in the body of `POST
+/update_weights_from_distributed` (fields `names`, `dtypes`, `shapes`, `load_format`,
+`weight_version` — SGLang 0.5.23's UpdateWeightsFromDistributedReqInput). `announce` may return a
+function; the sender calls it after the broadcast, to wait for the receivers (the HTTP reply, an
+ack) — that wait is the `load` time.
+
+Two wire formats, both exactly what SGLang 0.5.23's receiver
+(`model_runner_components/weight_updater.py: receive_weights_from_distributed`) does:
+`flattened_bucket` — ONE broadcast of the bucket's uint8 buffer (see qurl/sync/buckets.py);
+`per_tensor` (SGLang's `load_format=None`) — one broadcast per tensor, in the announced order.
+
+Timings per sync (seconds): gather (waiting on `named`, i.e. the learner's TP gather), quantize,
+pack (copy into the bucket buffer), send (broadcast), load (waiting for receivers after the
+broadcast); plus bytes, buckets, tensors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from qurl.quant.formats import quantize_fp8_block
+from qurl.quant.named import is_quantized_linear, quantize_named
+from qurl.sync.buckets import Bucket, BucketLayout, pack, plan_buckets
+from qurl.sync.group import WeightGroup
+
+SYNC_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
+LOAD_FORMATS = ("flattened_bucket", "per_tensor")
+FP8_BLOCK = 128
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith("_scale") or name.endswith("_scale_inv")
+
+
+def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
+                  wire_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time.
+
+    Scales are always fp32 and 8-bit codes keep their dtype; every other floating tensor is cast
+    to `wire_dtype` when given (bf16 for fmt "bf16" by default).
+    """
+    if fmt not in SYNC_FORMATS:
+        raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(SYNC_FORMATS)}")
+    if fmt == "bf16" and wire_dtype is None:
+        wire_dtype = torch.bfloat16
+    for name, t in named:
+        if fmt == "fp8_block" and is_quantized_linear(name):
+            try:
+                codes, scale = quantize_fp8_block(t, FP8_BLOCK)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
+            out = [(name, codes), (name + "_scale_inv", scale)]
+        elif fmt in ("int8", "fp8"):
+            out = list(quantize_named([(name, t)], fmt))
+        else:
+            out = [(name, t)]
+        for n, x in out:
+            if (fmt != "none" and wire_dtype is not None and x.is_floating_point()
+                    and x.dtype not in _CODE_DTYPES and not _is_scale(n) and x.dtype != wire_dtype):
+                x = x.to(wire_dtype)
+            yield n, x
+
+
+@dataclass(frozen=True)
+class BucketAnnouncement:
+    """What receivers must know before bucket `index` of sync `version` is broadcast."""
+
+    version: int
+    index: int
+    last: bool
+    load_format: str
+    layout: BucketLayout
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "index": self.index, "last": self.last,
+                "load_format": self.load_format, "names": self.layout.names,
+                "dtypes": self.layout.dtypes, "shapes": self.layout.shapes}
+
+    @staticmethod
+    def from_dict(d: Any) -> "BucketAnnouncement":
+        """Validate an announcement received from elsewhere; ValueError names the bad field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"announcement must be a dict, got {type(d).__name__}")
+        for key, typ in (("version", int), ("index", int), ("last", bool), ("load_format", str),
+                         ("names", list), ("dtypes", list), ("shapes", list)):
+            if not isinstance(d.get(key), typ) or (typ is int and isinstance(d.get(key), bool)):
+                raise ValueError(f"announcement field {key!r}: expected {typ.__name__}, "
+                                 f"got {d.get(key)!r:.80}")
+        if d["load_format"] not in LOAD_FORMATS:
+            raise ValueError(f"announcement field 'load_format': {d['load_format']!r} not in "
+                             f"{LOAD_FORMATS}")
+        if d["version"] < 0 or d["index"] < 0:
+            raise ValueError("announcement fields 'version' and 'index' must be >= 0")
+        layout = BucketLayout.from_meta(d["names"], d["dtypes"], d["shapes"])
+        return BucketAnnouncement(d["version"], d["index"], d["last"], d["load_format"], layout)
+
+
+@dataclass
+class SyncStats:
+    version: int
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    gather_s: float = 0.0
+    quantize_s: float = 0.0
+    pack_s: float = 0.0
+    send_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)  # e.g. pause_s from an engine adapter
+
+    def metrics(self, prefix: str = "sync/") -> dict[str, float]:
+        out = {f"{prefix}time_{k}": getattr(self, f"{k}_s")
+               for k in ("gather", "quantize", "pack", "send", "load", "total")}
+        out.update({f"{prefix}bytes": float(self.bytes), f"{prefix}buckets": float(self.buckets)})
+        out.update({f"{prefix}{k}": v for k, v in self.extra.items()})
+        return out
+
+
+Announce = Callable[[BucketAnnouncement], "Callable[[], None] | None"]
+
+
+class Sender:
+    """Rank 0 of a WeightGroup. `send` runs one sync; see the module docstring."""
+
+    def __init__(self, group: WeightGroup, fmt: str = "int8", bucket_bytes: int = 64 << 20,
+                 load_format: str = "flattened_bucket", wire_dtype: torch.dtype | None = None) -> None:
+        if group.rank != 0:
+            raise ValueError(f"Sender must be rank 0 of the weight group, got rank {group.rank}")
+        if fmt not in SYNC_FORMATS:
+            raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(SYNC_FORMATS)}")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r}: must be one of {LOAD_FORMATS}")
+        self.group, self.fmt, self.load_format = group, fmt, load_format
+        self.bucket_bytes, self.wire_dtype = int(bucket_bytes), wire_dtype
+        self._buf: torch.Tensor | None = None
+
+    def _timed_chunks(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        it = iter(named)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                stats.gather_s += time.perf_counter() - t0
+                return
+            t1 = time.perf_counter()
+            stats.gather_s += t1 - t0
+            chunks = list(engine_chunks([item], self.fmt, self.wire_dtype))
+            stats.quantize_s += time.perf_counter() - t1
+            yield from chunks
+
+    def _lookahead(self, buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
+        """Pair each bucket with `is_last` (one bucket of lookahead; needed for `last`)."""
+        prev = next(buckets, None)
+        while prev is not None:
+            nxt = next(buckets, None)
+            yield prev, nxt is None
+            prev = nxt
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
+             announce: Announce | None = None) -> SyncStats:
+        """Quantize, bucket and broadcast `named` as version `version`. Every receiver must be
+        told each announcement (via `announce`) and take part in each broadcast."""
+        stats = SyncStats(version=version)
+        t_start = time.perf_counter()
+        buckets = plan_buckets(self._timed_chunks(named, stats), self.bucket_bytes)
+        for index, (bucket, last) in enumerate(self._lookahead(buckets)):
+            ann = BucketAnnouncement(version, index, last, self.load_format, bucket.layout)
+            t0 = time.perf_counter()
+            tensors = [(n, t.to(self.group.device)) for n, t in bucket.tensors]
+            if self.load_format == "flattened_bucket":
+                if self._buf is None or self._buf.numel() < bucket.layout.nbytes \
+                        or self._buf.device != self.group.device:
+                    self._buf = torch.empty(max(bucket.layout.nbytes, self.bucket_bytes),
+                                            dtype=torch.uint8, device=self.group.device)
+                payload = [pack(tensors, bucket.layout, out=self._buf)]
+            else:
+                payload = [t.contiguous() for _, t in tensors]
+            if self.group.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # copies done before NCCL reads them
+            t1 = time.perf_counter()
+            waiter = announce(ann) if announce is not None else None
+            t2 = time.perf_counter()
+            works = [self.group.broadcast_async(p) for p in payload]
+            for w in works:
+                w.wait()
+            if self.group.device.type == "cuda":
+                torch.cuda.synchronize()  # NCCL work.wait() only orders streams; time the transfer
+            t3 = time.perf_counter()
+            if waiter is not None:
+                waiter()
+            t4 = time.perf_counter()
+            stats.pack_s += t1 - t0
+            stats.send_s += t3 - t2
+            stats.load_s += (t4 - t3) + (t2 - t1)
+            stats.buckets += 1
+            stats.tensors += len(tensors)
+            stats.bytes += bucket.layout.nbytes
+        stats.total_s = time.perf_counter() - t_start
+        if stats.buckets == 0:
+            raise ValueError("send: no tensors to sync")
+        return stats
