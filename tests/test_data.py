@@ -121,6 +121,24 @@ def test_custom_dotted_fields(tmp_path):
         load_dataset(path, "custom")
 
 
+def test_json_array_file(tmp_path):
+    path = tmp_path / "deepscaler.json"
+    path.write_text(json.dumps(DEEPSCALER_ROWS, indent=2))  # pretty-printed: elements span many lines
+    exs = load_dataset(path, "deepscaler")
+    assert [e.answer for e in exs] == ["\\frac{3}{4}", "4"] and exs[1].uid == "deepscaler:1"
+    bad = DEEPSCALER_ROWS + [{"problem": "p"}]
+    path.write_text(json.dumps(bad, indent=2))
+    starts = [n for n, line in enumerate(json.dumps(bad, indent=2).splitlines(), 1) if line == "  {"]
+    first_line_of_third = starts[2]
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}:{first_line_of_third}: field 'answer' missing"):
+        load_dataset(path, "deepscaler")
+    path.write_text('[{"problem": "p", "answer": "1"},\n {"problem": "q" "answer": "2"}]')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}:2: bad JSON"):
+        load_dataset(path, "math")
+    path.write_text("[]")
+    assert load_dataset(path, "math") == []
+
+
 # ---------------------------------------------------------------- malformed rows name file and line
 
 

@@ -63,6 +63,15 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
+def test_extract_answer_degenerate_responses():
+    # RL policies repeat themselves: thousands of unclosed boxes must not make extraction quadratic.
+    assert extract_answer("\\boxed{" * 20000) is None
+    assert extract_answer("\\boxed{" * 20000 + "\\boxed{5}") == "5"
+    assert extract_answer("\\boxed{1}" + "}" * 1000) == "1"
+    huge = "7" * 5000  # beyond int()'s 4300-digit limit: the fast path must still decide exactly
+    assert math_equal(huge, "0" + huge) and not math_equal(huge, huge[:-1] + "8")
+
+
 # ---------------------------------------------------------------- equivalence, hand-checked
 
 

@@ -13,8 +13,9 @@ them under different names, so a *preset* maps each known format onto (question,
 | `custom`     | `question_field=` (required)          | `answer_field=` (required)            |
 | `auto`       | chosen from the first row's keys                                               |
 
-Field names are dotted paths into nested dicts (`reward_model.ground_truth`); explicit
-`question_field` / `answer_field` override the preset's. A question given as a list of chat messages
+Files: `.jsonl` (one object per line), `.json` (JSON lines or one top-level array of objects) and
+`.parquet` (read in batches with pyarrow). Field names are dotted paths into nested dicts
+(`reward_model.ground_truth`); explicit `question_field` / `answer_field` override the preset's. A question given as a list of chat messages
 (`[{"role": "user", "content": ...}]`) contributes its last user turn. A numeric answer becomes its
 shortest exact string (27.0 -> "27").
 
@@ -28,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +129,36 @@ def _detect_format(row: dict[str, Any]) -> str:
     )
 
 
+def _iter_json_array(path: Path, text: str) -> Iterator[tuple[int, Any]]:
+    """Elements of a top-level JSON array, each with the 1-based line where it starts."""
+    decoder = json.JSONDecoder()
+    ws = re.compile(r"\s*")
+    pos = ws.match(text, text.index("[") + 1).end()
+    line, counted = 1, 0  # line number of `pos`, maintained incrementally (linear overall)
+
+    def line_at(p: int) -> int:
+        nonlocal line, counted
+        line += text.count("\n", counted, p)
+        counted = p
+        return line
+
+    if text.startswith("]", pos):
+        return
+    while True:
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+        yield line_at(pos), value
+        pos = ws.match(text, end).end()
+        if text.startswith(",", pos):
+            pos = ws.match(text, pos + 1).end()
+        elif text.startswith("]", pos):
+            return
+        else:
+            raise ValueError(f"{path}:{line_at(pos)}: bad JSON (expected ',' or ']' between array elements)")
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("r", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -178,11 +210,18 @@ def load_dataset(
         raise ValueError(f"dataset file not found: {path}")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        rows, unit = _iter_jsonl(path), "line"
+        # A .json file may be one JSON array (DeepScaleR ships so) or JSON lines.
+        with path.open("r", encoding="utf-8") as fh:
+            head = fh.read(4096).lstrip()
+        if suffix == ".json" and head.startswith("["):
+            rows = _iter_json_array(path, path.read_text(encoding="utf-8"))
+        else:
+            rows = _iter_jsonl(path)
+        unit = "line"
     elif suffix in (".parquet", ".pq"):
         rows, unit = _iter_parquet(path), "row"
     else:
-        raise ValueError(f"{path}: unsupported extension {suffix!r} (use .jsonl or .parquet)")
+        raise ValueError(f"{path}: unsupported extension {suffix!r} (use .jsonl, .json or .parquet)")
     prefix = uid_prefix if uid_prefix is not None else path.stem
 
     out: list[Example] = []

@@ -13,9 +13,10 @@ extracted string is compared with the gold:
 Why a process pool: sympy can run for minutes (or forever) on a pathological answer such as
 `9^{9^{9^{9}}}`, and math-verify's own timeout uses SIGALRM, which exists only in the main thread and
 cannot interrupt long C-level work. `RewardFn` therefore runs slow-path comparisons in a few
-persistent worker processes (multiprocessing "spawn": safe next to torch threads and ZeroMQ
-sockets), each call with its own deadline. A worker that misses its deadline is killed and replaced;
-its call scores 0 with `timed_out=True`. The caller can be any thread.
+persistent worker subprocesses (see `_reward_pool`: no fork, so safe next to torch threads and
+ZeroMQ sockets; no re-import of the caller's `__main__`), each call with its own deadline. A worker
+that misses its deadline is killed and replaced; its call scores 0 with `timed_out=True`. The caller
+can be any thread.
 
 Invariants:
 - reward is 1.0 or 0.0; a timeout, a crashed worker or an unparsable answer is 0.0 and is reported
@@ -57,35 +58,39 @@ class RewardResult:
     error: str | None = None  # a verifier crash, reported rather than raised
 
 
-def _braced(text: str, start: int) -> str | None:
-    """Content of the brace group opening at text[start] == '{', or None if never closed.
+def _brace_partners(text: str, start: int) -> dict[int, int]:
+    """Position of every '{' at or after `start` -> position of its matching '}' (unclosed ones are
+    absent). One linear pass, so a degenerate response with thousands of unclosed boxes stays cheap.
     A backslash escapes the next character, so `\\{` and `\\}` do not count."""
-    depth, i = 0, start
+    partners: dict[int, int] = {}
+    stack: list[int] = []
+    i = start
     while i < len(text):
         c = text[i]
         if c == "\\":
             i += 2
             continue
         if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : i]
+            stack.append(i)
+        elif c == "}" and stack:
+            partners[stack.pop()] = i
         i += 1
-    return None
+    return partners
 
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a response: last complete `\\boxed{...}` / `\\fbox{...}` (or `\\boxed 5`),
     else the GSM8K `#### N` number (commas removed), else None. An empty box counts as no answer."""
-    for m in reversed(list(_BOX.finditer(text))):
+    boxes = list(_BOX.finditer(text))
+    partners = _brace_partners(text, boxes[0].end()) if boxes else {}
+    for m in reversed(boxes):
         i = m.end()
         while i < len(text) and text[i] == " ":
             i += 1
         if i < len(text) and text[i] == "{":
-            content = _braced(text, i)
-        else:  # `\boxed 5`: the argument is the next space/`$`-delimited token
+            close = partners.get(i)
+            content = None if close is None else text[i + 1 : close]
+        else:  # `\\boxed 5`: the argument is the next space/`$`-delimited token
             token = re.match(r"[^\s$]+", text[i:])
             content = token.group(0) if token else None
         if content is not None:
@@ -105,8 +110,9 @@ def _fast_equal(pred: str, gold: str) -> bool | None:
     p, g = pred.strip(), gold.strip()
     if p == g and p:
         return True
+    # Decimal, not int: exact, and no limit on digits (int() refuses > 4300 digits).
     if _INT.fullmatch(p) and _INT.fullmatch(g):
-        return int(p.replace(",", "")) == int(g.replace(",", ""))
+        return Decimal(p.replace(",", "")) == Decimal(g.replace(",", ""))
     if (_INT.fullmatch(p) or _DEC.fullmatch(p)) and (_INT.fullmatch(g) or _DEC.fullmatch(g)):
         if Decimal(p.replace(",", "")) == Decimal(g.replace(",", "")):
             return True
@@ -294,7 +300,7 @@ def score_batch(texts: Sequence[str], golds: Sequence[str], *, timeout_s: float 
 
 
 def shutdown_default() -> None:
-    """Stop the default RewardFn's workers (they are daemons, so exiting also ends them)."""
+    """Stop the default RewardFn's workers now (interpreter exit also stops them)."""
     with _default_lock:
         if _default is not None:
             _default.close()
