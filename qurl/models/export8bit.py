@@ -1,0 +1,139 @@
+"""Write (and read back) 8-bit checkpoints in the formats SGLang loads, for the rollout engines.
+
+Before launch the engines need the policy as an 8-bit checkpoint; later syncs send the very same
+codes and scales (qurl.sync.sender.engine_chunks makes both), so an engine never holds bf16
+linears. Three formats, with the exact parameter names and `config.json` `quantization_config`
+that SGLang 0.5.23 reads (`srt/layers/quantization/w8a8_int8.py`, `w8a8_fp8.py`, `fp8.py`,
+`srt/configs/model_config.py`, which takes the method from `quantization_config.quant_method`):
+
+| fmt         | SGLang `--quantization` | tensors per decoder linear                                   | quantization_config |
+| ----------- | ----------------------- | ------------------------------------------------------------ | ------------------- |
+| `int8`      | `w8a8_int8`             | `weight` int8 [out, in], `weight_scale` fp32 [out, 1]        | `{"quant_method": "w8a8_int8", "is_dynamic": true, "ignore": []}` |
+| `fp8`       | `w8a8_fp8`              | `weight` float8_e4m3fn [out, in], `weight_scale` fp32 [out, 1] | `{"quant_method": "w8a8_fp8"}` |
+| `fp8_block` | `fp8`                   | `weight` float8_e4m3fn [out, in], `weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)] | `{"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}` |
+
+All three quantize activations per token (per 1x128 group for `fp8_block`) at run time. Decoder
+linears are q/k/v/o_proj and gate/up/down_proj; embeddings, lm_head and norms stay full precision,
+cast to `dtype` (bf16 by default: SGLang's w8a8 kernels take bf16/fp16 activations only), and
+`config.json` gets the matching `torch_dtype`. Tokenizer and generation files are copied.
+
+UAQ: with `uaq_scale` != 1 the invariant scaling (qurl.quant.uaq) is applied to the full-precision
+weights first, so the checkpoint equals what the learner (which carries the scaling in its master
+weights) syncs as version 0.
+
+`read_8bit(dir)` reads such a checkpoint back and dequantizes every linear, for round-trip checks:
+each weight is within its format's rounding error of the weight written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
+from qurl.quant.formats import dequantize_fp8_block, dequantize_per_channel
+from qurl.quant.named import is_quantized_linear
+from qurl.quant.uaq import apply_uaq
+from qurl.sync.sender import FP8_BLOCK, engine_chunks
+
+FORMATS = ("int8", "fp8", "fp8_block")
+SGLANG_QUANTIZATION = {"int8": "w8a8_int8", "fp8": "w8a8_fp8", "fp8_block": "fp8"}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+         "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def quantization_config(fmt: str) -> dict:
+    """The `quantization_config` block of config.json for `fmt` (see the module table)."""
+    if fmt == "int8":
+        return {"quant_method": "w8a8_int8", "is_dynamic": True, "ignore": []}
+    if fmt == "fp8":
+        return {"quant_method": "w8a8_fp8"}
+    if fmt == "fp8_block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic",
+                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(FORMATS)}")
+
+
+def export_8bit(src: str | Path, out: str | Path, fmt: str, *, uaq_scale: float = 1.0,
+                dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = 4 << 30) -> Path:
+    """Write HF checkpoint `src` as an SGLang `fmt` checkpoint in `out` (written to a temp dir,
+    then renamed, so a crash never leaves a half checkpoint). Returns `out`. fmt "bf16" writes a
+    plain `dtype` checkpoint (no quantization_config)."""
+    if fmt not in FORMATS + ("bf16",):
+        raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(FORMATS + ('bf16',))}")
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype}: must be bfloat16, float16 or float32")
+    src, out = Path(src), Path(out)
+    config = check_checkpoint(src)
+    state = read_state_dict(src)
+    if uaq_scale != 1.0:
+        state = apply_uaq(state, uaq_scale)
+    chunks = dict(engine_chunks(state.items(), fmt, wire_dtype=dtype))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    total = sum(t.numel() * t.element_size() for t in chunks.values())
+    write_state_dict(tmp, chunks, max_shard_bytes=max_shard_bytes if
+                     (max_shard_bytes and total > max_shard_bytes) else None)
+    config = dict(config)
+    config["torch_dtype"] = _DTYPE_NAMES[dtype]
+    config.pop("dtype", None)  # transformers 5 writes `dtype`; one key, no conflict
+    if fmt == "bf16":
+        config.pop("quantization_config", None)
+    else:
+        config["quantization_config"] = quantization_config(fmt)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name in _COPY:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def read_8bit(path: str | Path, dtype: torch.dtype = torch.float32
+              ) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Read an export_8bit checkpoint: ({HF name: tensor, linears dequantized to `dtype`},
+    quantization_config or None). Raises ValueError naming a code tensor without its scale."""
+    path = Path(path)
+    config = check_checkpoint(path)
+    qcfg = config.get("quantization_config")
+    state = read_state_dict(path)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith("_scale") or name.endswith("_scale_inv"):
+            continue
+        if t.dtype in (torch.int8, torch.float8_e4m3fn):
+            if not is_quantized_linear(name):
+                raise ValueError(f"{path}: {name} holds 8-bit codes but is not a decoder linear")
+            if name + "_scale" in state:
+                out[name] = dequantize_per_channel(t, state[name + "_scale"], dtype)
+            elif name + "_scale_inv" in state:
+                block = (qcfg or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+                if block[0] != block[1]:
+                    raise ValueError(f"{path}: weight_block_size {block} must be square")
+                out[name] = dequantize_fp8_block(t, state[name + "_scale_inv"], block[0], dtype)
+            else:
+                raise ValueError(f"{path}: {name} has 8-bit codes but no _scale/_scale_inv")
+        else:
+            out[name] = t
+    return out, qcfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qurl.models.export8bit",
+                                description="write an HF checkpoint as an SGLang 8-bit checkpoint")
+    p.add_argument("--src", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--fmt", choices=FORMATS + ("bf16",), default="int8")
+    p.add_argument("--uaq-scale", type=float, default=1.0)
+    args = p.parse_args(argv)
+    print(export_8bit(args.src, args.out, args.fmt, uaq_scale=args.uaq_scale))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,395 @@
+"""A stand-in for `python -m sglang.launch_server`, for CPU contract tests (SGLang cannot run here).
+
+It is a real HTTP server (stdlib ThreadingHTTPServer) that speaks the request/response schema of
+SGLang 0.5.23 for the endpoints qurl uses, read from that release's source:
+`srt/entrypoints/http_server.py` (routes, status codes, `{"success", "message"}` bodies) and
+`srt/managers/io_struct.py` (GenerateReqInput, UpdateWeightsFromDistributedReqInput,
+InitWeightsUpdateGroupReqInput, PauseGenerationReqInput, ...). Request bodies are validated
+(unknown or mistyped fields -> 400, as SGLang's pydantic layer would refuse).
+
+What is real: the weight-update group. `/init_weights_update_group` joins exactly as SGLang's
+`init_custom_process_group` does (tcp:// rendezvous -> PrefixStore(group_name) -> torch's
+`_new_process_group_helper`), and `/update_weights_from_distributed` receives the broadcast exactly
+as `receive_weights_from_distributed` does (flattened_bucket: one uint8 buffer, offsets recomputed,
+alignment enforced; otherwise one broadcast per tensor). Weight updates are refused outside a
+begin/end_weight_update session, as in 0.5.23.
+
+What is fake: generation. Token t+1 = (31 * sum(ids) + len(ids) + 7 * version) % vocab over the
+full context `ids` (prompt + generated so far), with log-prob -1 / (version + 2); one token every
+`--token-delay` seconds, so a pause can interrupt a request mid-way. Finish reasons, per-token
+`output_token_logprobs` as [logprob, token_id, text] and `weight_versions` spans follow SGLang.
+
+Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
+`/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses;
+`/_fake/requests` lists the /generate bodies received.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int8": torch.int8, "uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn,
+          "int32": torch.int32, "int64": torch.int64}
+SAMPLING_KEYS = {"max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
+                 "top_k": int, "sampling_seed": int, "stop_token_ids": list, "ignore_eos": bool,
+                 "no_stop_trim": bool, "skip_special_tokens": bool}
+GENERATE_KEYS = {"rid": str, "input_ids": list, "sampling_params": dict, "return_logprob": bool,
+                 "logprob_start_len": int, "top_logprobs_num": int, "stream": bool,
+                 "return_text_in_logprobs": bool, "text": str}
+
+
+class BadRequest(Exception):
+    pass
+
+
+def check_body(body: dict, spec: dict, required: tuple[str, ...] = ()) -> None:
+    for k in body:
+        if k not in spec:
+            raise BadRequest(f"unknown field {k!r}")
+        if body[k] is not None and not isinstance(body[k], spec[k]):
+            raise BadRequest(f"field {k!r}: wrong type {type(body[k]).__name__}")
+    for k in required:
+        if body.get(k) is None:
+            raise BadRequest(f"field {k!r} required")
+
+
+class FakeSGLang:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.version = args.weight_version
+        self.vocab = 100
+        cfg = Path(args.model_path) / "config.json"
+        if cfg.is_file():
+            self.vocab = int(json.loads(cfg.read_text()).get("vocab_size", 100))
+        self.cond = threading.Condition()
+        self.paused = False
+        self.pause_mode = "abort"
+        self.running: dict[str, dict] = {}  # rid -> {"abort": bool}
+        self.session = False
+        self.groups: dict[str, object] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+        self.requests: list[dict] = []
+        self.fault: str | None = None
+        self.ready_at = time.time() + args.startup_delay
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, body: dict) -> tuple[int, object]:
+        check_body(body, GENERATE_KEYS, ("input_ids",))
+        if body.get("text") is not None or body.get("stream"):
+            raise BadRequest("this fake serves token ids, non-streaming only")
+        sp = body.get("sampling_params") or {}
+        check_body(sp, SAMPLING_KEYS)
+        ids = body["input_ids"]
+        if not ids or not all(isinstance(i, int) and 0 <= i < self.vocab for i in ids):
+            raise BadRequest("input_ids must be token ids in [0, vocab)")
+        self.requests.append(body)
+        rid = body.get("rid") or f"r{len(self.requests)}"
+        if self.fault == "hang":
+            time.sleep(3600)
+        with self.cond:
+            while self.paused:  # SGLang holds new requests while paused
+                self.cond.wait()
+            state = {"abort": False}
+            self.running[rid] = state
+        out, lps, spans = [], [], []
+        finish = {"type": "length", "length": sp.get("max_new_tokens", 128)}
+        stops = set(sp.get("stop_token_ids") or [])
+        try:
+            for _ in range(sp.get("max_new_tokens", 128)):
+                time.sleep(self.args.token_delay)
+                with self.cond:
+                    while self.paused and self.pause_mode == "in_place" and not state["abort"]:
+                        self.cond.wait()
+                    if state["abort"]:
+                        finish = {"type": "abort", "message": "Abort in waiting queue"}
+                        break
+                    version = self.version
+                ctx = ids + out
+                tok = (31 * sum(ctx) + len(ctx) + 7 * int(version)) % self.vocab
+                out.append(tok)
+                lps.append(-1.0 / (int(version) + 2))
+                if spans and spans[-1]["version"] == version:
+                    spans[-1]["end"] += 1
+                else:
+                    spans.append({"version": version, "start": len(out) - 1, "end": len(out)})
+                if tok in stops:
+                    finish = {"type": "stop", "matched": tok}
+                    break
+        finally:
+            with self.cond:
+                self.running.pop(rid, None)
+                self.cond.notify_all()
+        if self.fault == "short_logprobs":
+            lps = lps[:-1]
+        if self.fault == "nan_logprob" and lps:
+            lps[0] = float("nan")
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+                "weight_version": self.version, "completion_tokens": len(out), "cached_tokens": 0,
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)],
+                "output_token_logprobs_length": len(lps), "input_token_logprobs": [],
+                "weight_versions": spans or [{"version": self.version, "start": 0, "end": 0}]}
+        if self.fault == "no_meta":
+            return 200, {"text": "", "output_ids": out}
+        if self.fault == "bad_json":
+            return 200, b"{not json"
+        return 200, {"text": "", "output_ids": out, "meta_info": meta}
+
+    def pause(self, body: dict) -> tuple[int, object]:
+        check_body(body, {"mode": str, "rid": str})
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode {mode!r}")
+        with self.cond:
+            self.paused, self.pause_mode = True, mode
+            if mode == "abort":
+                for st in self.running.values():
+                    st["abort"] = True
+                while self.running:
+                    self.cond.wait()
+            self.cond.notify_all()
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self, body: dict) -> tuple[int, object]:
+        check_body(body, {"torch_empty_cache": bool, "rid": str})
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def flush_cache(self) -> tuple[int, object]:
+        with self.cond:
+            busy = bool(self.running) and not self.paused
+        if busy:
+            return 400, b"Flush cache failed.\n"
+        return 200, b"Cache flushed.\nPlease check backend logs for more details.\n"
+
+    # ---------------------------------------------------------------- weights
+    def init_group(self, body: dict) -> tuple[int, object]:
+        from torch.distributed import PrefixStore
+        from torch.distributed.distributed_c10d import (Backend, _new_process_group_helper, _world,
+                                                        rendezvous)
+
+        check_body(body, {"master_address": str, "master_port": int, "rank_offset": int,
+                          "world_size": int, "group_name": str, "backend": str, "rid": str},
+                   ("master_address", "master_port", "rank_offset", "world_size"))
+        name = body.get("group_name") or "weight_update_group"
+        rank = body["rank_offset"] + 0  # + tp_rank; this fake has one TP rank
+        try:
+            timeout = timedelta(seconds=self.args.group_timeout)
+            url = f"tcp://{body['master_address']}:{body['master_port']}"
+            store, _, _ = next(rendezvous(url, rank, body["world_size"], timeout=timeout))
+            store.set_timeout(timeout)
+            store = PrefixStore(name, store)
+            pg, _ = _new_process_group_helper(body["world_size"], rank, [],
+                                              Backend(body.get("backend") or "nccl"), store,
+                                              group_name=name, backend_options=None,
+                                              timeout=timeout)
+            _world.pg_group_ranks[pg] = {i: i for i in range(body["world_size"])}
+            self.groups[name] = pg
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict) -> tuple[int, object]:
+        check_body(body, {"group_name": str, "rid": str})
+        name = body.get("group_name") or "weight_update_group"
+        if self.groups.pop(name, None) is None:
+            return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def begin(self, body: dict) -> tuple[int, object]:
+        check_body(body, {"selector": str, "rid": str})
+        if self.session:
+            return 400, {"success": False, "message": "a weight-update session is already open; "
+                                                      "call end_weight_update() first"}
+        self.session = True
+        return 200, {"success": True, "message": "Success"}
+
+    def end(self, body: dict) -> tuple[int, object]:
+        check_body(body, {"rid": str})
+        if not self.session:
+            return 400, {"success": False, "message": "no weight-update session is open; call "
+                                                      "begin_weight_update() first"}
+        self.session = False
+        if self.args.dump_dir:
+            from safetensors.torch import save_file
+
+            path = Path(self.args.dump_dir) / f"port{self.args.port}_v{self.version}.safetensors"
+            save_file({k: v.contiguous() for k, v in self.weights.items()}, str(path))
+        return 200, {"success": True, "message": "Success"}
+
+    def update_distributed(self, body: dict) -> tuple[int, object]:
+        import torch.distributed as dist
+
+        check_body(body, {"names": list, "dtypes": list, "shapes": list, "group_name": str,
+                          "flush_cache": bool, "abort_all_requests": bool, "weight_version": str,
+                          "load_format": str, "selector": str, "torch_empty_cache": bool,
+                          "rid": str}, ("names", "dtypes", "shapes"))
+        if not self.session:
+            return 400, {"success": False, "message": "update_weights_from_distributed must run "
+                         "between begin_weight_update() and end_weight_update()"}
+        name = body.get("group_name") or "weight_update_group"
+        if name not in self.groups:
+            return 400, {"success": False, "message": f"Failed to receive weights: Group {name} "
+                         f"not in {list(self.groups)}"}
+        pg = self.groups[name]
+        try:
+            dts = [DTYPES[d] for d in body["dtypes"]]
+            if body.get("load_format") == "flattened_bucket":
+                offset, metas = 0, []
+                for n, dt, shape in zip(body["names"], dts, body["shapes"], strict=True):
+                    if offset % dt.itemsize:
+                        raise ValueError(f"Unaligned received tensor {n}: byte offset {offset}")
+                    size = torch.Size(shape).numel() * dt.itemsize
+                    metas.append((n, dt, shape, offset, size))
+                    offset += size
+                if not metas:
+                    raise ValueError("Cannot create empty tensor bucket")
+                flat = torch.empty(offset, dtype=torch.uint8)
+                dist.broadcast(flat, src=0, group=pg)
+                got = [(n, flat[o:o + s].view(dt).reshape(shape)) for n, dt, shape, o, s in metas]
+            else:
+                got, handles = [], []
+                for n, dt, shape in zip(body["names"], dts, body["shapes"], strict=True):
+                    t = torch.empty(shape, dtype=dt)
+                    handles.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+                    got.append((n, t))
+                for h in handles:
+                    h.wait()
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to receive weights: {e}"}
+        self.weights.update(got)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        if body.get("flush_cache", True):
+            code, _ = self.flush_cache()
+            if code != 200:
+                return 400, {"success": False, "message": "Weights were updated, but the cache "
+                             "was not flushed because requests are still running or queued."}
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def update_disk(self, body: dict) -> tuple[int, object]:
+        from safetensors.torch import load_file
+
+        check_body(body, {"model_path": str, "load_format": str, "abort_all_requests": bool,
+                          "weight_version": str, "is_async": bool, "torch_empty_cache": bool,
+                          "keep_pause": bool, "recapture_cuda_graph": bool, "token_step": int,
+                          "flush_cache": bool, "rid": str}, ("model_path",))
+        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        if not files:
+            return 400, {"success": False, "message": "Failed to get weights iterator: no "
+                         "safetensors files.", "num_paused_requests": 0}
+        for f in files:
+            self.weights.update(load_file(str(f)))
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return 200, {"success": True, "message": "Succeeded to update model weights.",
+                     "num_paused_requests": 0}
+
+
+def make_handler(app: FakeSGLang):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):  # keep test output quiet
+            pass
+
+        def _send(self, code: int, payload: object) -> None:
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json" if not isinstance(payload, bytes)
+                             else "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            path = urlparse(self.path).path
+            if path in ("/health", "/health_generate"):
+                self._send(200 if time.time() >= app.ready_at else 503, b"")
+            elif path == "/model_info":
+                self._send(200, {"model_path": app.args.model_path, "weight_version": app.version,
+                                 "is_generation": True})
+            elif path == "/flush_cache":
+                self._send(*app.flush_cache())
+            elif path == "/_fake/requests":
+                self._send(200, app.requests)
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            path = urlparse(self.path).path
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            try:
+                body = json.loads(raw) if raw else {}
+                if not isinstance(body, dict):
+                    raise BadRequest("body must be a JSON object")
+                routes = {"/generate": app.generate, "/pause_generation": app.pause,
+                          "/continue_generation": app.resume,
+                          "/init_weights_update_group": app.init_group,
+                          "/destroy_weights_update_group": app.destroy_group,
+                          "/begin_weight_update": app.begin, "/end_weight_update": app.end,
+                          "/update_weights_from_distributed": app.update_distributed,
+                          "/update_weights_from_disk": app.update_disk}
+                if path == "/flush_cache":
+                    self._send(*app.flush_cache())
+                elif path == "/update_weight_version":
+                    check_body(body, {"new_version": str, "abort_all_requests": bool, "rid": str},
+                               ("new_version",))
+                    app.version = body["new_version"]
+                    self._send(200, {"success": True, "message": f"Weight version updated to "
+                                     f"{app.version}", "new_version": app.version})
+                elif path == "/abort_request":
+                    check_body(body, {"rid": str, "abort_all": bool})
+                    with app.cond:
+                        for rid, st in app.running.items():
+                            if body.get("abort_all") or rid == body.get("rid"):
+                                st["abort"] = True
+                    self._send(200, b"")
+                elif path == "/_fake/fault":
+                    app.fault = body.get("fault")
+                    self._send(200, {"fault": app.fault})
+                elif path in routes:
+                    self._send(*routes[path](body))
+                else:
+                    self._send(404, {"detail": "Not Found"})
+            except (BadRequest, json.JSONDecodeError) as e:
+                self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--dump-dir", default="")
+    p.add_argument("--token-delay", type=float, default=0.002)
+    p.add_argument("--startup-delay", type=float, default=0.0)
+    p.add_argument("--group-timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    if args.tp_size != 1:
+        sys.exit("fake_sglang: only --tp-size 1")
+    app = FakeSGLang(args)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(app))
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

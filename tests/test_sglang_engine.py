@@ -1,0 +1,243 @@
+"""Contract tests of the SGLang adapter against tests/fake_sglang.py (a real HTTP server in its own
+process that follows SGLang 0.5.23's schema and joins a real gloo weight group)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qurl.engines.sglang import (SGLangEngine, SGLangError, SGLangUnavailable, ServerSpec, Timeouts,
+                                 parse_generate, server_command)
+from qurl.sync.group import free_port
+from qurl.sync.sender import engine_chunks
+from qurl.types import GenRequest, SamplingParams
+
+FAKE = str(Path(__file__).with_name("fake_sglang.py"))
+VOCAB = 50
+FAST = Timeouts(control_s=20, generate_s=30, group_s=30, launch_s=90, health_s=5)
+
+
+def _model_dir(tmp: Path) -> Path:
+    d = tmp / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    return d
+
+
+def _fake_cmd(tmp: Path, port: int, delay: float = 0.002, extra: tuple[str, ...] = ()) -> list[str]:
+    # the adapter's own launch flags, with the fake in place of `-m sglang.launch_server`
+    flags = server_command(str(_model_dir(tmp)), port=port, quantization="w8a8_int8")[3:]
+    dump = tmp / "dump"
+    dump.mkdir(exist_ok=True)
+    return [sys.executable, FAKE, *flags, "--dump-dir", str(dump), "--token-delay", str(delay),
+            *extra]
+
+
+def _expected(prompt: list[int], versions: list[int]) -> tuple[list[int], list[float]]:
+    """The fake's closed-form generation (tests/fake_sglang.py docstring)."""
+    ids, out, lps = list(prompt), [], []
+    for v in versions:
+        tok = (31 * sum(ids) + len(ids) + 7 * v) % VOCAB
+        ids.append(tok)
+        out.append(tok)
+        lps.append(-1.0 / (v + 2))
+    return out, lps
+
+
+def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for i in range(2):
+        for kind, shape in (("self_attn.q_proj", (32, 48)), ("mlp.down_proj", (48, 64))):
+            named.append((f"model.layers.{i}.{kind}.weight", torch.randn(*shape, generator=g)))
+        named.append((f"model.layers.{i}.input_layernorm.weight", torch.randn(48, generator=g)))
+    named.append(("model.embed_tokens.weight", torch.randn(VOCAB, 48, generator=g)))
+    return list(engine_chunks(named, "int8", wire_dtype=torch.bfloat16))
+
+
+def _same(dumped: dict[str, torch.Tensor], chunks: list[tuple[str, torch.Tensor]]) -> bool:
+    return dumped.keys() == {n for n, _ in chunks} and all(
+        dumped[n].dtype == t.dtype and torch.equal(dumped[n].view(torch.uint8),
+                                                   t.contiguous().view(torch.uint8))
+        for n, t in chunks)
+
+
+def _post(url: str, route: str, body: dict) -> None:
+    req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).read()
+
+
+def _get(url: str, route: str):
+    return json.loads(urllib.request.urlopen(url + route, timeout=10).read())
+
+
+def test_parse_generate_spans_and_errors():
+    reply = {"text": "", "output_ids": [5, 6, 7],
+             "meta_info": {"finish_reason": {"type": "length", "length": 3},
+                           "weight_version": "4",
+                           "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None],
+                                                     [-1.0, 7, None]],
+                           "weight_versions": [{"version": "3", "start": 0, "end": 1},
+                                               {"version": "4", "start": 1, "end": 3}]}}
+    ids, lps, vers, finish = parse_generate(reply, "test")
+    assert (ids, lps, vers, finish) == ([5, 6, 7], [-0.5, -0.25, -1.0], [3, 4, 4], "length")
+    bad = json.loads(json.dumps(reply))
+    bad["meta_info"]["output_token_logprobs"][1][1] = 9
+    with pytest.raises(SGLangError, match=r"output_token_logprobs\[1\]"):
+        parse_generate(bad, "test")
+    bad = json.loads(json.dumps(reply))
+    bad["meta_info"]["weight_version"] = "default"
+    bad["meta_info"].pop("weight_versions")
+    with pytest.raises(SGLangError, match="not an integer"):
+        parse_generate(bad, "test")
+    with pytest.raises(SGLangError, match="finish_reason"):
+        parse_generate(reply | {"meta_info": reply["meta_info"] | {"finish_reason": None}}, "t")
+
+
+def test_server_command_flags():
+    cmd = server_command("/ckpt", port=30001, host="0.0.0.0", tp=2, quantization="w8a8_fp8",
+                         extra=("--mem-fraction-static", "0.7"), python="python")
+    assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/ckpt", "--tp-size",
+                   "2", "--host", "0.0.0.0", "--port", "30001", "--weight-version", "0",
+                   "--quantization", "w8a8_fp8", "--mem-fraction-static", "0.7"]
+
+
+@pytest.mark.slow
+def test_launch_generate_sync_partial_rollout_and_disk(tmp_path):
+    port = free_port()
+    eng = SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", command=_fake_cmd(tmp_path, port, 0.02))],
+                       precision="int8", bucket_bytes=4096, timeouts=FAST, log_dir=tmp_path / "logs")
+    try:
+        assert eng.version == 0
+        prompt = [3, 1, 4]
+        ref, _ = _expected(prompt, [0] * 6)
+        reqs = [GenRequest("a", prompt, SamplingParams(max_new_tokens=6)),
+                GenRequest("b", prompt, SamplingParams(max_new_tokens=6, stop_token_ids=(ref[2],)))]
+        a, b = eng.generate(reqs)
+        assert a.output_ids.tolist() == ref and a.finish_reason == "length"
+        assert torch.allclose(a.logprobs, torch.full((6,), -0.5)) and a.versions.tolist() == [0] * 6
+        assert b.output_ids.tolist() == ref[:3] and b.finish_reason == "stop"
+
+        # a full sync: what the server received equals the learner's chunks, byte for byte
+        v1 = _named(1)
+        eng.load_weights(v1, 1)
+        assert eng.version == 1 and eng.last_sync.buckets > 1
+        assert _same(load_file(str(tmp_path / "dump" / f"port{port}_v1.safetensors")), v1)
+
+        # partial rollout: a sync lands while a request runs; the prefix is resubmitted
+        v2, t0, fired = _named(2), time.monotonic(), []
+
+        def between():
+            if not fired and time.monotonic() - t0 > 0.25:
+                fired.append(1)
+                eng.load_weights(v2, 2)
+
+        (r,) = eng.generate([GenRequest("p", prompt, SamplingParams(max_new_tokens=40))], between)
+        vers = r.versions.tolist()
+        k = vers.count(1)
+        assert fired and len(vers) == 40 and vers == [1] * k + [2] * (40 - k) and 0 < k < 40
+        toks, lps = _expected(prompt, vers)
+        assert r.output_ids.tolist() == toks and torch.allclose(r.logprobs, torch.tensor(lps))
+        calls = [q for q in _get(eng.servers[0].spec.url, "/_fake/requests")
+                 if q["rid"].startswith("p#")]
+        assert calls[-1]["input_ids"] == prompt + toks[:k]  # prompt + generated prefix
+        assert calls[-1]["sampling_params"]["max_new_tokens"] == 40 - k
+
+        # fallback: weights from disk
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        save_file({n: t.contiguous() for n, t in _named(3)}, str(disk / "model.safetensors"))
+        eng.update_weights_from_disk(str(disk), 3)
+        (c,) = eng.generate([GenRequest("c", prompt, SamplingParams(max_new_tokens=2))])
+        assert eng.version == 3 and c.versions.tolist() == [3, 3]
+    finally:
+        eng.close()
+    assert eng.servers[0].proc.poll() is not None  # launched servers are stopped
+
+
+@pytest.mark.slow
+def test_dead_engine_is_restarted_and_resent_current_weights(tmp_path):
+    port = free_port()
+    eng = SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", command=_fake_cmd(tmp_path, port))],
+                       precision="int8", bucket_bytes=4096, timeouts=FAST, log_dir=tmp_path / "logs")
+    dump = tmp_path / "dump" / f"port{port}_v1.safetensors"
+    try:
+        v1 = _named(1)
+        eng.load_weights(v1, 1)
+        dump.unlink()
+        first = eng.servers[0].proc
+        first.kill()
+        first.wait()
+        (r,) = eng.generate([GenRequest("x", [2, 7], SamplingParams(max_new_tokens=4))])
+        assert eng.restarts == 1 and eng.servers[0].proc is not first
+        assert _same(load_file(str(dump)), v1)  # the new process got the current weights again
+        assert r.versions.tolist() == [1] * 4 and r.output_ids.tolist() == _expected([2, 7], [1] * 4)[0]
+        # dies again, this time found by a sync: restarted, and the NEW version lands
+        eng.servers[0].proc.kill()
+        eng.servers[0].proc.wait()
+        v2 = _named(2)
+        eng.load_weights(v2, 2)
+        assert eng.restarts == 2 and eng.version == 2
+        assert _same(load_file(str(tmp_path / "dump" / f"port{port}_v2.safetensors")), v2)
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_attached_server_malformed_replies_and_launch_failures(tmp_path):
+    from qurl.config import load_config
+
+    port = free_port()
+    proc = subprocess.Popen(_fake_cmd(tmp_path, port), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", f"rollout.sglang_urls={url}",
+                                            f"run.dir={tmp_path}"])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # attach waits for health itself; this just avoids
+            try:                             # counting the fake's torch import in its timeout
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        eng = SGLangEngine.from_config(cfg, str(_model_dir(tmp_path)))
+        eng.timeouts, eng.max_restarts = Timeouts(control_s=5, generate_s=1.5, group_s=20,
+                                                  launch_s=5, health_s=2), 0
+        req = [GenRequest("m", [1, 2], SamplingParams(max_new_tokens=3))]
+        assert eng.generate(req)[0].output_ids.numel() == 3
+        for fault, msg in (("bad_json", "not JSON"), ("no_meta", "meta_info"),
+                           ("short_logprobs", "output_token_logprobs has 2 entries for 3"),
+                           ("nan_logprob", "finite logprob")):
+            _post(url, "/_fake/fault", {"fault": fault})
+            with pytest.raises(SGLangError, match=msg):
+                eng.generate(req)
+        _post(url, "/_fake/fault", {"fault": "hang"})  # accepts, never answers
+        with pytest.raises(SGLangUnavailable, match="no answer"):
+            eng.generate(req)
+        _post(url, "/_fake/fault", {"fault": None})
+        proc.kill()
+        proc.wait()
+        with pytest.raises(SGLangError, match="attached, not launched by qurl"):
+            eng.generate(req)
+        eng.close()
+    finally:
+        proc.kill()
+    # a server that exits at launch, and one that never becomes healthy: clear errors
+    with pytest.raises(SGLangError, match="exited with code 3"):
+        SGLangEngine([ServerSpec(f"http://127.0.0.1:{free_port()}",
+                                 command=[sys.executable, "-c", "import sys; sys.exit(3)"])],
+                     timeouts=FAST, log_dir=tmp_path / "logs")
+    p2 = free_port()
+    with pytest.raises(SGLangError, match="not healthy after 3s"):
+        SGLangEngine([ServerSpec(f"http://127.0.0.1:{p2}",
+                                 command=_fake_cmd(tmp_path, p2, extra=("--startup-delay", "60")))],
+                     timeouts=Timeouts(launch_s=3), log_dir=tmp_path / "logs")
