@@ -1,0 +1,303 @@
+"""Typed payloads carried by the stream: trajectory batches (worker -> learner) and prompts
+(learner -> worker), their packing into flat tensors, and the checks a receiver runs before use.
+
+Trajectory batch ("trajectory" messages). N trajectories are packed as concatenations plus offsets,
+so one message carries many trajectories in a fixed 9 frames however large N is:
+
+    prompt_ids [sum P] int64, prompt_offsets [N+1] int64
+    response_ids [sum T] int64, response_offsets [N+1] int64   (shared by behav_logp and versions)
+    behav_logp [sum T] float32, versions [sum T] int64
+    sample_idx [N] int64, reward [N] float64, reward_timed_out [N] bool
+    meta: {"prompt_uids": [N str], "finish_reasons": [N str]}
+
+Packing is lossless (reward stays float64, ids int64, logp float32 as produced); unpacking returns
+views into the received buffers (no copy). Because response_ids, behav_logp and versions share one
+offsets tensor, their per-trajectory lengths agree by construction once the totals agree.
+
+Validation (`validate_packed`) is vectorised over the whole batch — a handful of reductions per
+message, not a Python loop per token — and raises WireError("invalid", detail) naming the first bad
+trajectory (prompt_uid, sample_idx) when: a token id is outside [0, vocab_size); a response is longer
+than max_len or a prompt empty; behav_logp is not finite or > 0; a version is negative, newer than the
+learner's current version, or decreases along a response (weights only move forward during a partial
+rollout); a reward is not finite; a finish_reason is unknown. Structural problems (missing tensors,
+wrong dtypes/shapes, inconsistent offsets) raise "bad_tensor" / "bad_header".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qurl.stream.wire import WireError
+from qurl.types import SamplingParams, Trajectory
+
+FINISH_REASONS = ("stop", "length", "abort")
+_TRAJ_TENSORS = {
+    "prompt_ids": torch.int64, "prompt_offsets": torch.int64, "response_ids": torch.int64,
+    "response_offsets": torch.int64, "behav_logp": torch.float32, "versions": torch.int64,
+    "sample_idx": torch.int64, "reward": torch.float64, "reward_timed_out": torch.bool,
+}
+
+
+def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    if lengths:
+        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out
+
+
+def pack_trajectories(trajs: list[Trajectory]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Pack trajectories into (meta, tensors) for one "trajectory" message (layout above).
+    Raises ValueError naming the trajectory if a field has the wrong dtype, rank or length."""
+    p_ids, r_ids, logps, vers, p_len, r_len = [], [], [], [], [], []
+    for i, t in enumerate(trajs):
+        who = f"trajectory {i} ({t.prompt_uid!r}, sample {t.sample_idx})"
+        for fname in ("prompt_ids", "response_ids", "behav_logp", "versions"):
+            x = getattr(t, fname)
+            if not isinstance(x, torch.Tensor) or x.dim() != 1:
+                raise ValueError(f"{who}: {fname} must be a 1-D tensor")
+        if t.behav_logp.dtype != torch.float32:
+            raise ValueError(f"{who}: behav_logp dtype {t.behav_logp.dtype}, expected float32")
+        for fname in ("prompt_ids", "response_ids", "versions"):
+            x = getattr(t, fname)
+            if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+                raise ValueError(f"{who}: {fname} must hold integers, got {x.dtype}")
+        n = t.response_ids.numel()
+        if t.behav_logp.numel() != n or t.versions.numel() != n:
+            raise ValueError(f"{who}: response_ids/behav_logp/versions lengths "
+                             f"{n}/{t.behav_logp.numel()}/{t.versions.numel()} differ")
+        p_ids.append(t.prompt_ids.to(torch.int64))
+        r_ids.append(t.response_ids.to(torch.int64))
+        logps.append(t.behav_logp)
+        vers.append(t.versions.to(torch.int64))
+        p_len.append(t.prompt_ids.numel())
+        r_len.append(n)
+    meta = {"prompt_uids": [str(t.prompt_uid) for t in trajs],
+            "finish_reasons": [str(t.finish_reason) for t in trajs]}
+    tensors = {
+        "prompt_ids": _cat(p_ids, torch.int64), "prompt_offsets": _offsets(p_len),
+        "response_ids": _cat(r_ids, torch.int64), "response_offsets": _offsets(r_len),
+        "behav_logp": _cat(logps, torch.float32), "versions": _cat(vers, torch.int64),
+        "sample_idx": torch.tensor([int(t.sample_idx) for t in trajs], dtype=torch.int64),
+        "reward": torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64),
+        "reward_timed_out": torch.tensor([bool(t.reward_timed_out) for t in trajs],
+                                         dtype=torch.bool),
+    }
+    return meta, tensors
+
+
+def _check_structure(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
+    """Shapes, dtypes and offsets of a packed batch; returns N."""
+    uids, reasons = meta.get("prompt_uids"), meta.get("finish_reasons")
+    if not isinstance(uids, list) or not all(isinstance(u, str) and u for u in uids):
+        raise WireError("bad_header", "meta.prompt_uids must be a list of non-empty strings")
+    if not isinstance(reasons, list) or len(reasons) != len(uids):
+        raise WireError("bad_header", "meta.finish_reasons must be a list as long as prompt_uids")
+    n = len(uids)
+    for name, dtype in _TRAJ_TENSORS.items():
+        t = tensors.get(name)
+        if t is None or t.dtype != dtype or t.dim() != 1:
+            raise WireError("bad_tensor", f"trajectory tensor {name!r} missing or not 1-D {dtype}")
+    if set(tensors) != set(_TRAJ_TENSORS):
+        raise WireError("bad_tensor", f"unexpected tensors {sorted(set(tensors) - set(_TRAJ_TENSORS))}")
+    for name in ("sample_idx", "reward", "reward_timed_out"):
+        if tensors[name].numel() != n:
+            raise WireError("bad_tensor", f"{name} has {tensors[name].numel()} entries, expected {n}")
+    for off_name, data_names in (("prompt_offsets", ("prompt_ids",)),
+                                 ("response_offsets", ("response_ids", "behav_logp", "versions"))):
+        off = tensors[off_name]
+        if off.numel() != n + 1 or int(off[0]) != 0 or bool((off[1:] < off[:-1]).any()):
+            raise WireError("bad_tensor", f"{off_name} must be [N+1] non-decreasing from 0")
+        for d in data_names:
+            if tensors[d].numel() != int(off[-1]):
+                raise WireError("bad_tensor", f"{d} has {tensors[d].numel()} entries, "
+                                              f"{off_name} ends at {int(off[-1])}")
+    return n
+
+
+def _owner(meta: dict[str, Any], tensors: dict[str, torch.Tensor], row: int) -> str:
+    return f"trajectory {row} ({meta['prompt_uids'][row]!r}, sample {int(tensors['sample_idx'][row])})"
+
+
+def _token_owner(meta, tensors, off_name: str, bad: torch.Tensor) -> str:
+    first = int(bad.nonzero()[0, 0])  # flat index of the first offending token
+    row = int(torch.searchsorted(tensors[off_name], first, right=True)) - 1
+    return _owner(meta, tensors, row)
+
+
+def _fail_tokens(meta, tensors, off_name: str, bad: torch.Tensor, what: str) -> None:
+    if bool(bad.any()):
+        raise WireError("invalid", f"{_token_owner(meta, tensors, off_name, bad)}: {what}")
+
+
+def _fail_rows(meta, tensors, bad: torch.Tensor, what: str) -> None:
+    if bool(bad.any()):
+        raise WireError("invalid", f"{_owner(meta, tensors, int(bad.nonzero()[0, 0]))}: {what}")
+
+
+def _in_range(x: torch.Tensor, lo: float, hi: float, *, open_lo: bool = False) -> bool:
+    """lo <= x <= hi (lo < x with open_lo) everywhere. One numpy min and max pass: numpy reductions
+    are single-threaded and fast, where torch's OpenMP ones stall when cores are shared. NaN fails
+    (comparisons with NaN are False). The per-token masks naming the culprit are only built on failure."""
+    a = x.numpy()
+    if a.size == 0:
+        return True
+    mn, mx = a.min(), a.max()
+    return bool(mn > lo if open_lo else mn >= lo) and bool(mx <= hi)
+
+
+def validate_packed(
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    *,
+    vocab_size: int,
+    current_version: int,
+    max_len: int,
+    max_prompt_len: int | None = None,
+) -> None:
+    """Check a packed trajectory batch (see module docstring). Raises WireError; returns None."""
+    _check_structure(meta, tensors)
+    for ids_name, off_name in (("prompt_ids", "prompt_offsets"), ("response_ids", "response_offsets")):
+        ids = tensors[ids_name]
+        if not _in_range(ids, 0, vocab_size - 1):
+            _fail_tokens(meta, tensors, off_name, (ids < 0) | (ids >= vocab_size),
+                         f"{ids_name} token id outside [0, {vocab_size})")
+    p_len = tensors["prompt_offsets"].diff()
+    r_len = tensors["response_offsets"].diff()
+    _fail_rows(meta, tensors, p_len == 0, "empty prompt")
+    if max_prompt_len is not None:
+        _fail_rows(meta, tensors, p_len > max_prompt_len, f"prompt longer than {max_prompt_len}")
+    _fail_rows(meta, tensors, r_len > max_len, f"response longer than max_len={max_len}")
+    lp = tensors["behav_logp"]
+    if not _in_range(lp, -math.inf, 0.0, open_lo=True):
+        _fail_tokens(meta, tensors, "response_offsets", ~torch.isfinite(lp), "behav_logp not finite")
+        _fail_tokens(meta, tensors, "response_offsets", lp > 0, "behav_logp > 0")
+    v = tensors["versions"]
+    if not _in_range(v, 0, current_version):
+        _fail_tokens(meta, tensors, "response_offsets", v < 0, "negative version")
+        _fail_tokens(meta, tensors, "response_offsets", v > current_version,
+                     f"version in the future (learner is at {current_version})")
+    va = v.numpy()
+    if va.size > 1 and va.min() != va.max():  # one version throughout cannot decrease
+        # A decrease between token k and k+1 is only legal where a new response starts at k+1.
+        drop = va[1:] < va[:-1]
+        starts = tensors["response_offsets"].numpy()[1:-1]
+        drop[starts[(starts > 0) & (starts < va.size)] - 1] = False
+        if drop.any():
+            bad = torch.cat([torch.zeros(1, dtype=torch.bool), torch.from_numpy(drop)])
+            _fail_tokens(meta, tensors, "response_offsets", bad, "version decreases along response")
+    _fail_rows(meta, tensors, ~torch.isfinite(tensors["reward"]), "reward not finite")
+    _fail_rows(meta, tensors, tensors["sample_idx"] < 0, "negative sample_idx")
+    for row, r in enumerate(meta["finish_reasons"]):
+        if r not in FINISH_REASONS:
+            raise WireError("invalid", f"{_owner(meta, tensors, row)}: finish_reason {r!r} "
+                                       f"not in {FINISH_REASONS}")
+
+
+def unpack_trajectories(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[Trajectory]:
+    """Inverse of pack_trajectories; the returned tensors are views into `tensors` (no copy).
+    Checks structure only — run validate_packed first for values."""
+    n = _check_structure(meta, tensors)
+    po, ro = tensors["prompt_offsets"].tolist(), tensors["response_offsets"].tolist()
+    sidx, rew = tensors["sample_idx"].tolist(), tensors["reward"].tolist()
+    tout = tensors["reward_timed_out"].tolist()
+    p_ids, r_ids = tensors["prompt_ids"], tensors["response_ids"]
+    lp, ver = tensors["behav_logp"], tensors["versions"]
+    return [
+        Trajectory(prompt_uid=meta["prompt_uids"][i], sample_idx=sidx[i],
+                   prompt_ids=p_ids[po[i]:po[i + 1]], response_ids=r_ids[ro[i]:ro[i + 1]],
+                   behav_logp=lp[ro[i]:ro[i + 1]], versions=ver[ro[i]:ro[i + 1]],
+                   reward=rew[i], finish_reason=meta["finish_reasons"][i],
+                   reward_timed_out=tout[i])
+        for i in range(n)
+    ]
+
+
+def validate_trajectories(
+    trajs: list[Trajectory],
+    *,
+    vocab_size: int,
+    current_version: int,
+    max_len: int,
+    max_prompt_len: int | None = None,
+) -> None:
+    """validate_packed for a list of Trajectory records; malformed records raise WireError("invalid")."""
+    try:
+        meta, tensors = pack_trajectories(trajs)
+    except ValueError as e:
+        raise WireError("invalid", str(e)) from None
+    validate_packed(meta, tensors, vocab_size=vocab_size, current_version=current_version,
+                    max_len=max_len, max_prompt_len=max_prompt_len)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class PromptTask:
+    """One dispatched prompt: generate `group_size` samples of prompt_ids ([P] int64) with `params`.
+    `version` is the learner's policy version at dispatch (for staleness accounting)."""
+
+    prompt_uid: str
+    prompt_ids: torch.Tensor
+    params: SamplingParams
+    group_size: int
+    version: int
+
+
+def pack_prompt(task: PromptTask) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    p = task.params
+    meta = {"prompt_uid": task.prompt_uid, "group_size": task.group_size, "version": task.version,
+            "params": {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature,
+                       "top_p": p.top_p, "seed": p.seed, "stop_token_ids": list(p.stop_token_ids)}}
+    return meta, {"prompt_ids": task.prompt_ids.to(torch.int64)}
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def unpack_prompt(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> PromptTask:
+    """Inverse of pack_prompt; raises WireError("bad_header"/"bad_tensor") on a malformed message."""
+    ids = tensors.get("prompt_ids")
+    if ids is None or ids.dtype != torch.int64 or ids.dim() != 1 or len(tensors) != 1:
+        raise WireError("bad_tensor", "prompt message needs exactly one 1-D int64 'prompt_ids'")
+    p = meta.get("params")
+    ok = (isinstance(meta.get("prompt_uid"), str) and _int(meta.get("group_size"))
+          and _int(meta.get("version")) and isinstance(p, dict)
+          and _int(p.get("max_new_tokens")) and isinstance(p.get("temperature"), (int, float))
+          and isinstance(p.get("top_p"), (int, float)) and (p.get("seed") is None or _int(p["seed"]))
+          and isinstance(p.get("stop_token_ids"), list) and all(_int(s) for s in p["stop_token_ids"]))
+    if not ok:
+        raise WireError("bad_header", f"prompt meta malformed: {meta!r:.200}")
+    params = SamplingParams(max_new_tokens=p["max_new_tokens"], temperature=float(p["temperature"]),
+                            top_p=float(p["top_p"]), seed=p["seed"],
+                            stop_token_ids=tuple(p["stop_token_ids"]))
+    return PromptTask(prompt_uid=meta["prompt_uid"], prompt_ids=ids, params=params,
+                      group_size=meta["group_size"], version=meta["version"])
+
+
+def validate_prompt(task: PromptTask, *, vocab_size: int, max_len: int) -> None:
+    """Values of a prompt: ids in vocab, 1 <= P <= max_len, sane sampling params. WireError("invalid")."""
+    ids, p = task.prompt_ids, task.params
+    problems = []
+    if not task.prompt_uid:
+        problems.append("empty prompt_uid")
+    if not 1 <= ids.numel() <= max_len:
+        problems.append(f"prompt length {ids.numel()} not in [1, {max_len}]")
+    elif bool(((ids < 0) | (ids >= vocab_size)).any()):
+        problems.append(f"prompt token id outside [0, {vocab_size})")
+    if task.group_size < 1 or task.version < 0:
+        problems.append(f"group_size={task.group_size} / version={task.version} must be >=1 / >=0")
+    if p.max_new_tokens < 1 or not (math.isfinite(p.temperature) and p.temperature >= 0):
+        problems.append(f"max_new_tokens={p.max_new_tokens}, temperature={p.temperature}")
+    if not 0 < p.top_p <= 1 or any(not 0 <= s < vocab_size for s in p.stop_token_ids):
+        problems.append(f"top_p={p.top_p} or stop_token_ids={p.stop_token_ids} out of range")
+    if problems:
+        raise WireError("invalid", f"prompt {task.prompt_uid!r}: " + "; ".join(problems))
