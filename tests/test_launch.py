@@ -1,0 +1,88 @@
+"""`qurl launch`: per-node torchrun + SGLang commands from one config (2-node example), placement
+errors named by field, and running one node's commands."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from qurl.config import load_config
+from qurl.launch import Command, NodePlan, main_launch, plan, run_node
+
+EXAMPLE = str(Path(__file__).parents[1] / "scripts" / "example_2node.toml")
+
+
+def _lines(out: str) -> list[list[str]]:
+    return [shlex.split(line.rstrip(" &")) for line in out.splitlines()
+            if line and not line.startswith("#")]
+
+
+def test_dry_run_two_node_example(capsys):
+    assert main_launch(["--preset", "paper-dapo-7b", "--config", EXAMPLE, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# node 0 (10.0.0.1): 1 learner" in out and "# node 1 (10.0.0.2): 4 sglang" in out
+    learner, export, *servers = _lines(out)
+    assert learner == ["CUDA_VISIBLE_DEVICES=0,1,2,3", "torchrun", "--nnodes=1",
+                       "--nproc-per-node=4", "--node-rank=0", "--master-addr=10.0.0.1",
+                       "--master-port=29500", "-m", "qurl.cli", "train", "--preset",
+                       "paper-dapo-7b", "--config", EXAMPLE]
+    ckpt = "/shared/runs/dapo-7b-2node/sglang_int8"
+    assert export == ["python", "-m", "qurl.models.export8bit", "--src",
+                      "/shared/models/Qwen2.5-Math-7B", "--out", ckpt, "--fmt", "int8",
+                      "--uaq-scale", "1.5"]
+    assert len(servers) == 4
+    for k, s in enumerate(servers):
+        assert s == [f"CUDA_VISIBLE_DEVICES={2 * k},{2 * k + 1}", "python", "-m",
+                     "sglang.launch_server", "--model-path", ckpt, "--tp-size", "2", "--host",
+                     "0.0.0.0", "--port", str(30000 + k), "--weight-version", "0",
+                     "--quantization", "w8a8_int8", "--mem-fraction-static", "0.85"]
+
+
+def test_slurm_style_placement_from_node_list():
+    cfg = load_config("paper-deepscaler-1.5b", sets=[
+        "model.path=/m", "learner.tp=2", "learner.nproc_per_node=2", "rollout.precision=fp8",
+        "rollout.sglang_tp=4"])
+    plans = plan(cfg, ["--preset", "paper-deepscaler-1.5b"], nodes=["gpu-a", "gpu-b"])
+    learner = plans[0].commands[-1]
+    # servers fill node 1 (8 GPUs / tp 4 = 2) and the learner is told where they are and that
+    # node 0 is its master (the config's 127.0.0.1 is replaced)
+    assert learner.role == "learner" and "--master-addr=gpu-a" in learner.argv
+    sets = [learner.argv[i + 1] for i, a in enumerate(learner.argv) if a == "--set"]
+    assert sets == ["learner.master_addr=gpu-a",
+                    "rollout.sglang_urls=http://gpu-b:30000,http://gpu-b:30001"]
+    roles = [c.role for c in plans[1].commands]
+    assert roles == ["export", "sglang", "sglang"]
+    s0 = plans[1].commands[1]
+    assert s0.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"} and "w8a8_fp8" in s0.argv
+    assert plans[1].commands[2].env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+
+
+@pytest.mark.parametrize("sets,msg", [
+    (["learner.tp=8"], "learner.tp=8: must equal"),
+    (["rollout.sglang_urls=http://elsewhere:1"], "host 'elsewhere' is not a node"),
+    (["rollout.sglang_urls=10.0.0.2:30000"], "is not http://host:port"),
+    (["model.preset=tiny"], "model.preset='tiny'"),
+    (["rollout.sglang_tp=16"], "rollout.sglang_tp=16 > --gpus-per-node"),
+    (["rollout.sglang_urls=" + ",".join(f"http://10.0.0.2:{30000 + k}" for k in range(5))],
+     "node 10.0.0.2: servers need more than 8 GPUs"),
+])
+def test_placement_errors_name_the_field(sets, msg):
+    cfg = load_config("paper-dapo-7b", EXAMPLE, sets)
+    with pytest.raises(ValueError, match=msg):
+        plan(cfg, [], nodes=["10.0.0.1", "10.0.0.2"])
+
+
+def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
+    py = sys.executable
+    mark = tmp_path / "exported"
+    node = NodePlan(0, "localhost", [
+        Command("export", [py, "-c", f"open({str(mark)!r}, 'w').write('x')"]),
+        Command("sglang", [py, "-c", "import time; time.sleep(120)"]),
+        Command("learner", [py, "-c", "import os, sys; "
+                            "sys.exit(0 if os.environ['CUDA_VISIBLE_DEVICES'] == '0' else 5)"],
+                {"CUDA_VISIBLE_DEVICES": "0"}),
+    ])
+    assert run_node(node) == 0 and mark.read_text() == "x"  # returns once the learner exits
+    assert main_launch(["--set", "learner.tp=3", "--dry-run"]) == 2  # clear error, exit code 2
