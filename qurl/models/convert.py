@@ -203,6 +203,26 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_r
 
 # ------------------------------------------------------------------ Megatron -> HF
 
+_PARTITION_DIMS = {
+    "self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1, "mlp.linear_fc1.weight": 0, "mlp.linear_fc2.weight": 1,
+    "input_layernorm.weight": None, "pre_mlp_layernorm.weight": None,
+}
+
+
+def partition_dim(name: str) -> int | None:
+    """The dim along which Megatron parameter `name` is split across TP ranks; None = replicated.
+    (megatron only tags parameters with `partition_dim` when it initializes them itself.)"""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return 0
+    if name == "decoder.final_layernorm.weight":
+        return None
+    m = _LAYER.match(name)
+    if m is None or m.group(2) not in _PARTITION_DIMS:
+        raise ValueError(f"Megatron parameter {name!r}: no HF counterpart")
+    return _PARTITION_DIMS[m.group(2)]
+
+
 
 def megatron_param_to_hf(name: str, shards: Sequence[torch.Tensor], hf_config: Any) -> list[tuple[str, torch.Tensor]]:
     """HF (name, full tensor) pairs for one Megatron parameter given its shards from every TP rank

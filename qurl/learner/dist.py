@@ -1,0 +1,111 @@
+"""Process groups for the learner: torch.distributed (gloo on CPU, NCCL on GPU) + megatron's TP groups.
+
+Every learner rank is one TP shard (data parallel size 1: world_size must equal learner.tp). Rank 0
+is the controller: it owns the data, the engine and the run directory, and shares each batch with
+`broadcast_object`. Launch with torchrun (RANK/WORLD_SIZE/MASTER_* in the environment) or with
+`spawn` (tests, the CPU launcher), which picks a free port and sets the same variables.
+
+Invariants: `init_learner_dist` is idempotent within a process; after it returns, megatron's
+`parallel_state` reports TP size = world size; `spawn` returns each rank's return value, in rank
+order, and raises if any rank failed.
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from qurl.config import LearnerConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(learner: LearnerConfig) -> str:
+    if learner.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if learner.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("learner.backend='nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
+    return learner.backend
+
+
+def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
+                      timeout_min: float = 30.0) -> None:
+    """Join the default process group (if not yet) and build megatron's TP groups (TP = world)."""
+    if world_size != learner.tp:
+        raise ValueError(f"learner.tp={learner.tp}: the learner runs TP only (data parallel 1), so it "
+                         f"needs world_size == tp, got world_size={world_size}")
+    backend = resolve_backend(learner)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    if not dist.is_initialized():
+        addr = os.environ.get("MASTER_ADDR", learner.master_addr)
+        port = os.environ.get("MASTER_PORT", str(learner.master_port))
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(minutes=timeout_min))
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise ValueError(f"torch.distributed already initialized as rank {dist.get_rank()} of "
+                         f"{dist.get_world_size()}, asked for {rank} of {world_size}")
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != learner.tp:
+            raise ValueError(f"megatron parallel_state already set up with TP="
+                             f"{ps.get_tensor_model_parallel_world_size()}, asked for {learner.tp}")
+        return
+    kwargs: dict[str, Any] = {"tensor_model_parallel_size": learner.tp}
+    # Extra gloo groups only serve megatron's distributed optimizer, which the learner does not use.
+    if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:
+        kwargs["create_gloo_process_groups"] = False
+    ps.initialize_model_parallel(**kwargs)
+
+
+def destroy_learner_dist() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank (pickled; tensors come back on CPU). A barrier as well."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _spawn_entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)  # ranks share few cores; oversubscription only slows them down
+    result = fn(rank, world_size, *args)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes (spawn start method) with
+    MASTER_ADDR/PORT set to a free local port; return the ranks' return values in rank order.
+    `fn` and `args` must be picklable (module-level function). A failing rank raises here."""
+    with tempfile.TemporaryDirectory(prefix="qurl-spawn-") as out:
+        mp.spawn(_spawn_entry, args=(world_size, free_port(), out, fn, args), nprocs=world_size,
+                 join=True)
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,365 @@
+"""The tensor-parallel learner: a megatron-core GPTModel trained with the QuRL surrogate.
+
+One instance per TP rank (after `init_learner_dist`). At start the HF checkpoint is read, cast to
+fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged, see qurl/quant/uaq.py), and
+this rank's shard is loaded into a GPTModel built with megatron's local layer spec. Those weights
+are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
+
+A step (`train_step`) on a batch of B right-padded sequences:
+1. prox_logp = logprobs of the current weights, once, no grad (π_prox of the whole step);
+2. for each of algo.epochs × algo.mini_batches mini-batches (B split in order):
+   logp with grad -> `policy_loss(preset=algo.loss, …)` -> backward -> TP-correct global grad
+   norm -> clip -> AdamW step (skipped, and counted, if the norm is not finite);
+3. the LR schedule advances once.
+Mini-batches are split further into micro-batches (a logits-memory budget) whose losses use the
+mini-batch's denominator, so their gradients sum to the mini-batch gradient.
+
+Log-probs: out[:, j] = log softmax(logits(tokens[:, :j]) / T)[tokens[:, j]], out[:, 0] = 0, from
+megatron's vocab-parallel cross entropy (logits never gathered). Padded vocab rows (the vocab is
+padded to a multiple of 128·TP) are masked to -inf so the distribution is exactly HF's.
+In bfloat16 mode the model runs in bf16 while fp32 master copies are what AdamW updates.
+
+Invariants: all TP ranks must call every method with identical inputs (rank 0 broadcasts batches);
+`named_weights()` is a collective that every rank must exhaust; `save`/`load` give bit-identical
+continuation on the same TP size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qurl.algo.loss import loss_denominator, policy_loss
+from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
+from qurl.learner import optim as lopt
+from qurl.models import convert
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LOGITS_BUDGET = 2**26  # fp32 logits elements per micro-batch (256 MiB, ×~3 with CE temporaries)
+_RUNTIME_FLAGS = {  # no fused CUDA kernels, no init (every weight is loaded), fp32 softmax
+    "perform_initialization": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False, "apply_rope_fusion": False, "persist_layer_norm": False,
+    "gradient_accumulation_fusion": False, "attention_softmax_in_fp32": True,
+}
+
+
+def _read_hf(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """(state dict, transformers config) of an HF checkpoint directory; errors name the file."""
+    from transformers import AutoConfig
+
+    from qurl.models.hf import read_state_dict
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"checkpoint {model_dir}: missing config.json")
+    return read_state_dict(model_dir), AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class MegatronLearner:
+    def __init__(self, model_dir: str | Path | None, model: ModelConfig, algo: AlgoConfig,
+                 optim: OptimConfig, learner: LearnerConfig, *, total_steps: int, seed: int,
+                 hf_state: dict[str, torch.Tensor] | None = None, hf_config: Any = None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("MegatronLearner: call qurl.learner.dist.init_learner_dist first")
+        if learner.transformer_engine:
+            raise ValueError("learner.transformer_engine=True: this learner uses the local layer spec")
+        if learner.distributed_optimizer:
+            raise ValueError("learner.distributed_optimizer=True: unsupported (the learner is TP-only)")
+        if model.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype={model.dtype!r}: must be one of {', '.join(_DTYPES)}")
+        self.algo, self.optim, self.total_steps = algo, optim, total_steps
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        if self.tp_size != learner.tp:
+            raise ValueError(f"learner.tp={learner.tp} but megatron's TP group has {self.tp_size} ranks")
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            from megatron_patches.cpu import apply_cpu_patches
+
+            self.device = torch.device("cpu")
+            apply_cpu_patches()
+        if hf_state is None or hf_config is None:
+            if model_dir is None:
+                raise ValueError("MegatronLearner: pass model_dir or both hf_state and hf_config")
+            hf_state, hf_config = _read_hf(model_dir)
+        self.hf_config = hf_config
+        hf_state = {k: v.float() if v.is_floating_point() else v for k, v in hf_state.items()}
+        if algo.uaq_scale != 1.0:
+            from qurl.quant.uaq import apply_uaq
+
+            hf_state = apply_uaq(hf_state, algo.uaq_scale)
+        self.dtype = _DTYPES[model.dtype]
+        model_parallel_cuda_manual_seed(seed)  # attention forks megatron's RNG tracker every call
+
+        shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        self.model = self._build(shard)
+        self.ref_model = None
+        if algo.kl_coef > 0:  # frozen initial policy for the k3 KL term
+            self.ref_model = self._build(shard).requires_grad_(False)
+        del shard, hf_state
+        self.named_params = [(n, p) for n, p in self.model.named_parameters()]
+        self.sharded = [convert.partition_dim(n) is not None for n, _ in self.named_params]
+        self.mixed = self.dtype != torch.float32
+        if self.mixed:  # fp32 master copies are what AdamW updates
+            self.master = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in self.named_params]
+        else:
+            self.master = self.named_params
+        self.optimizer = lopt.adamw(self.master, optim)
+        self.step = 0
+        padded = convert.padded_vocab_size(int(hf_config.vocab_size), self.tp_size)
+        local = padded // self.tp_size
+        cols = torch.arange(self.tp_rank * local, (self.tp_rank + 1) * local, device=self.device)
+        pad = cols >= int(hf_config.vocab_size)
+        self._vocab_pad = pad if bool(pad.any()) else None
+        self._local_vocab = local
+
+    # ------------------------------------------------------------------ model
+
+    def _build(self, shard: dict[str, torch.Tensor]) -> torch.nn.Module:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        kwargs = convert.megatron_config_from_hf(self.hf_config, tp=self.tp_size, dtype=self.dtype)
+        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        flags = dict(_RUNTIME_FLAGS, use_cpu_initialization=self.device.type == "cpu")
+        kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
+        config = TransformerConfig(**kwargs)
+        spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+        with torch.random.fork_rng(devices=[]):  # megatron may draw from the global RNG
+            model = GPTModel(config, spec, pre_process=True, post_process=True,
+                             **convert.gpt_model_kwargs_from_hf(self.hf_config, tp=self.tp_size))
+        model.to(self.device)
+        missing, unexpected = model.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"Megatron model vs converted weights: missing {missing}, unexpected {unexpected}")
+        return model
+
+    def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """tokens: [b, L] -> [b, L] fp32 log-probs (column 0 is 0); differentiable."""
+        from megatron.core import tensor_parallel
+
+        b, L = tokens.shape
+        pos = torch.arange(L, device=self.device).unsqueeze(0).expand(b, L)
+        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]  # True = hidden
+        logits = model(tokens, pos, causal)  # [b, L, V_local]
+        # A fresh fp32 tensor: vocab_parallel_cross_entropy overwrites its input in place.
+        logits = logits[:, :-1].float().div(temperature)
+        if self._vocab_pad is not None:
+            logits = logits.masked_fill(self._vocab_pad, float("-inf"))
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, tokens[:, 1:].contiguous())
+        return torch.cat([nll.new_zeros(b, 1), -nll], dim=1)
+
+    def _rows_per_micro(self, L: int) -> int:
+        return max(1, LOGITS_BUDGET // max(1, L * self._local_vocab))
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        tokens = tokens.to(self.device, torch.long)
+        if tokens.shape[1] < 2:
+            return torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+        rows = self._rows_per_micro(tokens.shape[1])
+        return torch.cat([self._forward_logp(model, t, temperature) for t in tokens.split(rows)])
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, L] -> [B, L, V] fp32 full-vocab logits (TP-gathered, vocab padding removed),
+        for checks against a reference; a collective when TP > 1."""
+        self.model.eval()
+        tokens = tokens.to(self.device, torch.long)
+        B, L = tokens.shape
+        pos = torch.arange(L, device=self.device).unsqueeze(0).expand(B, L)
+        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
+        local = self.model(tokens, pos, causal).float().contiguous()
+        if self.tp_size > 1:
+            parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+            dist.all_gather(parts, local, group=self.tp_group)
+            local = torch.cat(parts, dim=-1)
+        return local[..., : int(self.hf_config.vocab_size)]
+
+    def logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+        """tokens: [B, L] int64 -> [B, L] float32 log p(tokens[:, j] | tokens[:, :j]) under
+        softmax(logits / temperature); out[:, 0] = 0. No grad."""
+        self.model.eval()
+        return self._logprobs(self.model, tokens, temperature)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, tokens: torch.Tensor, loss_mask: torch.Tensor, behav_logp: torch.Tensor,
+                   adv: torch.Tensor, *, staleness: torch.Tensor | None = None,
+                   temperature: float = 1.0, norm_len: int | None = None) -> dict[str, float]:
+        """One learner step. tokens, loss_mask, behav_logp: [B, L]; adv: [B] or [B, L];
+        staleness: [B] or [B, L] (stats only). Returns mean stats over the mini-batches plus
+        grad_norm (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates."""
+        B, L = tokens.shape
+        for name, t in (("loss_mask", loss_mask), ("behav_logp", behav_logp)):
+            if tuple(t.shape) != (B, L):
+                raise ValueError(f"{name} must be [B, L]={B, L}, got {tuple(t.shape)}")
+        n_mb = self.algo.mini_batches
+        if B % n_mb:
+            raise ValueError(f"batch of {B} sequences not divisible by algo.mini_batches={n_mb}")
+        dev = self.device
+        tokens, mask = tokens.to(dev, torch.long), loss_mask.to(dev).bool()
+        behav, adv = behav_logp.to(dev).float(), adv.to(dev).float()
+        staleness = None if staleness is None else staleness.to(dev)
+        lr = lopt.lr_at(self.optim, self.step, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        prox = self.logprobs(tokens, temperature=temperature)
+        ref = None if self.ref_model is None else self._logprobs(self.ref_model, tokens, temperature)
+
+        kw = dict(preset=self.algo.loss, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high,
+                  tis_cap=self.algo.tis_cap, agg=self.algo.agg, kl_coef=self.algo.kl_coef,
+                  norm_len=norm_len)
+        self.model.train()
+        mb, rows = B // n_mb, self._rows_per_micro(L)
+        per_mb: list[dict[str, float]] = []
+        norms: list[float] = []
+        skipped = 0
+        for _ in range(self.algo.epochs):
+            for i in range(n_mb):
+                sl = slice(i * mb, (i + 1) * mb)
+                if not bool(mask[sl].any()):
+                    continue  # nothing to learn from: no optimizer step either
+                cut = lambda t: None if t is None else t[sl]  # noqa: E731
+                denom = loss_denominator(mask[sl], self.algo.agg)
+                self._zero_grad()
+                logps = []
+                for j in range(0, mb, rows):
+                    part = lambda t: None if t is None else t[sl][j:j + rows]  # noqa: E731
+                    logp = self._forward_logp(self.model, part(tokens), temperature)
+                    loss, _ = policy_loss(logp, part(prox), part(behav), part(adv), part(mask),
+                                          ref_logp=part(ref), staleness=part(staleness),
+                                          denom=denom, **kw)
+                    loss.backward()
+                    logps.append(logp.detach())
+                with torch.no_grad():  # stats of the whole mini-batch, from the same logp
+                    _, stats = policy_loss(torch.cat(logps), cut(prox), cut(behav), cut(adv), cut(mask),
+                                           ref_logp=cut(ref), staleness=cut(staleness), **kw)
+                norm = self._clip_and_step()
+                skipped += int(not math.isfinite(norm))
+                norms.append(norm)
+                per_mb.append(stats)
+        self.step += 1
+        out = _combine(per_mb)
+        out.update({"lr": lr, "tokens": float(mask.sum()), "skipped_updates": float(skipped),
+                    "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+                    "grad_norm_max": max(norms) if norms else float("nan"),
+                    "grad_norm_last": norms[-1] if norms else float("nan")})
+        return out
+
+    def _zero_grad(self) -> None:
+        for _, p in self.named_params:
+            p.grad = None
+        if self.mixed:
+            for _, p in self.master:
+                p.grad = None
+
+    def _clip_and_step(self) -> float:
+        """Global grad norm (TP-correct), clip, AdamW step. A non-finite norm skips the update."""
+        if self.mixed:
+            for (_, p), (_, m) in zip(self.named_params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+        grads = [p.grad for _, p in self.master]
+        norm = lopt.global_grad_norm(grads, self.sharded, tp_rank=self.tp_rank,
+                                     tp_group=self.tp_group, tp_size=self.tp_size)
+        if math.isfinite(norm):
+            lopt.clip_(grads, norm, self.optim.grad_clip)
+            self.optimizer.step()
+            if self.mixed:
+                with torch.no_grad():
+                    for (_, p), (_, m) in zip(self.named_params, self.master):
+                        p.copy_(m)
+        self._zero_grad()
+        return norm
+
+    # ------------------------------------------------------------------ weights out
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every weight, master precision, on this learner's device;
+        rank 0 yields, the other ranks yield nothing. A collective: every TP rank must exhaust it.
+        Tied models yield no lm_head.weight. Tensors are fresh copies."""
+        for (name, p), sharded in zip(self.master, self.sharded):
+            t = p.detach()
+            if sharded and self.tp_size > 1:
+                shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                dist.all_gather(shards, t.contiguous(), group=self.tp_group)
+            else:
+                shards = [t]
+            if self.tp_rank == 0:
+                yield from convert.megatron_param_to_hf(name, shards, self.hf_config)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model shard, fp32 masters (bf16 mode), optimizer and schedule position."""
+        model = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        return {"format": 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "step": self.step,
+                "model": model, "master": [p.detach() for _, p in self.master] if self.mixed else None,
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state.get("tp_rank"), state.get("tp_size")) != (self.tp_rank, self.tp_size):
+            raise ValueError(f"checkpoint shard is TP rank {state.get('tp_rank')} of "
+                             f"{state.get('tp_size')}, this learner is {self.tp_rank} of {self.tp_size}")
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint model shard: missing {missing}, unexpected {unexpected}")
+        if self.mixed:
+            with torch.no_grad():
+                for (_, m), saved in zip(self.master, state["master"], strict=True):
+                    m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+    def save(self, directory: str | Path) -> None:
+        """Write `model_rank{r}.pt` (model shard + masters) and `optim_rank{r}.pt` into directory."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        optim = {k: state.pop(k) for k in ("optimizer", "step")}
+        for fname, obj in ((f"model_rank{self.tp_rank}.pt", state), (f"optim_rank{self.tp_rank}.pt", optim)):
+            tmp = d / (fname + ".tmp")
+            torch.save(obj, tmp)
+            os.replace(tmp, d / fname)
+
+    def load(self, directory: str | Path) -> None:
+        d = Path(directory)
+        parts = {}
+        for fname in (f"model_rank{self.tp_rank}.pt", f"optim_rank{self.tp_rank}.pt"):
+            if not (d / fname).is_file():
+                raise FileNotFoundError(f"{d / fname}: learner checkpoint shard missing")
+            parts.update(torch.load(d / fname, map_location=self.device, weights_only=False))
+        self.load_state_dict(parts)
+
+
+def _combine(per_mb: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each stat over the mini-batches that report it (max for *_max keys, also per
+    staleness bucket, e.g. is_ratio_max/s1). A stat a
+    mini-batch has no tokens for (e.g. a staleness bucket) is absent or NaN there and is averaged
+    over the others; all-NaN stays NaN."""
+    keys = sorted({k for s in per_mb for k in s})
+    out = {}
+    for k in keys:
+        vals = [s[k] for s in per_mb if k in s and not math.isnan(s[k])]
+        if not vals:
+            out[k] = float("nan")
+        else:
+            out[k] = max(vals) if k.split("/")[0].endswith("_max") else sum(vals) / len(vals)
+    return out

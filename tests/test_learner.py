@@ -1,0 +1,288 @@
+"""The Megatron learner on CPU (gloo, real megatron-core): logits and log-probs vs transformers at
+TP=1 and TP=2, one train step at TP=2 vs TP=1 vs a plain transformers + AdamW reference, UAQ keeps
+the function, exact resume, bf16 masters, KL reference, and the pure optimizer pieces.
+
+The multi-process checks run in one spawned job per TP size (`_worker`), which returns numbers the
+tests below assert on; models are tiny (hidden 64, 2 layers, vocab 100).
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import replace
+
+import pytest
+import torch
+
+from qurl.algo.loss import policy_loss
+from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
+from qurl.learner import optim as lopt
+from tiny_hf import build, hf_state
+
+ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, eps_high=0.2, tis_cap=2.0)
+OPTIM = OptimConfig(lr=1e-3, grad_clip=1.0, weight_decay=0.01)
+B, L, PROMPT = 8, 12, 4
+
+
+def _hf_logp(model: torch.nn.Module, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    logits = model(tokens).logits[:, :-1].float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return torch.cat([lp.new_zeros(tokens.shape[0], 1), lp], dim=1)
+
+
+def _batch(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Right-padded responses after a 4-token prompt; behav = reference logp + noise (so IS weights
+    get truncated); mostly positive advantages (so the loss does not cancel to ~0)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 100, (B, L), generator=g)
+    lengths = torch.randint(3, L - PROMPT + 1, (B,), generator=g)
+    mask = torch.zeros(B, L)
+    for i, n in enumerate(lengths.tolist()):
+        mask[i, PROMPT:PROMPT + n] = 1
+        tokens[i, PROMPT + n:] = 0  # pad id
+    with torch.no_grad():
+        behav = _hf_logp(model, tokens) + 0.3 * torch.randn(B, L, generator=g)
+    adv = torch.randn(B, generator=g) + 1.0
+    staleness = torch.randint(0, 3, (B,), generator=g)  # versions behind: stats split by it
+    return {"tokens": tokens, "loss_mask": mask, "behav_logp": behav, "adv": adv, "staleness": staleness}
+
+
+def _learner(kind: str, ws: int, algo: AlgoConfig = ALGO, dtype: str = "float32", **kw):
+    from qurl.learner.megatron import MegatronLearner
+
+    model = build(kind)
+    return MegatronLearner(None, ModelConfig(dtype=dtype), algo, OPTIM, LearnerConfig(tp=ws),
+                           total_steps=4, seed=0, hf_state=hf_state(model), hf_config=model.config, **kw)
+
+
+def _step(learner, batch: dict) -> dict[str, float]:
+    return learner.train_step(batch["tokens"], batch["loss_mask"], batch["behav_logp"], batch["adv"],
+                              staleness=batch["staleness"])
+
+
+def _weights(learner) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in learner.named_weights()}
+
+
+def _worker(rank: int, ws: int) -> dict:
+    from qurl.learner.dist import broadcast_object, init_learner_dist
+    from qurl.quant.uaq import apply_uaq
+
+    init_learner_dist(LearnerConfig(tp=ws), rank, ws)
+    out: dict = {}
+    for kind in ("qwen2", "llama"):
+        hf = build(kind)
+        tokens = torch.randint(0, 100, (3, 10), generator=torch.Generator().manual_seed(1))
+        learner = _learner(kind, ws)
+        logits, lp07 = learner.logits(tokens), learner.logprobs(tokens, temperature=0.7)
+        weights = _weights(learner)
+        batch = _batch(hf, seed=2)
+        res = {"stats": _step(learner, batch), "batch": batch}
+        if rank == 0:
+            with torch.no_grad():
+                res["logits_diff"] = float((logits - hf(tokens).logits).abs().max())
+                res["logp_t07_diff"] = float((lp07 - _hf_logp(hf, tokens, 0.7)).abs().max())
+            ref = hf_state(hf)
+            res["weights_exact"] = sorted(weights) == sorted(ref) and all(
+                torch.equal(weights[k], ref[k]) for k in ref)
+        out[kind] = res
+
+    # UAQ: master weights are the scaled ones; the function is unchanged.
+    hf = build("qwen2")
+    tokens = torch.randint(0, 100, (3, 10), generator=torch.Generator().manual_seed(3))
+    learner = _learner("qwen2", ws, algo=replace(ALGO, uaq_scale=1.5))
+    logits, weights = learner.logits(tokens), _weights(learner)
+    if rank == 0:
+        scaled = apply_uaq(hf_state(hf), 1.5)
+        with torch.no_grad():
+            out["uaq_logits_diff"] = float((logits - hf(tokens).logits).abs().max())
+        out["uaq_weights_exact"] = all(torch.equal(weights[k], scaled[k]) for k in scaled)
+        out["uaq_changed"] = not torch.equal(scaled["model.layers.0.self_attn.q_proj.weight"],
+                                             hf_state(hf)["model.layers.0.self_attn.q_proj.weight"])
+
+    # Exact resume: step, save, step  vs  load, step.
+    b1, b2 = _batch(hf, seed=4), _batch(hf, seed=5)
+    a = _learner("qwen2", ws, algo=replace(ALGO, uaq_scale=1.5))
+    _step(a, b1)
+    ckpt = broadcast_object(tempfile.mkdtemp(prefix="qurl-learner-") if rank == 0 else None)
+    a.save(ckpt)
+    broadcast_object(None)  # every shard written
+    stats_a, weights_a = _step(a, b2), _weights(a)
+    fresh = _learner("qwen2", ws, algo=replace(ALGO, uaq_scale=1.5))
+    fresh.load(ckpt)
+    stats_b, weights_b = _step(fresh, b2), _weights(fresh)
+    out["resume_stats_equal"] = stats_a == stats_b
+    out["resume_weights_equal"] = all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    out["resume_step"] = fresh.step
+    out["resume_moved"] = any(not torch.equal(weights_a[k], weights[k]) for k in weights_a)
+    broadcast_object(None)  # every rank has loaded before the directory goes
+    if rank == 0:
+        shutil.rmtree(ckpt)
+
+    from megatron_patches.cpu import apply_cpu_patches
+
+    out["patches_again"] = apply_cpu_patches()  # idempotent; active on this CUDA-less machine
+    out["current_device"] = str(torch.cuda.current_device())
+
+    if ws == 1:  # single-rank extras
+        from qurl.learner.megatron import MegatronLearner
+
+        model_dir = tempfile.mkdtemp(prefix="qurl-hf-")
+        hf.save_pretrained(model_dir)  # safetensors; tied lm_head not stored
+        from_dir = MegatronLearner(model_dir, ModelConfig(), ALGO, OPTIM, LearnerConfig(tp=1),
+                                   total_steps=1, seed=0)
+        loaded = _weights(from_dir)
+        shutil.rmtree(model_dir)
+        out["from_dir_exact"] = sorted(loaded) == sorted(hf_state(hf)) and all(
+            torch.equal(loaded[k], v) for k, v in hf_state(hf).items())
+        bf = _learner("qwen2", ws, dtype="bfloat16")
+        batch = _batch(hf, seed=6)
+        out["bf16_logp_diff"] = float((bf.logprobs(batch["tokens"]) - _hf_logp(hf, batch["tokens"])).abs().max())
+        out["bf16_stats"] = _step(bf, batch)
+        out["bf16_master_dtypes"] = {str(t.dtype) for _, t in bf.named_weights()}
+        kl = _learner("qwen2", ws, algo=replace(ALGO, kl_coef=0.1))
+        before = kl.logprobs(batch["tokens"])
+        out["kl_stats"] = [_step(kl, batch) for _ in range(2)]
+        out["kl_ref_frozen"] = torch.equal(kl._logprobs(kl.ref_model, batch["tokens"], 1.0), before)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict]]:
+    from qurl.learner.dist import spawn
+
+    return {ws: spawn(_worker, ws) for ws in (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_logits_and_logprobs_match_transformers(runs, ws: int, kind: str) -> None:
+    res = runs[ws][0][kind]
+    assert res["logits_diff"] <= 1e-4
+    assert res["logp_t07_diff"] <= 1e-4
+    assert res["weights_exact"]  # named_weights: TP-gathered HF names, bit-exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_train_step_tp2_equals_tp1(runs, kind: str) -> None:
+    s1, s2 = runs[1][0][kind]["stats"], runs[2][0][kind]["stats"]
+    assert runs[2][1][kind]["stats"] == s2  # both ranks report the same numbers
+    for key in ("loss", "grad_norm", "grad_norm_last"):
+        assert abs(s1[key] - s2[key]) <= 1e-5 * abs(s1[key]), key
+    assert s1["tokens"] == s2["tokens"] == float(runs[1][0][kind]["batch"]["loss_mask"].sum())
+    assert s1["skipped_updates"] == 0
+    assert {"is_ratio_mean/s0", "acr_widened_frac"} <= set(s1) and s1["acr_widened_frac"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_train_step_matches_transformers_adamw_reference(runs, kind: str) -> None:
+    """Same step by hand: HF model, prox once, 2 mini-batches of policy_loss, global-norm clip, AdamW."""
+    batch, stats = runs[1][0][kind]["batch"], runs[1][0][kind]["stats"]
+    model = build(kind)
+    params = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": 0.01},
+                             {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.adam_eps)
+    with torch.no_grad():
+        prox = _hf_logp(model, batch["tokens"])
+    losses, norms, mb = [], [], B // 2
+    for i in range(2):
+        sl = slice(i * mb, (i + 1) * mb)
+        loss, _ = policy_loss(_hf_logp(model, batch["tokens"][sl]), prox[sl], batch["behav_logp"][sl],
+                              batch["adv"][sl], batch["loss_mask"][sl], preset="acr", eps_low=0.2,
+                              eps_high=0.2, tis_cap=2.0, agg=ALGO.agg)
+        opt.zero_grad()
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for _, p in params))
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], OPTIM.grad_clip)  # same rule
+        opt.step()
+        losses.append(float(loss.detach()))
+        norms.append(norm)
+    assert stats["loss"] == pytest.approx(sum(losses) / 2, rel=1e-4)
+    assert stats["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-4)
+    assert stats["grad_norm_last"] == pytest.approx(norms[-1], rel=1e-4)
+    assert norms[0] > OPTIM.grad_clip  # clipping was exercised
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", [1, 2])
+def test_uaq_preserves_function_and_scales_master_weights(runs, ws: int) -> None:
+    res = runs[ws][0]
+    assert res["uaq_changed"] and res["uaq_weights_exact"]
+    assert res["uaq_logits_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", [1, 2])
+def test_save_load_resume_is_bit_exact(runs, ws: int) -> None:
+    for rank in range(ws):
+        res = runs[ws][rank]
+        assert res["resume_stats_equal"] and res["resume_step"] == 2
+    assert runs[ws][0]["resume_weights_equal"] and runs[ws][0]["resume_moved"]
+
+
+@pytest.mark.slow
+def test_cpu_patches_are_idempotent(runs) -> None:
+    for ws in (1, 2):
+        assert runs[ws][0]["patches_again"] == {"current_device": True, "rng_tracker": True}
+        assert runs[ws][0]["current_device"] == "cpu"
+
+
+@pytest.mark.slow
+def test_bf16_keeps_fp32_masters_and_kl_reference_is_frozen(runs) -> None:
+    res = runs[1][0]
+    assert res["bf16_logp_diff"] < 0.15  # bf16 forward vs fp32 reference
+    assert math.isfinite(res["bf16_stats"]["loss"]) and res["bf16_stats"]["skipped_updates"] == 0
+    assert res["bf16_master_dtypes"] == {"torch.float32"}
+    assert res["from_dir_exact"]  # learner built from a save_pretrained directory
+    first, second = res["kl_stats"]
+    assert first["kl_ref"] >= 0 and second["kl_ref"] > first["kl_ref"]  # policy drifts from ref
+    assert res["kl_ref_frozen"]
+
+
+# ---------------------------------------------------------------- pure pieces (no processes)
+
+
+def test_lr_schedule() -> None:
+    o = OptimConfig(lr=1.0, warmup_steps=2, schedule="cosine")
+    assert [lopt.lr_at(o, k, 6) for k in range(2)] == [0.5, 1.0]
+    assert lopt.lr_at(o, 2, 6) == 1.0
+    assert lopt.lr_at(o, 4, 6) == pytest.approx(0.5)  # halfway through the decay
+    assert lopt.lr_at(o, 6, 6) == pytest.approx(0.0, abs=1e-12)
+    assert lopt.lr_at(replace(o, schedule="constant"), 5, 6) == 1.0
+
+
+def test_grad_norm_and_clip_single_rank() -> None:
+    g = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]]), None]
+    assert lopt.global_grad_norm(g, [True, False, True], tp_rank=0, tp_group=None, tp_size=1) == 5.0
+    # A replicated grad is counted by TP rank 0 only.
+    assert lopt.global_grad_norm(g, [True, False, True], tp_rank=1, tp_group=None, tp_size=1) == 3.0
+    coeff = lopt.clip_(g, 5.0, 1.0)
+    assert coeff == pytest.approx(1 / (5 + 1e-6))
+    assert float(torch.cat([g[0], g[1].flatten()]).norm()) == pytest.approx(1.0, rel=1e-6)
+    assert lopt.clip_(g, 0.5, 1.0) == 1.0
+
+
+def test_errors_before_any_process_group() -> None:
+    from qurl.learner.dist import init_learner_dist
+    from qurl.learner.megatron import MegatronLearner
+
+    with pytest.raises(ValueError, match="world_size == tp"):
+        init_learner_dist(LearnerConfig(tp=2), 0, 1)
+    with pytest.raises(RuntimeError, match="init_learner_dist"):
+        MegatronLearner(None, ModelConfig(), ALGO, OPTIM, LearnerConfig(), total_steps=1, seed=0)
+
+
+def test_combine_stats_over_mini_batches() -> None:
+    from qurl.learner.megatron import _combine
+
+    per_mb = [{"loss": 1.0, "is_ratio_max": 2.0, "is_ratio_max/s1": 3.0, "x/s2plus": 1.0},
+              {"loss": 3.0, "is_ratio_max": 5.0, "is_ratio_max/s1": 1.0, "x/s2plus": float("nan")},
+              {"loss": 2.0, "is_ratio_max": 1.0}]
+    out = _combine(per_mb)
+    assert out == {"loss": 2.0, "is_ratio_max": 5.0, "is_ratio_max/s1": 3.0, "x/s2plus": 1.0}
+    assert math.isnan(_combine([{"k": float("nan")}])["k"])
