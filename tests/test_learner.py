@@ -62,7 +62,7 @@ def _step(learner, batch: dict) -> dict[str, float]:
 
 
 def _weights(learner) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in learner.named_weights()}
+    return {k: v.detach().cpu().clone() for k, v in learner.named_weights()}
 
 
 def _worker(rank: int, ws: int) -> dict:
@@ -75,7 +75,7 @@ def _worker(rank: int, ws: int) -> dict:
         hf = build(kind)
         tokens = torch.randint(0, 100, (3, 10), generator=torch.Generator().manual_seed(1))
         learner = _learner(kind, ws)
-        logits, lp07 = learner.logits(tokens), learner.logprobs(tokens, temperature=0.7)
+        logits, lp07 = learner.logits(tokens).cpu(), learner.logprobs(tokens, temperature=0.7).cpu()
         weights = _weights(learner)
         batch = _batch(hf, seed=2)
         res = {"stats": _step(learner, batch), "batch": batch}
@@ -92,7 +92,7 @@ def _worker(rank: int, ws: int) -> dict:
     hf = build("qwen2")
     tokens = torch.randint(0, 100, (3, 10), generator=torch.Generator().manual_seed(3))
     learner = _learner("qwen2", ws, algo=replace(ALGO, uaq_scale=1.5))
-    logits, weights = learner.logits(tokens), _weights(learner)
+    logits, weights = learner.logits(tokens).cpu(), _weights(learner)
     if rank == 0:
         scaled = apply_uaq(hf_state(hf), 1.5)
         with torch.no_grad():
@@ -138,7 +138,9 @@ def _worker(rank: int, ws: int) -> dict:
             torch.equal(loaded[k], v) for k, v in hf_state(hf).items())
         bf = _learner("qwen2", ws, dtype="bfloat16")
         batch = _batch(hf, seed=6)
-        out["bf16_logp_diff"] = float((bf.logprobs(batch["tokens"]) - _hf_logp(hf, batch["tokens"])).abs().max())
+        with torch.no_grad():
+            ref_lp = _hf_logp(hf, batch["tokens"])
+        out["bf16_logp_diff"] = float((bf.logprobs(batch["tokens"]).cpu() - ref_lp).abs().max())
         out["bf16_stats"] = _step(bf, batch)
         out["bf16_master_dtypes"] = {str(t.dtype) for _, t in bf.named_weights()}
         kl = _learner("qwen2", ws, algo=replace(ALGO, kl_coef=0.1))

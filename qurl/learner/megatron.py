@@ -179,7 +179,7 @@ class MegatronLearner:
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B, L] -> [B, L, V] fp32 full-vocab logits (TP-gathered, vocab padding removed),
-        for checks against a reference; a collective when TP > 1."""
+        on the learner's device, for checks against a reference; a collective when TP > 1."""
         self.model.eval()
         tokens = tokens.to(self.device, torch.long)
         B, L = tokens.shape
@@ -194,7 +194,7 @@ class MegatronLearner:
 
     def logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
         """tokens: [B, L] int64 -> [B, L] float32 log p(tokens[:, j] | tokens[:, :j]) under
-        softmax(logits / temperature); out[:, 0] = 0. No grad."""
+        softmax(logits / temperature); out[:, 0] = 0. No grad; on the learner's device."""
         self.model.eval()
         return self._logprobs(self.model, tokens, temperature)
 
