@@ -413,7 +413,7 @@ def test_bench_stream_runs_small():
     from qurl.stream.bench import bench_stream
 
     out = bench_stream(total_mb=4, msg_mb=1, prompt_len=16, response_len=64, processes=False,
-                       verbose=False)
+                       gc_freeze=False, verbose=False)
     assert out["auth"]["rejects"] == {}
     assert out["raw"]["bytes"] > 0 and out["auth"]["bytes"] > 0
     assert math.isfinite(out["auth_over_raw"]) and out["auth_over_raw"] > 0

@@ -8,6 +8,12 @@ from a sender (a separate process by default, as a rollout worker is) to a recei
   auth  qurl's Sender/Receiver: MAC on send, size limits + MAC + replay + full trajectory validation
         + unpacking into Trajectory records on receive — everything the learner pays per message
 
+Python's cyclic GC: a receiver builds a few Trajectory objects and tensor views per trajectory, and
+every so often that triggers a full collection that walks every object torch's import left behind
+(~0.2 s here). Long-running processes avoid this with `gc.freeze()` after start-up, which moves the
+objects alive then out of the collector's sight; the benchmark does the same in both ends (disable
+with --no-gc-freeze), and the learner/worker processes should too.
+
 Throughput counts message bytes (all frames) received after the first message (the first absorbs
 connection set-up) divided by the time between the first and the last receipt. For reference it
 also measures, on one core and without sockets, the MAC alone and the validation+unpack alone, which
@@ -16,6 +22,7 @@ shows what bounds the authenticated path. Usage: `python -m qurl.stream.bench --
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import threading
@@ -52,8 +59,10 @@ def make_batch(msg_mb: float, prompt_len: int, response_len: int, seed: int = 0)
 
 
 def _sender_main(mode: str, endpoint: str, key: bytes, n_msgs: int, msg_mb: float,
-                 prompt_len: int, response_len: int, hash_threads: int) -> None:
+                 prompt_len: int, response_len: int, hash_threads: int, gc_freeze: bool) -> None:
     meta, tensors = make_batch(msg_mb, prompt_len, response_len)
+    if gc_freeze:
+        gc.freeze()
     if mode == "auth":
         with Sender(endpoint, key, name="bench", hwm=4, linger_ms=-1, hash_threads=hash_threads) as s:
             for _ in range(n_msgs):
@@ -137,16 +146,18 @@ def _one_core_reference(msg_mb: float, prompt_len: int, response_len: int, key: 
 
 def bench_stream(total_mb: int = 2048, msg_mb: float = 8, *, prompt_len: int = 256,
                  response_len: int = 1024, hash_threads: int = 1, processes: bool = True,
-                 verbose: bool = True) -> dict[str, Any]:
+                 gc_freeze: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Measure stream MB/s for raw and authenticated+validated trajectory messages (see module doc).
     Returns {"raw": {...}, "auth": {...}, "auth_over_raw", "one_core": {...}, "config": {...}}."""
     key = b"bench-key-0123456789abcdef"
+    if gc_freeze:
+        gc.freeze()
     ref = _one_core_reference(msg_mb, prompt_len, response_len, key)
     n_msgs = max(3, round(total_mb * _MiB / ref["msg_bytes"]) + 1)
     spawn = mp.get_context("spawn")
     results: dict[str, Any] = {}
     for mode in ("raw", "auth"):
-        args = (mode, None, key, n_msgs, msg_mb, prompt_len, response_len, hash_threads)
+        args = (mode, None, key, n_msgs, msg_mb, prompt_len, response_len, hash_threads, gc_freeze)
 
         def start_sender(endpoint: str, args=args):
             a = (args[0], endpoint, *args[2:])
@@ -160,11 +171,12 @@ def bench_stream(total_mb: int = 2048, msg_mb: float = 8, *, prompt_len: int = 2
            "one_core": ref,
            "config": {"total_mb": total_mb, "msg_mb": msg_mb, "messages": n_msgs,
                       "prompt_len": prompt_len, "response_len": response_len,
-                      "hash_threads": hash_threads, "processes": processes}}
+                      "hash_threads": hash_threads, "processes": processes, "gc_freeze": gc_freeze}}
     if verbose:
         print(f"stream bench: {n_msgs} messages x {ref['msg_bytes'] / _MiB:.2f} MiB "
               f"({ref['trajectories_per_msg']} trajectories each), loopback tcp, "
-              f"sender in a {'process' if processes else 'thread'}, hash_threads={hash_threads}")
+              f"sender in a {'process' if processes else 'thread'}, hash_threads={hash_threads}, "
+              f"gc_freeze={gc_freeze}")
         print(f"  {'mode':<6}{'MB/s':>10}{'GiB/s':>9}")
         for mode in ("raw", "auth"):
             print(f"  {mode:<6}{results[mode]['MBps']:>10.0f}{results[mode]['GiBps']:>9.2f}")
@@ -181,9 +193,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--response-len", type=int, default=1024)
     ap.add_argument("--hash-threads", type=int, default=1)
     ap.add_argument("--threads", action="store_true", help="sender in a thread, not a process")
+    ap.add_argument("--no-gc-freeze", action="store_true", help="leave Python's GC as it is")
     a = ap.parse_args(argv)
     return bench_stream(a.total_mb, a.msg_mb, prompt_len=a.prompt_len, response_len=a.response_len,
-                        hash_threads=a.hash_threads, processes=not a.threads)
+                        hash_threads=a.hash_threads, processes=not a.threads,
+                        gc_freeze=not a.no_gc_freeze)
 
 
 if __name__ == "__main__":

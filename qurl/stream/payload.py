@@ -204,17 +204,19 @@ def unpack_trajectories(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) 
     """Inverse of pack_trajectories; the returned tensors are views into `tensors` (no copy).
     Checks structure only — run validate_packed first for values."""
     n = _check_structure(meta, tensors)
-    po, ro = tensors["prompt_offsets"].tolist(), tensors["response_offsets"].tolist()
+    # split() makes all the views in one call: ~10x cheaper than a Python slice per field per row,
+    # which otherwise dominates receiving a batch of hundreds of trajectories.
+    p_len = tensors["prompt_offsets"].diff().tolist()
+    r_len = tensors["response_offsets"].diff().tolist()
+    prompts = tensors["prompt_ids"].split(p_len)
+    resps, lps, vers = (tensors[k].split(r_len) for k in ("response_ids", "behav_logp", "versions"))
     sidx, rew = tensors["sample_idx"].tolist(), tensors["reward"].tolist()
     tout = tensors["reward_timed_out"].tolist()
-    p_ids, r_ids = tensors["prompt_ids"], tensors["response_ids"]
-    lp, ver = tensors["behav_logp"], tensors["versions"]
+    uids, reasons = meta["prompt_uids"], meta["finish_reasons"]
     return [
-        Trajectory(prompt_uid=meta["prompt_uids"][i], sample_idx=sidx[i],
-                   prompt_ids=p_ids[po[i]:po[i + 1]], response_ids=r_ids[ro[i]:ro[i + 1]],
-                   behav_logp=lp[ro[i]:ro[i + 1]], versions=ver[ro[i]:ro[i + 1]],
-                   reward=rew[i], finish_reason=meta["finish_reasons"][i],
-                   reward_timed_out=tout[i])
+        Trajectory(prompt_uid=uids[i], sample_idx=sidx[i], prompt_ids=prompts[i],
+                   response_ids=resps[i], behav_logp=lps[i], versions=vers[i], reward=rew[i],
+                   finish_reason=reasons[i], reward_timed_out=tout[i])
         for i in range(n)
     ]
 

@@ -46,6 +46,7 @@ KINDS = ("prompt", "trajectory", "control", "ack")
 DOMAIN = b"qurl-wire-mac-v1"
 CHUNK = 1 << 20  # bytes per SHA-256 piece of a frame (the unit of parallel hashing)
 MAC_BYTES = 32
+_POOL_MIN_BYTES = 64 << 10
 REASONS = (
     "bad_mac", "truncated", "bad_schema", "bad_header", "oversized", "bad_tensor", "replay",
     "invalid", "unexpected_kind",
@@ -111,7 +112,11 @@ def compute_mac(frames: Sequence[memoryview], key: bytes, pool: Executor | None 
     `pool`, if given, hashes the chunks in parallel — same tag, less wall time."""
     jobs = _digest_jobs(frames)
     if pool is not None and len(jobs) > 1:
-        digests = iter(pool.map(_sha256, jobs))
+        # Big pieces go to the pool; small ones are hashed here while it works (a pool hand-off
+        # costs more than hashing a few KiB).
+        futures = [pool.submit(_sha256, j) if j.nbytes >= _POOL_MIN_BYTES else None for j in jobs]
+        done = [_sha256(j) if f is None else None for j, f in zip(jobs, futures)]
+        digests = iter([d if f is None else f.result() for d, f in zip(done, futures)])
     else:
         digests = iter(_sha256(j) for j in jobs)
     mac = hmac.new(key, DOMAIN + struct.pack("<I", len(frames)), hashlib.sha256)
