@@ -197,6 +197,7 @@ class Receiver(_Endpoint):
         self.rejects: Counter[str] = Counter()
         self.received = 0
         self.bytes_received = 0
+        self.busy_s = 0.0  # time spent checking messages (MAC, validation, unpacking), not waiting
         self.last_seq: dict[str, int] = {}
 
     def recv(self, timeout_ms: int | None = None) -> Message | None:
@@ -208,6 +209,7 @@ class Receiver(_Endpoint):
             if not self.sock.poll(wait, zmq.POLLIN):
                 return None
             frames = self.sock.recv_multipart(copy=False)
+            t0 = time.perf_counter()
             try:
                 msg = self._accept(frames)
             except WireError as e:
@@ -216,6 +218,8 @@ class Receiver(_Endpoint):
                 self.received += 1
                 self.bytes_received += msg.nbytes
                 return msg
+            finally:
+                self.busy_s += time.perf_counter() - t0
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
