@@ -124,7 +124,11 @@ def _receiver_main(model_dir, port, ann_q, out_q, syncs, out_dir):
         group = WeightGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60)
         rec = Receiver(group, engine)
         for _ in range(syncs):
-            stats = rec.receive(lambda: ann_q.get(timeout=60))
+            try:
+                stats = rec.receive(lambda: ann_q.get(timeout=60))
+            except ValueError as e:  # the engine refused a chunk: report, stay in the group
+                out_q.put(("refused", str(e), engine.version, None, None))
+                continue
             path = f"{out_dir}/state_v{engine.version}.pt"  # tensors via a file, not the queue
             torch.save({n: t.detach().clone() for n, t in engine._tensors.items()}, path)
             out_q.put(("ok", stats.versions_seen, engine.version, stats.buckets, path))
@@ -144,25 +148,36 @@ def test_two_process_sync_into_local_engine(tmp_path):
     ctx = mp.get_context("spawn")
     ann_q, out_q = ctx.Queue(), ctx.Queue()
     port = free_port()
-    proc = ctx.Process(target=_receiver_main, args=(str(model_dir), port, ann_q, out_q, 2, str(tmp_path)))
+    proc = ctx.Process(target=_receiver_main, args=(str(model_dir), port, ann_q, out_q, 4, str(tmp_path)))
     proc.start()
     try:
         group = WeightGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=60)
         expected = dict(quantize_named(learner, "int8"))
-        for version, load_format in ((1, "flattened_bucket"), (2, "per_tensor")):
+        # an unknown tensor in the middle of the third sync: the engine refuses that sync (version
+        # unchanged), the receiver still joins every broadcast, and the next sync goes through
+        bad = dict(list(learner.items())[:5] + [("model.bogus.weight", torch.ones(4))]
+                   + list(learner.items())[5:])
+        rounds = ((1, "flattened_bucket", learner), (2, "per_tensor", learner),
+                  (3, "flattened_bucket", bad), (3, "flattened_bucket", learner))
+        for version, load_format, weights in rounds:
             sender = Sender(group, fmt="int8", bucket_bytes=256 << 10, load_format=load_format)
-            stats = sender.send(learner.items(), version,
+            stats = sender.send(weights.items(), version,
                                 announce=lambda a: ann_q.put(a.to_dict()))
             try:
                 status, seen, engine_version, nbuckets, path = out_q.get(timeout=120)
             except queue.Empty:
                 pytest.fail("receiver process did not report")
+            if weights is bad:
+                assert status == "refused" and "model.bogus.weight" in seen
+                assert engine_version == 2
+                continue
             assert status == "ok", seen
             state = torch.load(path)
             assert nbuckets == stats.buckets > 2
             assert stats.bytes == sum(t.numel() * t.element_size() for t in expected.values())
             # the version moves only after the last bucket
-            assert seen == [version - 1] * (nbuckets + 1) and engine_version == version
+            old = 2 if version == 3 else version - 1
+            assert seen == [old] * (nbuckets + 1) and engine_version == version
             for name, t in expected.items():  # exact: same codes, same scales, same fp32 tensors
                 assert torch.equal(state[name].view(torch.uint8) if t.dtype == torch.float8_e4m3fn
                                    else state[name], t), name

@@ -185,11 +185,15 @@ def group_pairs(chunks: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tup
 class Bucket:
     tensors: list[tuple[str, torch.Tensor]]  # in wire (aligned) order
     layout: BucketLayout
+    last: bool  # no bucket follows (receivers commit the version after it)
 
 
 def plan_buckets(chunks: Iterable[tuple[str, torch.Tensor]], budget_bytes: int) -> Iterator[Bucket]:
     """Lazily cut a stream of named tensors into buckets of at most `budget_bytes` (a single group
-    larger than the budget becomes its own bucket). Tensor order inside a bucket is `align_order`."""
+    larger than the budget becomes its own bucket). Tensor order inside a bucket is `align_order`.
+
+    A bucket is cut when the next group does not fit, so `last` is known while looking ahead by
+    one group only: the sender can announce a bucket before the next one is produced."""
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
     current: list[tuple[str, torch.Tensor]] = []
@@ -198,10 +202,10 @@ def plan_buckets(chunks: Iterable[tuple[str, torch.Tensor]], budget_bytes: int) 
         gbytes = sum(t.numel() * t.element_size() for _, t in group)
         if current and size + gbytes > budget_bytes:
             ordered = align_order(current)
-            yield Bucket(ordered, layout_of(ordered))
+            yield Bucket(ordered, layout_of(ordered), last=False)
             current, size = [], 0
         current.extend(group)
         size += gbytes
     if current:
         ordered = align_order(current)
-        yield Bucket(ordered, layout_of(ordered))
+        yield Bucket(ordered, layout_of(ordered), last=True)

@@ -22,6 +22,8 @@ Invariants:
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -45,15 +47,35 @@ class ReceiveStats:
 
 
 class Receiver:
-    def __init__(self, group: WeightGroup, engine: Engine) -> None:
+    """Rank > 0 of a WeightGroup feeding `engine`.
+
+    reuse_buffers: receive flattened buckets into a ring of 3 buffers instead of fresh ones. The
+    chunks are views into them, so this is only correct for engines that copy each chunk before
+    asking for the next (LocalEngine stages copies): with one bucket of read-ahead, a buffer is
+    overwritten only after the engine has moved two buckets past it."""
+
+    RING = 3  # bucket being loaded + bucket queued + bucket being received
+
+    def __init__(self, group: WeightGroup, engine: Engine, reuse_buffers: bool = True) -> None:
         if group.rank == 0:
             raise ValueError("Receiver cannot be rank 0 (rank 0 is the learner's Sender)")
-        self.group, self.engine = group, engine
+        self.group, self.engine, self.reuse_buffers = group, engine, reuse_buffers
+        self._ring: list[torch.Tensor | None] = [None] * self.RING
+
+    def _buffer(self, ann: BucketAnnouncement) -> torch.Tensor:
+        n, device = ann.layout.nbytes, self.group.device
+        if not self.reuse_buffers:
+            return torch.empty(n, dtype=torch.uint8, device=device)
+        k = ann.index % self.RING
+        buf = self._ring[k]
+        if buf is None or buf.numel() < n:
+            buf = self._ring[k] = torch.empty(n, dtype=torch.uint8, device=device)
+        return buf[:n]
 
     def _recv_bucket(self, ann: BucketAnnouncement) -> list[tuple[str, torch.Tensor]]:
         device = self.group.device
         if ann.load_format == "flattened_bucket":
-            buf = torch.empty(ann.layout.nbytes, dtype=torch.uint8, device=device)
+            buf = self._buffer(ann)
             self.group.broadcast(buf)
             return unpack(buf, ann.layout)
         tensors = [(s.name, torch.empty(s.shape, dtype=WIRE_DTYPES[s.dtype], device=device))
@@ -65,7 +87,10 @@ class Receiver:
 
     def receive(self, next_announcement: Callable[[], Any]) -> ReceiveStats:
         """Receive one whole sync. `next_announcement()` returns the next announcement, as a
-        BucketAnnouncement or its `to_dict()` form; it is called once per bucket."""
+        BucketAnnouncement or its `to_dict()` form; it is called once per bucket.
+
+        A background thread receives bucket i+1 while the engine loads bucket i (one bucket of
+        read-ahead); the engine still sees the chunks strictly in order."""
 
         def get() -> BucketAnnouncement:
             a = next_announcement()
@@ -76,42 +101,52 @@ class Receiver:
             raise ValueError(f"sync v{first.version}: first announcement has index {first.index}")
         stats = ReceiveStats(version=first.version)
         t_start = time.perf_counter()
+        ready: queue.Queue = queue.Queue(maxsize=1)
 
-        state = {"ann": first, "done": False}
+        def fetch() -> None:  # joins every broadcast of this sync, in order, then stops
+            ann = first
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    tensors = self._recv_bucket(ann)
+                    stats.recv_s += time.perf_counter() - t0
+                    ready.put((ann, tensors, None))
+                    if ann.last:
+                        return
+                    nxt = get()
+                    if nxt.version != ann.version or nxt.index != ann.index + 1:
+                        raise ValueError(f"sync v{ann.version}: announcement v{nxt.version} "
+                                         f"bucket {nxt.index} arrived after bucket {ann.index}")
+                    ann = nxt
+            except BaseException as e:  # hand the error to the consumer
+                ready.put((None, None, e))
+
+        thread = threading.Thread(target=fetch, name="qurl-sync-recv", daemon=True)
+        thread.start()
 
         def chunks() -> Iterator[tuple[str, torch.Tensor]]:
-            ann = first
             while True:
-                state["ann"] = ann
                 stats.versions_seen.append(self.engine.version)
-                t0 = time.perf_counter()
-                tensors = self._recv_bucket(ann)
-                stats.recv_s += time.perf_counter() - t0
+                ann, tensors, err = ready.get()
+                if err is not None:
+                    raise err
                 stats.buckets += 1
                 stats.bytes += ann.layout.nbytes
                 yield from tensors
                 if ann.last:
-                    state["done"] = True
                     stats.versions_seen.append(self.engine.version)
                     return
-                nxt = get()
-                if nxt.version != ann.version or nxt.index != ann.index + 1:
-                    raise ValueError(f"sync v{ann.version}: announcement v{nxt.version} bucket "
-                                     f"{nxt.index} arrived after bucket {ann.index}")
-                ann = nxt
 
         try:
             self.engine.load_weights(chunks(), first.version)
-        except Exception:
-            # The sender is still broadcasting the remaining buckets: join them (and drop the
-            # data) so the group stays usable and nobody waits for a timeout, then re-raise.
-            ann = state["ann"]
-            try:
-                while not state["done"] and not ann.last:
-                    ann = get()
-                    self._recv_bucket(ann)
-            except Exception:  # the channel or group is broken too: report the first error
-                pass
-            raise
+        finally:
+            # If the engine failed, the fetch thread still joins the remaining broadcasts (the
+            # sender is sending them); drain it so the group stays usable, then re-raise.
+            while thread.is_alive():
+                try:
+                    ready.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            thread.join()
         stats.total_s = time.perf_counter() - t_start
         return stats

@@ -157,7 +157,14 @@ class Sender:
             raise ValueError(f"load_format={load_format!r}: must be one of {LOAD_FORMATS}")
         self.group, self.fmt, self.load_format = group, fmt, load_format
         self.bucket_bytes, self.wire_dtype = int(bucket_bytes), wire_dtype
-        self._buf: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor | None] = [None, None]  # double buffer, see send()
+
+    def _buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        buf = self._bufs[k]
+        if buf is None or buf.numel() < bucket.layout.nbytes or buf.device != self.group.device:
+            buf = self._bufs[k] = torch.empty(max(bucket.layout.nbytes, self.bucket_bytes),
+                                              dtype=torch.uint8, device=self.group.device)
+        return buf
 
     def _timed_chunks(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats
                       ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -175,53 +182,53 @@ class Sender:
             stats.quantize_s += time.perf_counter() - t1
             yield from chunks
 
-    def _lookahead(self, buckets: Iterator[Bucket]) -> Iterator[tuple[Bucket, bool]]:
-        """Pair each bucket with `is_last` (one bucket of lookahead; needed for `last`)."""
-        prev = next(buckets, None)
-        while prev is not None:
-            nxt = next(buckets, None)
-            yield prev, nxt is None
-            prev = nxt
-
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
              announce: Announce | None = None) -> SyncStats:
         """Quantize, bucket and broadcast `named` as version `version`. Every receiver must be
-        told each announcement (via `announce`) and take part in each broadcast."""
+        told each announcement (via `announce`) and take part in each broadcast.
+
+        Pipelined: bucket i+1 is gathered, quantized and packed (into the other of two buffers)
+        while bucket i's broadcast is in flight; announcements and broadcasts stay in order."""
         stats = SyncStats(version=version)
         t_start = time.perf_counter()
-        buckets = plan_buckets(self._timed_chunks(named, stats), self.bucket_bytes)
-        for index, (bucket, last) in enumerate(self._lookahead(buckets)):
-            ann = BucketAnnouncement(version, index, last, self.load_format, bucket.layout)
+        inflight: tuple[list, Callable[[], None] | None] | None = None
+
+        def finish(job: tuple[list, Callable[[], None] | None]) -> None:
+            works, waiter = job
             t0 = time.perf_counter()
-            tensors = [(n, t.to(self.group.device)) for n, t in bucket.tensors]
-            if self.load_format == "flattened_bucket":
-                if self._buf is None or self._buf.numel() < bucket.layout.nbytes \
-                        or self._buf.device != self.group.device:
-                    self._buf = torch.empty(max(bucket.layout.nbytes, self.bucket_bytes),
-                                            dtype=torch.uint8, device=self.group.device)
-                payload = [pack(tensors, bucket.layout, out=self._buf)]
-            else:
-                payload = [t.contiguous() for _, t in tensors]
-            if self.group.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # copies done before NCCL reads them
-            t1 = time.perf_counter()
-            waiter = announce(ann) if announce is not None else None
-            t2 = time.perf_counter()
-            works = [self.group.broadcast_async(p) for p in payload]
             for w in works:
                 w.wait()
             if self.group.device.type == "cuda":
                 torch.cuda.synchronize()  # NCCL work.wait() only orders streams; time the transfer
-            t3 = time.perf_counter()
+            t1 = time.perf_counter()
             if waiter is not None:
                 waiter()
-            t4 = time.perf_counter()
-            stats.pack_s += t1 - t0
-            stats.send_s += t3 - t2
-            stats.load_s += (t4 - t3) + (t2 - t1)
+            stats.send_s += t1 - t0
+            stats.load_s += time.perf_counter() - t1
+
+        buckets = plan_buckets(self._timed_chunks(named, stats), self.bucket_bytes)
+        for index, bucket in enumerate(buckets):
+            t0 = time.perf_counter()
+            tensors = [(n, t.to(self.group.device)) for n, t in bucket.tensors]
+            if self.load_format == "flattened_bucket":
+                payload = [pack(tensors, bucket.layout, out=self._buffer(index % 2, bucket))]
+            else:
+                payload = [t.contiguous() for _, t in tensors]
+            if self.group.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # copies done before NCCL reads them
+            stats.pack_s += time.perf_counter() - t0
+            if inflight is not None:
+                finish(inflight)  # bucket i-1 received and loaded before bucket i is announced
+            ann = BucketAnnouncement(version, index, bucket.last, self.load_format, bucket.layout)
+            t1 = time.perf_counter()
+            waiter = announce(ann) if announce is not None else None
+            stats.load_s += time.perf_counter() - t1
+            inflight = ([self.group.broadcast_async(p) for p in payload], waiter)
             stats.buckets += 1
             stats.tensors += len(tensors)
             stats.bytes += bucket.layout.nbytes
+        if inflight is not None:
+            finish(inflight)
         stats.total_s = time.perf_counter() - t_start
         if stats.buckets == 0:
             raise ValueError("send: no tensors to sync")

@@ -1,0 +1,181 @@
+"""`qurl bench sync`: weight-sync throughput against a raw gloo broadcast of the same bytes, and
+bytes per sync for int8 vs bf16, measured side by side in one run.
+
+Setup: this process is the learner (rank 0); one spawned process is an engine-side receiver
+(rank 1) in a two-rank gloo WeightGroup on loopback. The weights are a synthetic named set with
+the shapes of the `small` Qwen2 preset (~104M parameters, fp32 master weights, random values;
+the values do not change the cost), so the bench needs no model files.
+
+Measured per format (int8, bf16), after one warm-up:
+- bytes per sync (8-bit codes + fp32 scales + bf16 for what stays full precision, vs all bf16);
+- sync: a Sender moving the already-quantized engine chunks (what SGLangEngine.load_weights does):
+  bucket packing, announcements, broadcasts, and the receiver applying every chunk (copying it
+  into preallocated tensors, as an engine would) and acking after the last bucket;
+- raw: pre-filled uint8 buffers of the same bucket sizes broadcast back to back, nothing else;
+  `sync/raw` is the share of the raw broadcast rate the sync achieves; `no-apply/raw` the same
+  when the receiver drops the chunks instead of copying them into the engine (transport only);
+- quantize: producing the chunks from fp32 master weights; e2e: a sync including quantization
+  (pipelined: the next bucket is quantized while the previous one is on the wire).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+import torch
+
+from qurl.sync.group import WeightGroup, free_port
+from qurl.sync.receiver import Receiver
+from qurl.sync.sender import Sender, engine_chunks
+
+SMALL = dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384)
+
+
+def synthetic_named(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                    seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """HF Qwen2 names and shapes (tied embeddings), random fp32 values."""
+    g = torch.Generator().manual_seed(seed)
+    kv = hidden // heads * kv_heads
+    out = [("model.embed_tokens.weight", torch.randn(vocab, hidden, generator=g))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in (("input_layernorm.weight", (hidden,)),
+                            ("self_attn.q_proj.weight", (hidden, hidden)),
+                            ("self_attn.q_proj.bias", (hidden,)),
+                            ("self_attn.k_proj.weight", (kv, hidden)),
+                            ("self_attn.k_proj.bias", (kv,)),
+                            ("self_attn.v_proj.weight", (kv, hidden)),
+                            ("self_attn.v_proj.bias", (kv,)),
+                            ("self_attn.o_proj.weight", (hidden, hidden)),
+                            ("post_attention_layernorm.weight", (hidden,)),
+                            ("mlp.gate_proj.weight", (ffn, hidden)),
+                            ("mlp.up_proj.weight", (ffn, hidden)),
+                            ("mlp.down_proj.weight", (hidden, ffn))):
+            out.append((p + name, torch.randn(*shape, generator=g) * 0.02))
+    out.append(("model.norm.weight", torch.ones(hidden)))
+    return out
+
+
+class _SinkEngine:
+    """Engine-side stand-in for the bench: copies every chunk into a preallocated tensor."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.apply = True  # False: take the chunks and drop them (transport-only measurement)
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, chunks, version: int) -> None:
+        for name, t in chunks:
+            if not self.apply:
+                continue
+            dst = self.tensors.get(name)
+            if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
+                dst = self.tensors[name] = torch.empty_like(t)
+            dst.copy_(t)
+        self.version = version
+
+
+def _receiver(port: int, ctl: Any, ann_q: Any, ack_q: Any) -> None:
+    group = WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=300)
+    sink = _SinkEngine()
+    rec = Receiver(group, sink)  # type: ignore[arg-type]
+    raw_bufs: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    while True:
+        cmd = ctl.get()
+        if cmd[0] == "raw":  # buffers kept across repeats: the baseline pays no page faults
+            bufs = raw_bufs.setdefault(tuple(cmd[1]),
+                                       [torch.empty(n, dtype=torch.uint8) for n in cmd[1]])
+            for b in bufs:
+                group.broadcast(b)
+            ack_q.put("raw")
+        elif cmd[0] == "sync":
+            sink.apply = cmd[1]
+            rec.receive(lambda: ann_q.get(timeout=300))
+            ack_q.put("sync")
+        else:
+            group.close()
+            return
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2**20:9.1f}"
+
+
+def bench_sync(bucket_mb: float = 64.0, repeats: int = 3, model: dict | None = None) -> dict:
+    """Run the bench, print a table, return the numbers (seconds are the best of `repeats`,
+    after one warm-up; sync and raw runs alternate so load drift hits both alike)."""
+    named = synthetic_named(**(model or SMALL))
+    n_params = sum(t.numel() for _, t in named)
+    ctx = mp.get_context("spawn")
+    ctl, ann_q, ack_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    port = free_port()
+    proc = ctx.Process(target=_receiver, args=(port, ctl, ann_q, ack_q), daemon=True)
+    proc.start()
+    results: dict[str, dict[str, float]] = {}
+    budget = int(bucket_mb * 2**20)
+    try:
+        group = WeightGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=300)
+        sizes: list[int] = []
+
+        def announce(a):
+            sizes.append(a.layout.nbytes)
+            ann_q.put(a.to_dict())
+            return (lambda: ack_q.get(timeout=300)) if a.last else None
+
+        def sync(sender: Sender, data, apply: bool = True) -> float:
+            sizes.clear()
+            ctl.put(("sync", apply))
+            return sender.send(data, version=1, announce=announce).total_s
+
+        def raw(bufs: list[torch.Tensor]) -> float:
+            ctl.put(("raw", [b.numel() for b in bufs]))
+            t0 = time.perf_counter()
+            for b in bufs:
+                group.broadcast(b)
+            ack_q.get(timeout=300)
+            return time.perf_counter() - t0
+
+        for fmt in ("int8", "bf16"):
+            t0 = time.perf_counter()
+            chunks = list(engine_chunks(named, fmt, wire_dtype=torch.bfloat16))
+            quant_s = time.perf_counter() - t0
+            moved = Sender(group, fmt="none", bucket_bytes=budget)  # chunks already 8-bit
+            full = Sender(group, fmt=fmt, bucket_bytes=budget, wire_dtype=torch.bfloat16)
+            sync(moved, chunks)  # warm-up; also records the bucket sizes
+            bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+            raw(bufs)
+            sync_s, bare_s, raw_s, e2e_s = [], [], [], []
+            for _ in range(repeats):
+                sync_s.append(sync(moved, chunks))
+                raw_s.append(raw(bufs))
+                bare_s.append(sync(moved, chunks, apply=False))
+                e2e_s.append(sync(full, named))
+            nbytes = sum(b.numel() for b in bufs)
+            results[fmt] = {"bytes": nbytes, "buckets": len(bufs), "quantize_s": quant_s,
+                            "sync_s": min(sync_s), "sync_no_apply_s": min(bare_s),
+                            "raw_s": min(raw_s), "e2e_s": min(e2e_s)}
+        ctl.put(("stop",))
+        group.close()
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    print(f"weight sync bench: {n_params / 1e6:.1f}M params (small Qwen2 shapes), gloo loopback, "
+          f"bucket {bucket_mb:g} MiB, best of {repeats}")
+    print(f"{'format':<6} {'MiB/sync':>9} {'buckets':>7} {'sync MiB/s':>11} {'raw MiB/s':>10} "
+          f"{'sync/raw':>8} {'no-apply/raw':>12} {'quantize s':>10} {'e2e s':>7}")
+    for fmt, r in results.items():
+        print(f"{fmt:<6} {_mb(r['bytes'])} {r['buckets']:7d} {_mb(r['bytes'] / r['sync_s']):>11} "
+              f"{_mb(r['bytes'] / r['raw_s']):>10} {r['raw_s'] / r['sync_s']:8.2f} "
+              f"{r['raw_s'] / r['sync_no_apply_s']:12.2f} {r['quantize_s']:10.3f} "
+              f"{r['e2e_s']:7.3f}")
+    print("sync: pack + announce + broadcast + receiver applying every chunk + ack; no-apply: the "
+          "same without the receiver's copy into the engine; raw: gloo broadcast of the same "
+          "bucket sizes; e2e: sync including quantization from fp32")
+    print(f"bytes per sync int8 / bf16 = {results['int8']['bytes'] / results['bf16']['bytes']:.3f}")
+    return results
+
+
+if __name__ == "__main__":
+    bench_sync()
