@@ -1,0 +1,11 @@
+"""The asynchronous QuRL pipeline: a controller (learner rank 0) and rollout worker processes.
+
+    controller.py  train_async: dispatch prompts under the staleness bound, buffer trajectories,
+                   train on complete batches, broadcast 8-bit weights, checkpoint losslessly
+    worker.py      one rollout worker process: engine + stream + weight-group member
+    ledger.py      which dispatched prompt is where (in flight per worker, accepted, late)
+    procs.py       start / monitor / restart worker processes
+    compare.py     `qurl compare`: sync vs async x bf16 vs int8+ACR+UAQ, same seed and budget
+
+Importing this package has no side effects (modules are imported by whoever needs them).
+"""

@@ -1,0 +1,441 @@
+"""The asynchronous learner loop: learner rank 0 is the controller of a fleet of rollout workers.
+
+    UAQ once (in the learner); quantize v0 -> broadcast to every worker (weight group)
+    loop:
+        dispatch prompts to workers while (η + version + 1)·B − (accepted + running) > 0
+        receive trajectory batches (authenticated, validated); buffer complete groups
+        when B complete groups are buffered (the earliest completed, trained in dispatch order):
+            batch <- group advantages;  train (≥2 mini-batches, per-token staleness in the stats)
+            version += 1; quantize -> broadcast to every worker (they load it between decode steps)
+            log, evaluate, checkpoint (atomic, lossless) as configured
+
+Same step, same batch assembly (`build_batch`), same learner call, same request seeds as the
+synchronous loop (qurl/learn.py): with η = 0 only B prompts are ever outstanding, all dispatched at
+the current version, so each step trains exactly what the sync loop would (up to the float noise of
+running the same decoder in another process). With η ≥ 1 generation of the next batches overlaps
+training and weight sync; responses may span versions (partial rollout) and the learner sees
+per-token staleness.
+
+Nothing is lost or trained twice (qurl/pipeline/ledger.py): every dataset index taken from the cursor
+is in flight at one worker, buffered, trained, or put back. A dead worker's prompts are put back and
+re-dispatched; a group that became too stale is dropped and its prompt put back; late output of a
+replaced worker is dropped. The checkpoint holds the cursor, the buffer (trajectories received but
+not trained), the staleness counters and the ledger; on resume the prompts that were in flight go
+back to the cursor. `trained.jsonl` lists the prompt uids of every step (truncated on resume like
+metrics.jsonl), so exactly-once can be checked.
+
+The other TP ranks follow the same step sequence (`_follow`): receive the batch, train, take part in
+the weight gather, write their checkpoint shard. Re-broadcasts to replaced workers use the chunks
+cached on rank 0, so they need no collective.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qurl.batching import build_batch
+from qurl.config import Config, ConfigError
+from qurl.data.cursor import DataCursor
+from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
+from qurl.learner.megatron import MegatronLearner
+from qurl.metrics import MetricsLogger, read_metrics
+from qurl.pipeline.ledger import Ledger
+from qurl.rollout import PromptCodec, evaluate
+from qurl.runs import CheckpointDir, check_resume_config, read_config, rng_state, run_dir_for, \
+    set_rng_state, write_config
+from qurl.setup import load_datasets, make_engine, prepare_base_model
+from qurl.stream.buffer import StalenessController, TrajectoryBuffer
+from qurl.types import SamplingParams, Trajectory
+
+log = logging.getLogger("qurl.controller")
+
+STALL_TIMEOUT_S = 900.0  # no trajectory accepted and no step trained for this long: give up
+TRAINED_FILE = "trained.jsonl"
+
+
+def train_async(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
+    """Run (or resume) the asynchronous loop. Returns the final eval record on rank 0."""
+    run_dir = run_dir_for(cfg)
+    ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
+    init_learner_dist(cfg.learner, rank, world_size)
+    main = is_main_rank()
+    if main:
+        if resume:
+            check_resume_config(read_config(run_dir), cfg)
+        elif (run_dir / "ckpt" / "latest").exists():
+            raise ConfigError(f"{run_dir} already holds a run: resume it with --resume {run_dir} "
+                              "or pick another run.name")
+        write_config(run_dir, cfg)
+    model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
+    torch.manual_seed(cfg.run.seed)
+    learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed)
+    start, state = 0, None
+    if resume:
+        latest = broadcast_object(str(ckpts.latest()) if main and ckpts.latest() else None)
+        if latest is None:
+            raise FileNotFoundError(f"{run_dir}: nothing to resume (no checkpoint yet)")
+        learner.load(Path(latest))
+        state = torch.load(Path(latest) / "state.pt", weights_only=False)
+        start = state["step"]
+    if not main:
+        return _follow(cfg, learner, ckpts, start)
+    ctl = Controller(cfg, learner, run_dir, ckpts, model_dir, start, state)
+    try:
+        return ctl.run()
+    finally:
+        ctl.close()
+
+
+def _drain(it: Any) -> None:
+    for _ in it:
+        pass
+
+
+def _follow(cfg: Config, learner: MegatronLearner, ckpts: CheckpointDir, start: int) -> dict:
+    """TP ranks > 0: the controller's step sequence, minus everything rank 0 alone owns."""
+    _drain(learner.named_weights())
+    for step in range(start + 1, cfg.run.steps + 1):
+        batch = broadcast_object(None)
+        if batch is not None:
+            learner.train_step(batch.tokens, batch.loss_mask, batch.behav_logp, batch.adv,
+                               staleness=batch.staleness, temperature=cfg.rollout.temperature)
+        _drain(learner.named_weights())
+        if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
+            save_checkpoint(ckpts, learner, step, None)
+    return {}
+
+
+def save_checkpoint(ckpts: CheckpointDir, learner: MegatronLearner, step: int,
+                    state: dict | None) -> None:
+    """All ranks write their learner shard into one temp dir; rank 0 adds state.pt and commits."""
+    main = is_main_rank()
+    tmp = Path(broadcast_object(str(ckpts.begin(step)) if main else None))
+    learner.save(tmp)
+    broadcast_object(None)  # barrier: every shard is on disk before the rename
+    if main:
+        torch.save(state, tmp / "state.pt")
+        ckpts.commit(tmp)
+
+
+def quantize_weights(named: Any, precision: str) -> tuple[list[tuple[str, torch.Tensor]], float, float]:
+    """Engine chunks of one version (as qurl/weights.py makes them), plus (gather_s, quantize_s)."""
+    from qurl.quant.named import quantize_named
+
+    chunks, gather, quant = [], 0.0, 0.0
+    it = iter(named)
+    while True:
+        t0 = time.perf_counter()
+        item = next(it, None)
+        t1 = time.perf_counter()
+        gather += t1 - t0
+        if item is None:
+            return chunks, gather, quant
+        chunks.extend(quantize_named([item], precision))
+        quant += time.perf_counter() - t1
+
+
+class Controller:
+    def __init__(self, cfg: Config, learner: MegatronLearner, run_dir: Path, ckpts: CheckpointDir,
+                 model_dir: str, start: int, state: dict | None) -> None:
+        from qurl.pipeline.fleet import Fleet
+        from qurl.pipeline.session import load_or_create_key
+
+        self.cfg, self.learner, self.run_dir, self.ckpts = cfg, learner, Path(run_dir), ckpts
+        self.start = self.version = start
+        self.B, self.G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+        self.train_set, self.eval_set = load_datasets(cfg)
+        self.cursor = DataCursor(len(self.train_set), seed=cfg.run.seed)
+        self.engine = make_engine(cfg, model_dir)  # evaluation only (rollouts are the workers')
+        self.codec = PromptCodec(self.engine.tokenizer, cfg.data.template)
+        self.params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                     stop_token_ids=(self.engine.tokenizer.eos_token_id,))
+        eta = cfg.rollout.max_staleness
+        self.staleness = StalenessController(self.B, eta)
+        self.buffer = TrajectoryBuffer(self.G, eta)
+        self.ledger = Ledger()
+        self.wall0, self.wall_offset = time.monotonic(), 0.0
+        if state is not None:
+            self._restore(state)
+        self.logger = MetricsLogger(run_dir, total_steps=cfg.run.steps, start_step=start,
+                                    wandb=cfg.run.wandb, wandb_mode=cfg.run.wandb_mode,
+                                    run_name=cfg.run.name, config=asdict(cfg),
+                                    progress=cfg.run.progress)
+        self.trained_log = _truncated_jsonl(self.run_dir / TRAINED_FILE, start)
+        key = load_or_create_key(self.run_dir, cfg.stream.key)
+        self.fleet = Fleet(cfg, self.run_dir, key, model_dir, vocab_size=self.engine.vocab_size)
+        self.fleet.inbox.current_version = self.version
+        self.chunks: list[tuple[str, torch.Tensor]] = []
+        self._prev_codes: dict[str, torch.Tensor] = {}
+        self._prompt_ids: dict[int, torch.Tensor] = {}
+        self.counts: Counter[str] = Counter()
+        self._since: Counter[str] = Counter()  # rollout throughput since the last train record
+        self._last_progress = time.monotonic()
+
+    # ------------------------------------------------------------------ state
+
+    def _restore(self, state: dict) -> None:
+        self.cursor.load_state_dict(state["cursor"])
+        set_rng_state(state["rng"])
+        self.wall_offset = float(state.get("wall", 0.0))
+        if "ledger" not in state:  # a synchronous checkpoint: nothing buffered or in flight
+            self.staleness.accepted = self.version * self.B
+            return
+        self.buffer.load_state_dict(state["buffer"])
+        self.staleness.load_state_dict(state["staleness"])
+        self.ledger.load_state_dict(state["ledger"])
+        lost = self.ledger.take_in_flight()  # their results died with the old controller
+        self.cursor.put_back(d.index for d in lost)
+        self.staleness.on_reject(len(lost))
+        log.info("resumed at step %d: %d groups buffered, %d prompts re-dispatched",
+                 self.version, self.ledger.num_buffered, len(lost))
+
+    def _state(self, step: int) -> dict:
+        return {"step": step, "version": self.version, "cursor": self.cursor.state_dict(),
+                "rng": rng_state(), "wall": self.wall(), "mode": "async",
+                "buffer": self.buffer.state_dict(), "staleness": self.staleness.state_dict(),
+                "ledger": self.ledger.state_dict()}
+
+    def wall(self) -> float:
+        return self.wall_offset + time.monotonic() - self.wall0
+
+    # ------------------------------------------------------------------ weights
+
+    def _quantize(self) -> dict[str, float]:
+        """Gather + quantize the current master weights (a collective with the other TP ranks)."""
+        from qurl.quant.flips import flip_fractions
+
+        self.chunks, gather_s, quant_s = quantize_weights(self.learner.named_weights(),
+                                                          self.cfg.rollout.precision)
+        stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s}
+        codes = {n: t for n, t in self.chunks if t.dtype in (torch.int8, torch.float8_e4m3fn)}
+        if self._prev_codes and codes:
+            flips = flip_fractions(self._prev_codes, codes)
+            stats.update({"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
+                          "flip_frac/unscaled": flips["unscaled"]})
+        self._prev_codes = codes
+        return stats
+
+    def _push(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        stats = self.fleet.push(self.chunks, self.version, on_traj=self._accept)
+        stats["sync/time_push"] = time.perf_counter() - t0
+        return stats
+
+    # ------------------------------------------------------------------ dispatch / receive
+
+    def _prompt_tensor(self, index: int) -> torch.Tensor:
+        if index not in self._prompt_ids:
+            ids = self.codec.encode(self.train_set[index].prompt)
+            self._prompt_ids[index] = torch.tensor(ids, dtype=torch.int64)
+        return self._prompt_ids[index]
+
+    def _remaining(self) -> int:
+        """Groups still to be produced for the configured number of steps."""
+        return ((self.cfg.run.steps - self.version) * self.B - self.ledger.num_buffered
+                - self.ledger.num_in_flight)
+
+    def _dispatch(self) -> None:
+        from qurl.stream.payload import PromptTask, pack_prompt
+
+        ready = self.fleet.ready_slots()
+        if not ready:
+            return
+        bursts: dict[int, list[int]] = {}
+        while self.staleness.can_dispatch(self.version) and \
+                self._remaining() - sum(map(len, bursts.values())) > 0:
+            slot = min(ready, key=lambda s: (self.ledger.load_of(s) + len(bursts.get(s, ())), s))
+            bursts.setdefault(slot, []).extend(self.cursor.take(1))
+            self.staleness.on_dispatch(1)
+        for slot, indices in bursts.items():
+            for k, index in enumerate(indices):
+                ex = self.train_set[index]
+                d = self.ledger.dispatch(index, ex.uid, slot, self.version)
+                task = PromptTask(prompt_uid=ex.uid, prompt_ids=self._prompt_tensor(index),
+                                  params=self.params, group_size=self.G, version=self.version)
+                meta, tensors = pack_prompt(task)
+                meta.update(key=d.key, answer=ex.answer, burst_end=k == len(indices) - 1)
+                if not self.fleet.send_prompt(slot, meta, tensors):
+                    self._put_back(d.key, "unsent")
+
+    def _put_back(self, key: str, why: str, accepted: bool = False) -> None:
+        d = self.ledger.drop(key, why)
+        if d is None:
+            return
+        self.cursor.put_back([d.index])
+        if accepted:  # it had been counted as accepted but will never be trained
+            self.staleness.accepted -= 1
+        else:
+            self.staleness.on_reject(1)
+
+    def _reclaim(self, slot: int) -> None:
+        """A replaced worker's prompts go back to the cursor (re-dispatched before new ones)."""
+        lost = self.ledger.take_slot(slot)
+        self.cursor.put_back(d.index for d in lost)
+        self.staleness.on_reject(len(lost))
+        self.counts["redispatched"] += len(lost)
+
+    def _accept(self, msg: Any) -> None:
+        """File one trajectory message into the buffer (channel.py has already validated it)."""
+        meta = msg.meta
+        for k in ("gen_s", "new_tokens"):
+            if isinstance(meta.get(k), (int, float)):
+                self._since[k] += meta[k]
+        by_key: dict[str, list[Trajectory]] = {}
+        for t in msg.payload:
+            by_key.setdefault(t.prompt_uid, []).append(t)
+        for key, trajs in by_key.items():
+            if self.ledger.in_flight(key) is None:
+                self.ledger.note_late(len(trajs))
+                continue
+            for t in trajs:
+                status = self.buffer.put(t, self.version)
+                if status == "complete":
+                    self.ledger.complete(key)
+                    self.staleness.on_accept(1)
+                    self._last_progress = time.monotonic()
+                elif status == "stale":
+                    self._put_back(key, "stale")
+                    break
+
+    def _collect(self) -> tuple[list[list[Trajectory]], float]:
+        """Dispatch and receive until B complete groups can be popped. Returns them in dispatch
+        order, and the seconds spent waiting."""
+        t0 = time.perf_counter()
+        while True:
+            self.fleet.check_procs()
+            for slot in self.fleet.take_replaced():
+                self._reclaim(slot)
+            if self.fleet.need_group:
+                self._push()
+                continue
+            self._dispatch()
+            for msg in self.fleet.poll(timeout_ms=20):
+                self._accept(msg)
+            for key in self.buffer.evict_stale(self.version):
+                self._put_back(key, "evicted", accepted=self.ledger.buffered(key) is not None)
+            groups = self.buffer.pop_batch(self.B)
+            if groups is not None:
+                groups.sort(key=lambda g: self.ledger.buffered(g[0].prompt_uid).did)
+                return groups, time.perf_counter() - t0
+            if time.monotonic() - self._last_progress > STALL_TIMEOUT_S:
+                raise RuntimeError(f"no trajectories for {STALL_TIMEOUT_S:.0f}s; see "
+                                   f"{self.run_dir / 'workers'}")
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.fleet.start()
+        self._quantize()
+        self._push()
+        last_eval = self._eval(0) if self.start == 0 else None
+        for step in range(self.start + 1, cfg.run.steps + 1):
+            groups, wait_s = self._collect()
+            trained = self.ledger.trained([g[0].prompt_uid for g in groups])
+            batch, bstats = build_batch(
+                groups, version=self.version, pad_id=self.engine.tokenizer.pad_token_id,
+                advantage=cfg.algo.advantage, dynamic_sampling=cfg.algo.dynamic_sampling,
+                overlong_buffer=cfg.algo.overlong_buffer,
+                overlong_penalty_value=cfg.algo.overlong_penalty,
+                max_new_tokens=cfg.rollout.max_new_tokens)
+            broadcast_object(batch)
+            t0 = time.perf_counter()
+            tstats = {} if batch is None else self.learner.train_step(
+                batch.tokens, batch.loss_mask, batch.behav_logp, batch.adv,
+                staleness=batch.staleness, temperature=cfg.rollout.temperature)
+            t_train = time.perf_counter() - t0
+            self.version += 1
+            self.fleet.inbox.current_version = self.version
+            self._last_progress = time.monotonic()
+            sstats = self._quantize()
+            sstats.update(self._push())
+            self._log_step(step, groups, trained, wait_s, bstats, tstats, sstats, t_train,
+                           batch.num_tokens if batch is not None else 0)
+            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
+                last_eval = self._eval(step)
+            if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
+                save_checkpoint(self.ckpts, self.learner, step, self._state(step))
+        if self.start < cfg.run.steps or last_eval is None:
+            last_eval = self._eval(cfg.run.steps)
+        return last_eval
+
+    def _eval(self, step: int) -> dict:
+        if self.engine.version != self.version or step == 0:
+            self.engine.load_weights(iter(self.chunks), self.version)
+        rec = {"kind": "eval", "step": step, "version": self.version,
+               **evaluate(self.engine, self.eval_set, self.codec,
+                          max_new_tokens=self.cfg.rollout.eval_max_new_tokens,
+                          reward_timeout_s=self.cfg.data.reward_timeout_s),
+               "wall": self.wall()}
+        self.logger.log(rec)
+        self.logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} "
+                          f"on {int(rec['n'])}")
+        return rec
+
+    def _log_step(self, step: int, groups: list[list[Trajectory]], trained: list, wait_s: float,
+                  bstats: dict, tstats: dict, sstats: dict, t_train: float, n_tokens: int) -> None:
+        trajs = [t for g in groups for t in g]
+        n_new = sum(len(t.response_ids) for t in trajs)
+        # staleness of each token at training time, relative to the version trained (= before +1)
+        stale = torch.cat([(self.version - 1) - t.versions for t in trajs]) if n_new else None
+        rec: dict[str, Any] = {"kind": "train", "step": step, "version": self.version,
+                               "reward": sum(t.reward for t in trajs) / len(trajs),
+                               "response_len": n_new / len(trajs),
+                               "truncated_frac": sum(t.finish_reason == "length" for t in trajs)
+                               / len(trajs),
+                               "reward_timeouts": float(sum(t.reward_timed_out for t in trajs)),
+                               "time/wait": wait_s,
+                               "rollout_tokens_per_s": self._since["new_tokens"]
+                               / max(self._since["gen_s"], 1e-9)}
+        if stale is not None:
+            rec["staleness_mean"] = float(stale.float().mean())
+            rec["staleness_max"] = float(stale.max())
+        rec["dispatch_lag_mean"] = sum(self.version - 1 - d.version for d in trained) / len(trained)
+        rec.update(bstats)
+        rec.update(tstats)
+        rec.update(sstats)
+        acks = self.fleet.sync_acks
+        self.fleet.sync_acks = []
+        for k in ("load_s", "pause_s"):
+            vals = [a[k] for a in acks if isinstance(a.get(k), (int, float))]
+            if vals:
+                rec[f"sync/worker_{k[:-2]}_max"] = max(vals)
+        counts = Counter(self.ledger.stats) + self.fleet.counts + self.counts
+        rec.update({f"async/{k}": float(v) for k, v in counts.items()})
+        rec.update({f"async/rejects/{k}": float(v) for k, v in self.fleet.rejects().items()})
+        rec.update({"async/buffered": float(self.ledger.num_buffered),
+                    "async/in_flight": float(self.ledger.num_in_flight),
+                    "async/buffer_stale": float(self.buffer.stats.get("stale", 0))})
+        rec["time/train"] = t_train
+        rec["train_tokens_per_s"] = n_tokens / max(t_train, 1e-9)
+        rec["wall"] = self.wall()
+        self._since.clear()
+        self.logger.log(rec)
+        self.trained_log.write(json.dumps({
+            "step": step, "uids": [d.uid for d in trained], "keys": [d.key for d in trained],
+            "dispatch_versions": [d.version for d in trained]}) + "\n")
+        self.trained_log.flush()
+
+    def close(self) -> None:
+        self.fleet.close()
+        self.logger.close()
+        self.trained_log.close()
+
+
+def _truncated_jsonl(path: Path, start_step: int):
+    """Open a per-step jsonl for appending, keeping only records at or before start_step (resume)."""
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= start_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return path.open("a")

@@ -1,0 +1,254 @@
+"""The controller's side of its rollout workers: sockets, liveness, the weight group, weight pushes.
+
+Topology (all sockets bound by the controller, workers connect):
+- one PUSH per worker slot (`slots[i]`) carrying prompts *and* control messages, so a worker sees
+  them in the order they were sent (a weight update before the prompts dispatched after it), and
+  the controller always knows which worker holds which prompt;
+- one PULL (`inbound`) for everything workers send: trajectory batches and control (hello, synced).
+Every message is authenticated with the run key and validated by qurl/stream/channel.py; rejects
+(forged, replayed, truncated, oversized, invalid) are counted there and never reach the caller.
+
+Liveness and the weight group. A torch.distributed group has fixed membership, so whenever the set
+of workers changes (start, a worker died and was restarted, a worker left after a failed sync) the
+whole group is re-formed: the controller invites every live worker (`group` op with a fresh
+rendezvous port and generation number), hosts rank 0 itself, and re-broadcasts the current weights
+from its cached chunks (no learner collective needed). A slot is *ready* — may receive prompts —
+only once it is in the current group and has the current weights.
+
+A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
+whose hello comes from a new pid is *replaced*: `take_replaced()` reports it once so the controller
+re-dispatches whatever that slot held.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qurl.config import Config
+from qurl.pipeline.procs import WorkerProcs
+from qurl.pipeline.session import write_session
+
+log = logging.getLogger("qurl.fleet")
+
+GROUP_TIMEOUT_S = 120.0  # rendezvous and every broadcast of the weight group
+JOIN_TIMEOUT_S = 600.0  # a worker must say hello within this (process start + engine build)
+PING_EVERY_S = 2.0
+
+
+@dataclass
+class _SlotState:
+    pid: int | None = None  # from the worker's latest hello
+    gen_seen: int = -1  # latest group generation the worker reported having been invited to
+    ready: bool = False  # in the current group with the current weights
+
+
+class Fleet:
+    def __init__(self, cfg: Config, run_dir: Path, key: bytes, model_dir: str, *, vocab_size: int,
+                 spawn: bool = True, worker_threads: int = 0) -> None:
+        from qurl.stream.channel import Receiver, Sender
+
+        self.cfg, self.run_dir, self.key = cfg, Path(run_dir), key
+        self.n = cfg.rollout.num_workers
+        host, s = cfg.stream.host, cfg.stream
+        port = lambda base, i=0: f"tcp://{host}:{base + i if base else 0}"  # noqa: E731
+        self.senders = [Sender(port(s.prompt_port, i), key, bind=True, name=f"controller-slot{i}",
+                               hwm=s.hwm, linger_ms=0) for i in range(self.n)]
+        self.inbox = Receiver(port(s.traj_port), key, bind=True,
+                              kinds=("trajectory", "control"), hwm=s.hwm, vocab_size=vocab_size,
+                              max_len=cfg.rollout.max_new_tokens)
+        self.session = secrets.token_hex(8)
+        write_session(self.run_dir, {
+            "session": self.session, "slots": [x.endpoint for x in self.senders],
+            "inbound": self.inbox.endpoint, "model_dir": str(model_dir), "num_workers": self.n})
+        self.slots = [_SlotState() for _ in range(self.n)]
+        self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads) if spawn else None
+        self.gen = 0
+        self.group = None
+        self.sender = None
+        self.need_group = True
+        self._replaced: list[int] = []
+        self.sync_acks: list[dict[str, Any]] = []  # "synced" acks since the caller last took them
+        self.counts: Counter[str] = Counter()
+        self._last_ping = 0.0
+
+    # ------------------------------------------------------------------ processes and messages
+
+    def start(self) -> None:
+        if self.procs is not None:
+            self.procs.start_all()
+
+    def _replace(self, slot: int, why: str) -> None:
+        log.warning("worker slot %d replaced (%s)", slot, why)
+        self.slots[slot] = _SlotState()
+        self._replaced.append(slot)
+        self.counts["workers_replaced"] += 1
+        self.need_group = True
+
+    def check_procs(self) -> None:
+        """Restart workers whose process exited (each reported once by take_replaced)."""
+        if self.procs is None:
+            return
+        for slot in self.procs.poll():
+            self._replace(slot, f"process exited with {self.procs.slots[slot].exits[-1]}")
+            self.procs.start(slot)
+
+    def take_replaced(self) -> list[int]:
+        out, self._replaced = self._replaced, []
+        return out
+
+    def ready_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s.ready and not self.need_group]
+
+    def _on_control(self, meta: dict[str, Any]) -> None:
+        slot, op = meta.get("slot"), meta.get("op")
+        if not isinstance(slot, int) or not 0 <= slot < self.n or meta.get("session") != self.session:
+            self.counts["control_foreign"] += 1
+            return
+        st = self.slots[slot]
+        if op == "hello":
+            pid = meta.get("pid")
+            if st.pid is not None and pid != st.pid:
+                self._replace(slot, f"hello from new pid {pid} (was {st.pid})")
+                st = self.slots[slot]
+            st.pid = pid
+            gen = meta.get("gen", -1)
+            st.gen_seen = gen if isinstance(gen, int) else -1
+            # A hello naming the current generation means the worker left (or failed to join) the
+            # current group; an older one was sent before our invitation reached it: ignore it.
+            if self.gen > 0 and st.gen_seen >= self.gen:
+                st.ready = False
+                self.need_group = True
+        elif op == "synced":
+            self.sync_acks.append(meta)
+        else:
+            self.counts["control_unknown"] += 1
+
+    def poll(self, timeout_ms: int = 0) -> list[Any]:
+        """Receive for up to timeout_ms; handle control messages, return trajectory messages."""
+        now = time.monotonic()
+        if now - self._last_ping > PING_EVERY_S:
+            self._last_ping = now
+            for i in self.ready_slots():
+                self.send_control(i, {"op": "ping"})
+        out = []
+        for msg in self.inbox.recv_many(10_000, timeout_ms=timeout_ms):
+            if msg.kind == "control":
+                self._on_control(msg.meta)
+            elif msg.meta.get("session") != self.session:
+                self.counts["traj_foreign"] += 1
+            else:
+                out.append(msg)
+        return out
+
+    def send_control(self, slot: int, meta: dict[str, Any], timeout_ms: int = 10_000) -> bool:
+        ok = self.senders[slot].send("control", {"session": self.session, **meta},
+                                     timeout_ms=timeout_ms)
+        if not ok:
+            self.counts["control_not_sent"] += 1
+        return ok
+
+    def send_prompt(self, slot: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        return self.senders[slot].send("prompt", {"session": self.session, **meta}, tensors,
+                                       timeout_ms=10_000)
+
+    # ------------------------------------------------------------------ weight group
+
+    def _wait_for_hellos(self, on_traj: Any) -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while any(s.pid is None for s in self.slots):
+            if time.monotonic() > deadline:
+                missing = [i for i, s in enumerate(self.slots) if s.pid is None]
+                raise RuntimeError(f"worker slots {missing} did not say hello within "
+                                   f"{JOIN_TIMEOUT_S}s; see {self.run_dir / 'workers'}")
+            self.check_procs()
+            for msg in self.poll(200):
+                on_traj(msg)
+
+    def _form_group(self) -> None:
+        from qurl.sync.group import WeightGroup, free_port
+        from qurl.sync.sender import Sender as WeightSender
+
+        self._close_group()
+        self.gen += 1
+        host = self.cfg.stream.host
+        port = self.cfg.sync.port + self.gen if self.cfg.sync.port else free_port(host)
+        invite = {"op": "group", "gen": self.gen, "host": host, "port": port, "world": self.n + 1,
+                  "backend": "gloo", "name": f"qurl_weights_{self.session}_{self.gen}",
+                  "timeout_s": GROUP_TIMEOUT_S}
+        for i in range(self.n):
+            if not self.send_control(i, {**invite, "rank": i + 1}):
+                raise RuntimeError(f"could not invite worker slot {i} to the weight group")
+        self.group = WeightGroup(host, port, 0, self.n + 1, backend="gloo",
+                                 group_name=invite["name"], timeout_s=GROUP_TIMEOUT_S)
+        self.sender = WeightSender(self.group, fmt="none",
+                                   bucket_bytes=int(self.cfg.sync.bucket_mb * (1 << 20)))
+        self.counts["groups_formed"] += 1
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = self.sender = None
+        for s in self.slots:
+            s.ready = False
+
+    def broadcast(self, chunks: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Send one version to every worker in the current group. Raises on a failed broadcast
+        (the group is then closed and need_group set)."""
+        def announce(ann: Any) -> None:
+            meta = {"op": "weights", **ann.to_dict()}
+            for i in range(self.n):
+                if not self.send_control(i, meta):
+                    raise RuntimeError(f"weight announcement to slot {i} not sent")
+
+        try:
+            stats = self.sender.send(iter(chunks), version, announce=announce)
+        except Exception:
+            self.need_group = True
+            self._close_group()
+            raise
+        for s in self.slots:
+            s.ready = True
+        return stats.metrics()
+
+    def push(self, chunks: list[tuple[str, torch.Tensor]], version: int, on_traj: Any,
+             max_attempts: int = 5) -> dict[str, float]:
+        """Make every worker hold `version`: broadcast in the current group, or (re)form the group
+        first when membership changed. `on_traj` receives trajectory messages that arrive while
+        waiting. Returns the sync metrics of the successful broadcast."""
+        for attempt in range(max_attempts):
+            self.check_procs()
+            try:
+                if self.need_group:
+                    self._wait_for_hellos(on_traj)
+                    self._form_group()
+                    self.need_group = False
+                return self.broadcast(chunks, version)
+            except Exception as e:  # a worker died or hung mid-sync: restart it, re-form, resend
+                log.warning("weight push v%d attempt %d failed: %s", version, attempt + 1, e)
+                self.counts["push_failures"] += 1
+                self.need_group = True
+                self._close_group()
+                time.sleep(0.5)
+        raise RuntimeError(f"could not push weights v{version} to the workers in {max_attempts} "
+                           f"attempts; see {self.run_dir / 'workers'}")
+
+    def rejects(self) -> dict[str, int]:
+        return dict(self.inbox.rejects)
+
+    def close(self) -> None:
+        for i in range(self.n):
+            if self.slots[i].pid is not None:
+                self.send_control(i, {"op": "stop"}, timeout_ms=100)
+        if self.procs is not None:
+            self.procs.close()
+        self._close_group()
+        for s in self.senders:
+            s.close(linger_ms=0)
+        self.inbox.close()

@@ -1,0 +1,320 @@
+"""A rollout worker process: one engine, fed prompts by the controller, streaming trajectories back.
+
+    python -m qurl.pipeline.worker --run-dir runs/<run> --slot 0 [--parent-pid PID] [--threads N]
+
+The worker reads the run's config, stream key and the controller's endpoints from the run directory
+(qurl/pipeline/session.py), builds its engine from the model dir the controller names, and then:
+
+1. says hello (every second until the controller answers with a weight group to join);
+2. joins the weight-update group (qurl/sync/group.py) as rank slot+1 and receives the current
+   weights — every version after that arrives the same way: bucket announcements on the control
+   channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
+3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
+   last prompt of a burst), samples G responses per prompt with the request seeds of the sync loop
+   (`rollout.request_seed(run seed, dispatch version + 1, uid, j)`), scores them, and sends the whole
+   batch back as one trajectory message whose prompt_uids are the dispatch keys (`uid@did`).
+
+Prompts and control share one ordered channel per slot, so a weight update announced before a prompt
+is always seen before it. Between decode steps the worker polls that channel: a weight update that
+lands mid-generation is loaded at once and the remaining tokens are sampled, and tagged, with the new
+version (partial rollout); prompts that arrive meanwhile wait for the next batch.
+
+The worker exits when its parent (the controller that spawned it) is gone, or on a `stop` message.
+A worker started by hand (no --parent-pid) that hears nothing for RECONNECT_S re-reads
+controller.json and, if a new controller has taken over the run, reconnects to it.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("qurl.worker")
+
+HELLO_EVERY_S = 1.0
+RECONNECT_S = 30.0
+BURST_WAIT_S = 0.5  # how long to wait for the rest of a dispatch burst before generating anyway
+MAX_PROMPT_TOKENS = 1 << 16
+
+
+class _Abort(Exception):
+    """Abandon the current generation (controller changed or asked us to stop)."""
+
+
+class RolloutWorker:
+    def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0) -> None:
+        from qurl.pipeline.session import read_key, read_session
+        from qurl.rollout import PromptCodec
+        from qurl.runs import read_config
+        from qurl.setup import make_engine
+
+        self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
+        self.cfg = read_config(self.run_dir)
+        self.key = read_key(self.run_dir)
+        info = read_session(self.run_dir)
+        if not 0 <= self.slot < len(info["slots"]):
+            raise ValueError(f"--slot {slot}: the controller has {len(info['slots'])} slots")
+        self.engine = make_engine(self.cfg, info["model_dir"])
+        self.codec = PromptCodec(self.engine.tokenizer, self.cfg.data.template)
+        self.tasks: deque[tuple[Any, dict[str, Any], float]] = deque()  # (PromptTask, extra, t_recv)
+        self.inbox = self.outbox = None
+        self.group = self.weights_rx = None
+        self.session = ""
+        self.joined = False
+        self.gen_seen = -1  # latest weight-group generation we were invited to
+        self.stop = False
+        self.counts = {"batches": 0, "trajectories": 0, "syncs": 0, "sync_failures": 0,
+                       "bad_control": 0}
+        self._connect(info)
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect(self, info: dict[str, Any]) -> None:
+        from qurl.stream.channel import Receiver, Sender
+
+        self._close_sockets()
+        self._leave_group()
+        self.tasks.clear()  # a new controller re-dispatches from its own ledger
+        self.gen_seen = -1
+        self.session = str(info["session"])
+        hwm = self.cfg.stream.hwm
+        self.inbox = Receiver(info["slots"][self.slot], self.key, bind=False,
+                              kinds=("prompt", "control"), vocab_size=self.engine.vocab_size,
+                              max_len=MAX_PROMPT_TOKENS, hwm=hwm)
+        self.outbox = Sender(info["inbound"], self.key, bind=False, name=f"worker{self.slot}",
+                             hwm=hwm, linger_ms=2000)
+        self.last_heard = time.monotonic()
+        self._next_hello = 0.0
+        log.info("slot %d: connected to controller session %s", self.slot, self.session)
+
+    def _close_sockets(self) -> None:
+        for s in (self.inbox, self.outbox):
+            if s is not None:
+                s.close()
+        self.inbox = self.outbox = None
+
+    def _leave_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = self.weights_rx = None
+        self.joined = False
+
+    def _send_control(self, meta: dict[str, Any]) -> None:
+        meta = {"slot": self.slot, "pid": os.getpid(), "session": self.session, **meta}
+        self.outbox.send("control", meta, timeout_ms=10_000)
+
+    def _orphaned(self) -> bool:
+        return self.parent_pid > 0 and os.getppid() != self.parent_pid
+
+    def _maybe_reconnect(self) -> None:
+        from qurl.pipeline.session import read_session
+
+        self.last_heard = time.monotonic()
+        try:
+            info = read_session(self.run_dir)
+        except (OSError, ValueError) as e:
+            log.warning("slot %d: cannot re-read controller info: %s", self.slot, e)
+            return
+        if str(info.get("session")) != self.session:
+            log.info("slot %d: controller changed (%s -> %s), reconnecting", self.slot,
+                     self.session, info.get("session"))
+            self._connect(info)
+            raise _Abort()
+
+    # ------------------------------------------------------------------ messages
+
+    def _pump(self, timeout_ms: int) -> None:
+        """Handle every queued message (waiting up to timeout_ms for the first)."""
+        for msg in self.inbox.recv_many(1000, timeout_ms=timeout_ms):
+            self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        meta = msg.meta
+        if meta.get("session") != self.session:
+            self.counts["bad_control"] += 1  # an old controller's message: not ours to act on
+            return
+        self.last_heard = time.monotonic()
+        if msg.kind == "prompt":
+            if not isinstance(meta.get("key"), str) or not isinstance(meta.get("answer"), str):
+                self.counts["bad_control"] += 1
+                return
+            self.tasks.append((msg.payload, meta, time.monotonic()))
+            return
+        op = meta.get("op")
+        if op == "group":
+            self._join_group(meta)
+        elif op == "weights":
+            self._receive_weights(meta)
+        elif op == "stop":
+            self.stop = True
+            raise _Abort()
+        elif op != "ping":
+            self.counts["bad_control"] += 1
+
+    def _join_group(self, meta: dict[str, Any]) -> None:
+        from qurl.sync.group import WeightGroup
+        from qurl.sync.receiver import Receiver as WeightReceiver
+
+        self._leave_group()
+        gen = meta.get("gen")
+        self.gen_seen = gen if isinstance(gen, int) else self.gen_seen
+        try:
+            self.group = WeightGroup(str(meta["host"]), int(meta["port"]), int(meta["rank"]),
+                                     int(meta["world"]), backend=str(meta.get("backend", "gloo")),
+                                     group_name=str(meta.get("name", "qurl_weights")),
+                                     timeout_s=float(meta.get("timeout_s", 300.0)))
+        except Exception as e:  # the controller times out too and forms a new group
+            log.warning("slot %d: joining weight group gen %s failed: %s", self.slot,
+                        meta.get("gen"), e)
+            self._leave_group()
+            return
+        self.weights_rx = WeightReceiver(self.group, self.engine)
+        self.joined = True
+        log.info("slot %d: joined weight group gen %s", self.slot, meta.get("gen"))
+
+    def _receive_weights(self, first: dict[str, Any]) -> None:
+        if not self.joined:
+            self.counts["bad_control"] += 1
+            return
+        t0 = time.perf_counter()
+        pending = [first]
+
+        def next_announcement() -> dict[str, Any]:
+            if pending:
+                return pending.pop()
+            deadline = time.monotonic() + 300.0
+            while time.monotonic() < deadline:
+                msg = self.inbox.recv(timeout_ms=1000)
+                if msg is None or msg.meta.get("session") != self.session:
+                    continue
+                if msg.kind == "prompt":
+                    self._handle(msg)
+                    continue
+                if msg.meta.get("op") == "weights":
+                    return msg.meta
+                raise RuntimeError(f"control {msg.meta.get('op')!r} arrived inside a weight sync")
+            raise TimeoutError("no next bucket announcement within 300 s")
+
+        try:
+            stats = self.weights_rx.receive(next_announcement)
+        except Exception as e:  # dead peer, timeout, bad chunk: the controller re-forms the group
+            self.counts["sync_failures"] += 1
+            log.warning("slot %d: weight sync v%s failed: %s", self.slot, first.get("version"), e)
+            self._leave_group()
+            return
+        self.counts["syncs"] += 1
+        self._send_control({"op": "synced", "version": int(self.engine.version),
+                            "load_s": stats.total_s, "recv_s": stats.recv_s,
+                            "pause_s": time.perf_counter() - t0, "bytes": stats.bytes})
+
+    # ------------------------------------------------------------------ rollout
+
+    def _between_steps(self) -> None:
+        if self._orphaned():
+            raise _Abort()
+        self._pump(0)
+
+    def _take_batch(self) -> list[tuple[Any, dict[str, Any], float]]:
+        """Every queued task once the dispatch burst is complete (or has waited BURST_WAIT_S)."""
+        if not self.tasks or not self.joined:
+            return []
+        if not self.tasks[-1][1].get("burst_end") and \
+                time.monotonic() - self.tasks[0][2] < BURST_WAIT_S:
+            return []
+        batch = list(self.tasks)
+        self.tasks.clear()
+        return batch
+
+    def _rollout(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
+        from qurl.data.datasets import Example
+        from qurl.pipeline.ledger import split_key
+        from qurl.rollout import request_seed, to_trajectories
+        from qurl.stream.payload import pack_trajectories
+        from qurl.types import GenRequest
+
+        requests, examples = [], []
+        for task, meta, _ in batch:
+            key = meta["key"]
+            uid, _did = split_key(key)
+            ids = task.prompt_ids.tolist()
+            examples.append(Example(uid=key, prompt="", answer=meta["answer"]))
+            for j in range(task.group_size):
+                seed = request_seed(self.cfg.run.seed, task.version + 1, uid, j)
+                requests.append(GenRequest(rid=f"{key}#{j}", prompt_ids=ids,
+                                           params=replace(task.params, seed=seed)))
+        v_start = int(self.engine.version)
+        t0 = time.perf_counter()
+        results = self.engine.generate(requests, between_steps=self._between_steps)
+        t1 = time.perf_counter()
+        groups = to_trajectories(results, examples, self.codec,
+                                 reward_timeout_s=self.cfg.data.reward_timeout_s)
+        trajs = [t for g in groups for t in g]
+        meta, tensors = pack_trajectories(trajs)
+        meta.update({"slot": self.slot, "session": self.session, "engine_version_start": v_start,
+                     "gen_s": t1 - t0, "reward_s": time.perf_counter() - t1,
+                     "new_tokens": int(sum(len(r.output_ids) for r in results))})
+        if not self.outbox.send("trajectory", meta, tensors, timeout_ms=60_000):
+            log.warning("slot %d: trajectory batch not sent (controller queue full)", self.slot)
+            return
+        self.counts["batches"] += 1
+        self.counts["trajectories"] += len(trajs)
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        while not self.stop:
+            if self._orphaned():
+                log.info("slot %d: parent %d is gone, exiting", self.slot, self.parent_pid)
+                return 0
+            now = time.monotonic()
+            try:
+                if not self.joined and now >= self._next_hello:
+                    self._send_control({"op": "hello", "gen": self.gen_seen,
+                                        "engine_version": int(self.engine.version)})
+                    self._next_hello = now + HELLO_EVERY_S
+                if self.parent_pid == 0 and now - self.last_heard > RECONNECT_S:
+                    self._maybe_reconnect()
+                self._pump(0 if self.tasks else 50)
+                batch = self._take_batch()
+                if batch:
+                    self._rollout(batch)
+            except _Abort:
+                continue
+        return 0
+
+    def close(self) -> None:
+        self._leave_group()
+        self._close_sockets()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qurl.pipeline.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--slot", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="exit when this process is no longer our parent (0: never)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid)
+    try:
+        return worker.run()
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
