@@ -55,11 +55,12 @@ def assert_traj_equal(a: Trajectory, b: Trajectory) -> None:
         assert torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y)
 
 
-@pytest.fixture
-def link():
-    """A bound trajectory Receiver, a connected Sender, and a raw PUSH for hand-made frames."""
+@pytest.fixture(params=[1, 2], ids=["inline-mac", "pooled-mac"])
+def link(request):
+    """A bound trajectory Receiver, a connected Sender, and a raw PUSH for hand-made frames.
+    hash_threads=2 checks payloads while the MAC is computed: verdicts must not change."""
     recv = Receiver("tcp://127.0.0.1:0", KEY, kinds=("trajectory", "control"), vocab_size=VOCAB,
-                    max_len=64, current_version=3,
+                    max_len=64, current_version=3, hash_threads=request.param,
                     limits=Limits(max_frames=16, max_header_bytes=4096, max_message_bytes=1 << 16,
                                   max_tensor_elems=4096))
     send = Sender(recv.endpoint, KEY, name="w0", linger_ms=0)
@@ -194,6 +195,34 @@ def test_decode_limits_are_oversized():
             decode(frames, key=KEY, limits=limits)
         assert e.value.reason == "oversized", limits
     assert decode(frames, key=KEY, limits=Limits(max_tensor_elems=100)).tensors["a"].numel() == 100
+
+
+def test_payload_check_overlapping_the_mac_never_outranks_it():
+    from concurrent.futures import ThreadPoolExecutor
+
+    trajs = batch(2)
+    trajs[0].response_ids[0] = -3  # invalid payload
+    meta, tensors = pack_trajectories(trajs)
+    big = {**tensors, "pad": torch.zeros(300_000, dtype=torch.int64)}  # > 1 chunk: pool engaged
+
+    def check(msg):
+        validate_packed(msg.meta, {k: v for k, v in msg.tensors.items() if k != "pad"},
+                        vocab_size=VOCAB, current_version=0, max_len=64)
+        return "checked"
+
+    with ThreadPoolExecutor(2) as pool:
+        forged = encode("trajectory", meta, big, key=b"some-other-key-123", sender="s", seq=0)
+        with pytest.raises(WireError) as e:
+            decode(forged, key=KEY, pool=pool, check=check)
+        assert e.value.reason == "bad_mac"  # forged and invalid: counted as forged
+        msg = decode(encode("trajectory", meta, big, key=KEY, sender="s", seq=0), key=KEY,
+                     pool=pool, check=check)
+        assert msg.payload is None and msg.check_error.reason == "invalid"  # deferred to caller
+        trajs[0].response_ids[0] = 3
+        meta, tensors = pack_trajectories(trajs)
+        msg = decode(encode("trajectory", meta, {**tensors, "pad": big["pad"]}, key=KEY, sender="s",
+                            seq=1), key=KEY, pool=pool, check=check)
+        assert msg.payload == "checked" and msg.check_error is None
 
 
 def test_encode_refuses_what_the_schema_cannot_carry():

@@ -236,7 +236,8 @@ class Receiver(_Endpoint):
         return out
 
     def _accept(self, frames: list[zmq.Frame]) -> Message:
-        msg = decode(frames, key=self.key, limits=self.limits, pool=self._pool)
+        msg = decode(frames, key=self.key, limits=self.limits, pool=self._pool,
+                     check=self._check_payload)
         # The message is authentic, so its (sender, seq) was really sent once: any later copy is a
         # replay, whether or not this first copy turns out to be valid.
         if msg.seq <= self.last_seq.get(msg.sender, -1):
@@ -245,17 +246,26 @@ class Receiver(_Endpoint):
         self.last_seq[msg.sender] = msg.seq
         if msg.kind not in self.kinds:
             raise WireError("unexpected_kind", f"{msg.kind!r} not accepted here ({self.kinds})")
+        if msg.check_error is not None:
+            raise msg.check_error
+        return msg
+
+    def _check_payload(self, msg: Message) -> Any:
+        """Validate and unpack a typed payload. Runs inside decode, possibly before the MAC has
+        verified, so it reads state but never changes it."""
+        if msg.kind not in self.kinds:
+            return None
         if msg.kind == "trajectory":
             validate_packed(msg.meta, msg.tensors, vocab_size=self.vocab_size,
                             current_version=self.current_version, max_len=self.max_len,
                             max_prompt_len=self.max_prompt_len)
-            msg.payload = unpack_trajectories(msg.meta, msg.tensors)
-        elif msg.kind == "prompt":
+            return unpack_trajectories(msg.meta, msg.tensors)
+        if msg.kind == "prompt":
             task = unpack_prompt(msg.meta, msg.tensors)
             validate_prompt(task, vocab_size=self.vocab_size,
                             max_len=self.max_prompt_len or self.max_len)
-            msg.payload = task
-        return msg
+            return task
+        return None
 
     def _reject(self, e: WireError) -> None:
         self.rejects[e.reason] += 1

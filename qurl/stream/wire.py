@@ -23,7 +23,9 @@ Decode order (each failure raises WireError with a reason code, see REASONS):
   size limits -> header JSON -> frame count vs header ("truncated") -> MAC ("bad_mac")
   -> schema version ("bad_schema") -> header fields ("bad_header") -> tensors ("bad_tensor").
 The bounded header is parsed before the MAC only to tell truncation apart from forgery; nothing from
-an unauthenticated message is used beyond counting its rejection. Replay detection needs state, so it
+an unauthenticated message is used beyond counting its rejection. With a hashing pool, the steps
+after the MAC (and the caller's pure payload check) run while the pool hashes, which hides their
+cost; their verdict is only released once the MAC verifies, so the classification is unchanged. Replay detection needs state, so it
 lives in the receiver (channel.py): per sender, a seq <= the last accepted one is a replay.
 Payload-specific packing and validation (trajectories, prompts) live in payload.py.
 """
@@ -37,7 +39,7 @@ import struct
 import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -94,6 +96,7 @@ class Message:
     tensors: dict[str, torch.Tensor]
     nbytes: int = 0
     payload: Any = field(default=None, repr=False)
+    check_error: WireError | None = field(default=None, repr=False)
 
 
 # ---------------------------------------------------------------- MAC
@@ -107,24 +110,37 @@ def _sha256(piece: memoryview) -> bytes:
     return hashlib.sha256(piece).digest()
 
 
-def compute_mac(frames: Sequence[memoryview], key: bytes, pool: Executor | None = None) -> bytes:
-    """Tag over `frames` (byte memoryviews, MAC frame excluded); see the module docstring.
-    `pool`, if given, hashes the chunks in parallel — same tag, less wall time."""
+def start_mac(frames: Sequence[memoryview], key: bytes,
+              pool: Executor | None = None) -> Callable[[], bytes]:
+    """Begin the tag over `frames` (byte memoryviews, MAC frame excluded; see the module docstring)
+    and return a function that finishes it. With a `pool`, the large pieces are hashed by its threads
+    (hashlib releases the GIL) while the caller does other work until it calls the finisher."""
     jobs = _digest_jobs(frames)
     if pool is not None and len(jobs) > 1:
-        # Big pieces go to the pool; small ones are hashed here while it works (a pool hand-off
-        # costs more than hashing a few KiB).
+        # Only big pieces go to the pool: a hand-off costs more than hashing a few KiB here.
         futures = [pool.submit(_sha256, j) if j.nbytes >= _POOL_MIN_BYTES else None for j in jobs]
         done = [_sha256(j) if f is None else None for j, f in zip(jobs, futures)]
-        digests = iter([d if f is None else f.result() for d, f in zip(done, futures)])
     else:
-        digests = iter(_sha256(j) for j in jobs)
-    mac = hmac.new(key, DOMAIN + struct.pack("<I", len(frames)), hashlib.sha256)
-    for f in frames:
-        mac.update(struct.pack("<Q", f.nbytes))
-        for _ in range(-(-f.nbytes // CHUNK)):
-            mac.update(next(digests))
-    return mac.digest()
+        futures, done = [None] * len(jobs), None
+
+    def finish() -> bytes:
+        if done is None:
+            digests = iter(_sha256(j) for j in jobs)
+        else:
+            digests = iter([d if f is None else f.result() for d, f in zip(done, futures)])
+        mac = hmac.new(key, DOMAIN + struct.pack("<I", len(frames)), hashlib.sha256)
+        for f in frames:
+            mac.update(struct.pack("<Q", f.nbytes))
+            for _ in range(-(-f.nbytes // CHUNK)):
+                mac.update(next(digests))
+        return mac.digest()
+
+    return finish
+
+
+def compute_mac(frames: Sequence[memoryview], key: bytes, pool: Executor | None = None) -> bytes:
+    """Tag over `frames`; `pool`, if given, hashes the chunks in parallel (same tag, less time)."""
+    return start_mac(frames, key, pool)()
 
 
 def _check_key(key: bytes) -> bytes:
@@ -265,9 +281,16 @@ def decode(
     key: bytes,
     limits: Limits = Limits(),
     pool: Executor | None = None,
+    check: Callable[[Message], Any] | None = None,
 ) -> Message:
     """Authenticate and parse one message (frames: zmq.Frame / bytes / memoryview).
-    Raises WireError; never returns a message whose MAC did not verify. No replay check here."""
+    Raises WireError; never returns a message whose MAC did not verify. No replay check here.
+
+    check(msg), if given, is the payload check (validation, unpacking). It runs while the MAC is
+    being computed — on bytes not yet authenticated, so it must have no side effects. Its result
+    becomes msg.payload; a WireError it raises is kept in msg.check_error for the caller to raise
+    after its own stateful checks (replay), so that every message is classified as if checked in
+    the documented order."""
     key = _check_key(key)
     if len(frames) < 2:
         raise WireError("truncated", f"{len(frames)} frame(s); a message has at least header + MAC")
@@ -289,8 +312,28 @@ def decode(
     tag = views[-1]
     if tag.nbytes != MAC_BYTES:
         raise WireError("truncated", f"MAC frame is {tag.nbytes} bytes, not {MAC_BYTES}")
-    if not hmac.compare_digest(compute_mac(views[:-1], key, pool), tag):
+    finish_mac = start_mac(views[:-1], key, pool)
+    # While the pool hashes, parse the rest and run `check`. Both are pure functions of the bytes,
+    # so the outcome equals checking after the MAC; only a verified MAC lets any of it out.
+    msg, error = None, None
+    try:
+        msg = _parse_body(header, specs, views, total, limits)
+        if check is not None:
+            try:
+                msg.payload = check(msg)
+            except WireError as e:
+                msg.check_error = e
+    except WireError as e:
+        error = e
+    if not hmac.compare_digest(finish_mac(), tag):
         raise WireError("bad_mac", "MAC does not verify (wrong key or altered frames)")
+    if error is not None:
+        raise error
+    return msg
+
+
+def _parse_body(header: dict[str, Any], specs: list, views: list[memoryview], total: int,
+                limits: Limits) -> Message:
     if header.get("schema") != SCHEMA_VERSION:
         raise WireError("bad_schema", f"schema={header.get('schema')!r}, expected {SCHEMA_VERSION}")
     _check_fields(header)
