@@ -21,12 +21,14 @@ full context `ids` (prompt + generated so far), with log-prob -1 / (version + 2)
 
 Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
 `/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses;
-`/_fake/requests` lists the /generate bodies received.
+`/_fake/requests` lists the /generate bodies received; `--die-once-at-bucket-2 FILE` makes the
+process exit in the middle of its first sync (when FILE does not exist yet; it creates it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -80,6 +82,7 @@ class FakeSGLang:
         self.weights: dict[str, torch.Tensor] = {}
         self.requests: list[dict] = []
         self.fault: str | None = None
+        self.buckets_seen = 0
         self.ready_at = time.time() + args.startup_delay
 
     # ---------------------------------------------------------------- generation
@@ -238,6 +241,11 @@ class FakeSGLang:
         if not self.session:
             return 400, {"success": False, "message": "update_weights_from_distributed must run "
                          "between begin_weight_update() and end_weight_update()"}
+        self.buckets_seen += 1
+        marker = self.args.die_once_at_bucket_2
+        if marker and self.buckets_seen == 2 and not Path(marker).exists():
+            Path(marker).write_text("died")  # a crash in the middle of a sync, once per marker
+            os._exit(1)
         name = body.get("group_name") or "weight_update_group"
         if name not in self.groups:
             return 400, {"success": False, "message": f"Failed to receive weights: Group {name} "
@@ -382,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-delay", type=float, default=0.002)
     p.add_argument("--startup-delay", type=float, default=0.0)
     p.add_argument("--group-timeout", type=float, default=60.0)
+    p.add_argument("--die-once-at-bucket-2", default="", metavar="MARKER_FILE")
     args = p.parse_args(argv)
     if args.tp_size != 1:
         sys.exit("fake_sglang: only --tp-size 1")

@@ -166,18 +166,23 @@ def test_launch_generate_sync_partial_rollout_and_disk(tmp_path):
 @pytest.mark.slow
 def test_dead_engine_is_restarted_and_resent_current_weights(tmp_path):
     port = free_port()
-    eng = SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", command=_fake_cmd(tmp_path, port))],
+    marker = tmp_path / "died"
+    cmd = _fake_cmd(tmp_path, port, extra=("--die-once-at-bucket-2", str(marker)))
+    eng = SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", command=cmd)],
                        precision="int8", bucket_bytes=4096, timeouts=FAST, log_dir=tmp_path / "logs")
     dump = tmp_path / "dump" / f"port{port}_v1.safetensors"
     try:
         v1 = _named(1)
+        # the server crashes in the middle of the broadcast: restarted, new group, v1 sent again
         eng.load_weights(v1, 1)
+        assert marker.exists() and eng.restarts == 1 and eng.version == 1
+        assert _same(load_file(str(dump)), v1)
         dump.unlink()
         first = eng.servers[0].proc
         first.kill()
         first.wait()
         (r,) = eng.generate([GenRequest("x", [2, 7], SamplingParams(max_new_tokens=4))])
-        assert eng.restarts == 1 and eng.servers[0].proc is not first
+        assert eng.restarts == 2 and eng.servers[0].proc is not first
         assert _same(load_file(str(dump)), v1)  # the new process got the current weights again
         assert r.versions.tolist() == [1] * 4 and r.output_ids.tolist() == _expected([2, 7], [1] * 4)[0]
         # dies again, this time found by a sync: restarted, and the NEW version lands
@@ -185,7 +190,7 @@ def test_dead_engine_is_restarted_and_resent_current_weights(tmp_path):
         eng.servers[0].proc.wait()
         v2 = _named(2)
         eng.load_weights(v2, 2)
-        assert eng.restarts == 2 and eng.version == 2
+        assert eng.restarts == 3 and eng.version == 2
         assert _same(load_file(str(tmp_path / "dump" / f"port{port}_v2.safetensors")), v2)
     finally:
         eng.close()

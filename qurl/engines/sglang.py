@@ -441,7 +441,12 @@ class SGLangEngine:
             sessions = self._each(lambda s: s.post_json("/begin_weight_update", {}, c, ok_404=True),
                                   2 * c)
             t1 = time.perf_counter()
-            stats = self._sender.send(chunks, version, announce=self._announce(version))
+            try:
+                stats = self._sender.send(chunks, version, announce=self._announce(version))
+            except RuntimeError as e:  # the group broke (a server died mid-broadcast): recoverable
+                if isinstance(e, SGLangError):
+                    raise
+                raise SGLangUnavailable(f"weight broadcast to the servers failed: {e}") from e
             t2 = time.perf_counter()
             self._each(lambda s: None if sessions[self.servers.index(s)] is None else
                        s.post_json("/end_weight_update", {}, c), 2 * c)
