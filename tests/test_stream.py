@@ -106,7 +106,8 @@ def test_encode_decode_all_dtypes_bit_exact():
     tensors = {
         "f32": torch.randn(3, 4, generator=g), "f64": torch.randn(5, generator=g, dtype=torch.float64),
         "bf16": torch.randn(2, 3, generator=g).bfloat16(), "f16": torch.randn(7, generator=g).half(),
-        "i64": torch.randint(-2**62, 2**62, (4,), generator=g), "i8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+        "i64": torch.randint(-2**62, 2**62, (4,), generator=g),
+        "i8": torch.tensor([-128, 0, 127], dtype=torch.int8),
         "u8": torch.tensor([0, 255], dtype=torch.uint8), "b": torch.tensor([True, False, True]),
         "empty": torch.empty(0, 5), "scalar": torch.tensor(2.5),
         "strided": torch.arange(12).view(3, 4).t(),  # non-contiguous: sent as its C-order copy

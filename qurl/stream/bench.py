@@ -17,7 +17,9 @@ with --no-gc-freeze), and the learner/worker processes should too.
 Throughput counts message bytes (all frames) received after the first message (the first absorbs
 connection set-up) divided by the time between the first and the last receipt. For reference it
 also measures, on one core and without sockets, the MAC alone and the validation+unpack alone, which
-shows what bounds the authenticated path. Usage: `python -m qurl.stream.bench --total-mb 2048`.
+shows what bounds the authenticated path, and the fraction of the run the receiver spent checking.
+hash_threads (default 4) threads per end hash the MAC pieces; the receiver's payload checks run
+while they hash. Usage: `python -m qurl.stream.bench --total-mb 2048 [--response-len 8192]`.
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ def _receive(mode: str, n_msgs: int, key: bytes, hash_threads: int, start_sender
             if mode == "auth":
                 msg = recv.recv(timeout_ms=60_000)
                 if msg is None:
-                    raise RuntimeError(f"auth: no message within 60 s after {i} (rejects: {dict(recv.rejects)})")
+                    raise RuntimeError(f"auth: no message within 60 s after {i} "
+                                       f"(rejects: {dict(recv.rejects)})")
                 size = msg.nbytes
             else:
                 frames = sock.recv_multipart(copy=False)
@@ -148,7 +151,7 @@ def _one_core_reference(msg_mb: float, prompt_len: int, response_len: int, key: 
 
 
 def bench_stream(total_mb: int = 2048, msg_mb: float = 8, *, prompt_len: int = 256,
-                 response_len: int = 1024, hash_threads: int = 1, processes: bool = True,
+                 response_len: int = 1024, hash_threads: int = 4, processes: bool = True,
                  gc_freeze: bool = True, verbose: bool = True) -> dict[str, Any]:
     """Measure stream MB/s for raw and authenticated+validated trajectory messages (see module doc).
     Returns {"raw": {...}, "auth": {...}, "auth_over_raw", "one_core": {...}, "config": {...}}."""
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--msg-mb", type=float, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=1024)
-    ap.add_argument("--hash-threads", type=int, default=1)
+    ap.add_argument("--hash-threads", type=int, default=4)
     ap.add_argument("--threads", action="store_true", help="sender in a thread, not a process")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave Python's GC as it is")
     a = ap.parse_args(argv)

@@ -27,8 +27,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
-import torch
-
 from qurl.types import Trajectory
 
 

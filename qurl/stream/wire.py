@@ -25,8 +25,9 @@ Decode order (each failure raises WireError with a reason code, see REASONS):
 The bounded header is parsed before the MAC only to tell truncation apart from forgery; nothing from
 an unauthenticated message is used beyond counting its rejection. With a hashing pool, the steps
 after the MAC (and the caller's pure payload check) run while the pool hashes, which hides their
-cost; their verdict is only released once the MAC verifies, so the classification is unchanged. Replay detection needs state, so it
-lives in the receiver (channel.py): per sender, a seq <= the last accepted one is a replay.
+cost; their verdict is only released once the MAC verifies, so the classification is unchanged.
+Replay detection needs state, so it lives in the receiver (channel.py): per sender, a seq <= the
+last accepted one is a replay.
 Payload-specific packing and validation (trajectories, prompts) live in payload.py.
 """
 from __future__ import annotations
