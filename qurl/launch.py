@@ -9,14 +9,17 @@ Placement:
 - nodes = `--nodes h0,h1,...` (Slurm passes its host list), else `learner.master_addr` followed
   by the distinct hosts of `rollout.sglang_urls`. Node 0 is the learner's master; the first
   `learner.nnodes` nodes run torchrun with `learner.nproc_per_node` ranks on GPUs 0..P-1
-  (the learner is TP only: nnodes * nproc_per_node must equal learner.tp).
-- servers = `rollout.sglang_urls` when given (each host must be one of the nodes), else every
-  non-learner node is filled with `gpus_per_node // rollout.sglang_tp` servers on ports
-  30000, 30001, ...; their URLs are passed to the learner with `--set rollout.sglang_urls=...`.
+  (the learner is TP only: nnodes * nproc_per_node must equal learner.tp; a nproc_per_node left
+  at its default 1 is taken as tp / nnodes, since the presets set only learner.tp).
+- servers = `rollout.sglang_urls` when given (each host must be one of the nodes), else the free
+  GPUs of every node (all of a non-learner node, those after the learner's on a learner node) are
+  filled with servers of `rollout.sglang_tp` GPUs on ports 30000, 30001, ...; their URLs are
+  passed to the learner with `--set rollout.sglang_urls=...`.
 - on each node, servers take consecutive blocks of `sglang_tp` GPUs after the learner's.
 - before its servers start, a node writes the 8-bit checkpoint (`python -m
   qurl.models.export8bit`, UAQ-scaled) under the run directory; on a shared filesystem every
-  node writes the same bytes.
+  node writes the same bytes. Paths in the commands are as in the config (relative ones resolve
+  against each node's working directory: launch from the same shared directory everywhere).
 
 `qurl launch --dry-run` prints every node's commands; without it, the commands of `--node-rank`
 are run (export, servers in the background, then the learner) and the servers are stopped when
@@ -68,12 +71,14 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     """Per-node commands for `cfg`. `config_args` are the `--preset/--config/--set` arguments
     that reproduce cfg; they are forwarded to the learner's `qurl train`."""
     lc, r = cfg.learner, cfg.rollout
-    if lc.nnodes * lc.nproc_per_node != lc.tp:
+    nproc = lc.nproc_per_node
+    if nproc == 1 and lc.tp > 1 and lc.tp % lc.nnodes == 0:
+        nproc = lc.tp // lc.nnodes  # 1 is the default: the presets only set learner.tp
+    if lc.nnodes * nproc != lc.tp:
         raise ValueError(f"learner.tp={lc.tp}: must equal learner.nnodes * learner.nproc_per_node "
-                         f"= {lc.nnodes} * {lc.nproc_per_node} (the learner is TP only)")
-    if lc.nproc_per_node > gpus_per_node:
-        raise ValueError(f"learner.nproc_per_node={lc.nproc_per_node} > --gpus-per-node "
-                         f"{gpus_per_node}")
+                         f"= {lc.nnodes} * {nproc} (the learner is TP only)")
+    if nproc > gpus_per_node:
+        raise ValueError(f"learner.nproc_per_node={nproc} > --gpus-per-node {gpus_per_node}")
     urls = list(r.sglang_urls)
     if nodes is None:
         nodes = [lc.master_addr] + [h for h in dict.fromkeys(_host_port(u)[0] for u in urls)
@@ -84,7 +89,7 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     if master != lc.master_addr:
         extra_sets.append(f"learner.master_addr={master}")
     plans = [NodePlan(i, h) for i, h in enumerate(nodes)]
-    used = {h: (lc.nproc_per_node if i < lc.nnodes else 0) for i, h in enumerate(nodes)}
+    used = {h: (nproc if i < lc.nnodes else 0) for i, h in enumerate(nodes)}
     servers: list[tuple[str, int]] = []
     if r.engine == "sglang":
         if r.sglang_tp > gpus_per_node:
@@ -95,11 +100,12 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                 if h not in used:
                     raise ValueError(f"rollout.sglang_urls: host {h!r} is not a node ({nodes})")
         else:
-            for h in nodes[lc.nnodes:]:
-                servers += [(h, BASE_PORT + k) for k in range(gpus_per_node // r.sglang_tp)]
+            for h in nodes:
+                servers += [(h, BASE_PORT + k)
+                            for k in range((gpus_per_node - used[h]) // r.sglang_tp)]
             if not servers:
-                raise ValueError("rollout.engine='sglang' needs rollout.sglang_urls or nodes "
-                                 f"beyond the {lc.nnodes} learner node(s) (--nodes)")
+                raise ValueError("rollout.engine='sglang' needs rollout.sglang_urls or free GPUs "
+                                 f"for rollout.sglang_tp={r.sglang_tp} on some node (--nodes)")
             extra_sets.append("rollout.sglang_urls=" + ",".join(f"http://{h}:{p}"
                                                                  for h, p in servers))
         if cfg.model.preset != "path":
@@ -124,11 +130,11 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                 "sglang", server_command(ckpt, port=port, host="0.0.0.0", tp=r.sglang_tp,
                                          quantization=quant, extra=r.sglang_args, python=python),
                 {"CUDA_VISIBLE_DEVICES": gpus}))
-    gpus = ",".join(str(g) for g in range(lc.nproc_per_node))
+    gpus = ",".join(str(g) for g in range(nproc))
     train_args = list(config_args) + [a for s in extra_sets for a in ("--set", s)]
     for i in range(lc.nnodes):
         plans[i].commands.append(Command(
-            "learner", ["torchrun", f"--nnodes={lc.nnodes}", f"--nproc-per-node={lc.nproc_per_node}",
+            "learner", ["torchrun", f"--nnodes={lc.nnodes}", f"--nproc-per-node={nproc}",
                         f"--node-rank={i}", f"--master-addr={master}",
                         f"--master-port={lc.master_port}", "-m", "qurl.cli", "train", *train_args],
             {"CUDA_VISIBLE_DEVICES": gpus}))
@@ -182,6 +188,9 @@ def main_launch(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--python", default="python", help="interpreter named in the commands")
     p.add_argument("--dry-run", action="store_true", help="print every node's commands and exit")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `qurl launch -- --preset ...` (argparse REMAINDER keeps the "--")
+        argv = argv[1:]
     args = p.parse_args(argv)
     cfg = load_config(args.preset, args.config, args.set)
     config_args = ["--preset", args.preset] + (["--config", args.config] if args.config else [])

@@ -42,21 +42,25 @@ def test_dry_run_two_node_example(capsys):
 
 def test_slurm_style_placement_from_node_list():
     cfg = load_config("paper-deepscaler-1.5b", sets=[
-        "model.path=/m", "learner.tp=2", "learner.nproc_per_node=2", "rollout.precision=fp8",
-        "rollout.sglang_tp=4"])
+        "model.path=/m", "learner.tp=2", "rollout.precision=fp8", "rollout.sglang_tp=4"])
     plans = plan(cfg, ["--preset", "paper-deepscaler-1.5b"], nodes=["gpu-a", "gpu-b"])
     learner = plans[0].commands[-1]
-    # servers fill node 1 (8 GPUs / tp 4 = 2) and the learner is told where they are and that
-    # node 0 is its master (the config's 127.0.0.1 is replaced)
+    # servers (tp 4) fill the free GPUs: 2-5 next to the learner's 0-1 on node 0, all 8 of node 1;
+    # the learner is told where they are and that node 0 is its master (replacing 127.0.0.1)
     assert learner.role == "learner" and "--master-addr=gpu-a" in learner.argv
+    assert learner.env == {"CUDA_VISIBLE_DEVICES": "0,1"} and "--nproc-per-node=2" in learner.argv
     sets = [learner.argv[i + 1] for i, a in enumerate(learner.argv) if a == "--set"]
-    assert sets == ["learner.master_addr=gpu-a",
-                    "rollout.sglang_urls=http://gpu-b:30000,http://gpu-b:30001"]
-    roles = [c.role for c in plans[1].commands]
-    assert roles == ["export", "sglang", "sglang"]
+    assert sets == ["learner.master_addr=gpu-a", "rollout.sglang_urls=http://gpu-a:30000,"
+                    "http://gpu-b:30000,http://gpu-b:30001"]
+    assert [c.role for c in plans[0].commands] == ["export", "sglang", "learner"]
+    assert plans[0].commands[1].env == {"CUDA_VISIBLE_DEVICES": "2,3,4,5"}
+    assert [c.role for c in plans[1].commands] == ["export", "sglang", "sglang"]
     s0 = plans[1].commands[1]
     assert s0.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"} and "w8a8_fp8" in s0.argv
     assert plans[1].commands[2].env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    # presets set only learner.tp: nproc_per_node (default 1) follows it
+    dapo = plan(load_config("paper-dapo-7b", sets=["model.path=/m"]), [], nodes=["x", "y"])
+    assert "--nproc-per-node=4" in dapo[0].commands[-1].argv
 
 
 @pytest.mark.parametrize("sets,msg", [
@@ -85,4 +89,4 @@ def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
                 {"CUDA_VISIBLE_DEVICES": "0"}),
     ])
     assert run_node(node) == 0 and mark.read_text() == "x"  # returns once the learner exits
-    assert main_launch(["--set", "learner.tp=3", "--dry-run"]) == 2  # clear error, exit code 2
+    assert main_launch(["--set", "learner.tp=3", "--set", "learner.nnodes=2", "--dry-run"]) == 2
