@@ -15,8 +15,8 @@ where the product of codes is computed by an 8-bit kernel:
   it takes any shape. On CUDA it needs M > 16 and K, N multiples of 8, so rows are zero-padded to
   at least 32 and K/N to multiples of 8 there (zero rows/columns add nothing to the sum). The int32
   sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
-- FP8: `torch._scaled_mm` (unit tensor-wise scales, fp32 output) where the device has an FP8 GEMM (CUDA sm89+; recent
-  CPU builds of torch also implement it, probed once per device). Elsewhere an *exact emulation*:
+- FP8: `torch._scaled_mm` (unit tensor-wise scales, fp32 output) on CUDA devices with an FP8 GEMM
+  (sm89+, probed once per device). Elsewhere (CPU) an *exact emulation*:
   the codes are widened to fp32 (every E4M3 value is exactly representable) and multiplied in fp32.
   Products of two E4M3 values have <= 8 significant bits, so each product is exact in fp32 and the
   only difference to a hardware FP8 GEMM (which also accumulates in fp32) is summation order.
@@ -159,24 +159,38 @@ class Int8Linear(QuantLinear):
 
 
 class Fp8Linear(QuantLinear):
-    """W8A8 FP8 (E4M3) linear: torch._scaled_mm where available, exact fp32 emulation otherwise.
+    """W8A8 FP8 (E4M3) linear: torch._scaled_mm on CUDA sm89+, exact fp32 emulation elsewhere.
 
-    `backend` ("auto" | "scaled_mm" | "emulate") picks the GEMM; "auto" probes the device once."""
+    `backend` ("auto" | "scaled_mm" | "emulate") picks the GEMM. "auto" uses _scaled_mm only on CUDA
+    devices that have it: torch's CPU _scaled_mm works but is slower than the emulation on these
+    machines. The emulation keeps the fp32 widening of the codes cached (keyed on the weight
+    buffer's version counter, so any in-place write of new codes invalidates it)."""
 
     fmt = "fp8"
     backend: str = "auto"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._wide: tuple[int, torch.Tensor] | None = None
+
+    def _widened(self) -> torch.Tensor:
+        ver = self.weight._version
+        if self._wide is None or self._wide[0] != ver:
+            self._wide = (ver, self.weight.to(torch.float32))
+        return self._wide[1]
+
     def _code_product(self, xq: torch.Tensor) -> torch.Tensor:
         use = self.backend
         if use == "auto":
-            use = "scaled_mm" if scaled_mm_available(xq.device) else "emulate"
+            cuda_ok = xq.device.type == "cuda" and scaled_mm_available(xq.device)
+            use = "scaled_mm" if cuda_ok else "emulate"
         if use == "scaled_mm":
             # Unit tensor-wise scales (the most widely supported _scaled_mm mode); the real row-wise
             # scales are applied in fp32 by `forward`, exactly as for the emulation.
             one = torch.ones((), device=xq.device)
             return torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one,
                                     out_dtype=torch.float32)
-        return xq.to(torch.float32) @ self.weight.to(torch.float32).t()
+        return xq.to(torch.float32) @ self._widened().t()
 
 
 QUANT_LINEARS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "fp8": Fp8Linear}

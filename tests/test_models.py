@@ -1,0 +1,161 @@
+"""Locally built models and tokenizer: save/reload through the Auto classes offline, checkpoint
+checks that name what is wrong, safetensors read/write, and the supervised warm start."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from qurl.models.hf import (
+    build_model, check_checkpoint, load_checkpoint, param_count, read_state_dict, write_state_dict,
+)
+from qurl.models.tokenizer import build_tokenizer
+from qurl.models.warmstart import completion_loss, sft_warmstart
+
+MICRO = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def micro_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("m") / "micro", "tiny", seed=0, overrides=MICRO)
+
+
+def test_tokenizer_round_trip_and_specials():
+    tok = build_tokenizer()
+    assert len(tok) == 100
+    text = "Q: 12+34=?\nA: 46 \\boxed{46} ~`|"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids) == text
+    assert tok.eos_token == tok.pad_token == "<|endoftext|>"
+    assert tok.decode([tok.eos_token_id]) == "<|endoftext|>"
+    assert tok.encode("<|im_start|>", add_special_tokens=False) == [tok.convert_tokens_to_ids("<|im_start|>")]
+    assert tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+
+
+def test_chat_template():
+    tok = build_tokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_tiny_preset_builds_reloads_offline(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_model(tmp_path / "tiny", "tiny", seed=3)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
+    model, tok = load_checkpoint(path)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert 3_000_000 <= param_count(model) <= 5_000_000
+    cfg = model.config
+    assert cfg.num_key_value_heads < cfg.num_attention_heads and cfg.tie_word_embeddings
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2 qkv bias
+    again = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    ids = torch.tensor([tok.encode("12+34=")])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)
+    assert AutoTokenizer.from_pretrained(path).encode("12+34=") == ids[0].tolist()
+    # Same seed, same weights; the caller's RNG stream is left alone.
+    state = torch.random.get_rng_state()
+    other = build_model(tmp_path / "tiny2", "tiny", seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    a, b = read_state_dict(path), read_state_dict(other)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="model preset must be one of"):
+        build_model("/nonexistent", "huge")
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("remove,named", [
+    ("config.json", "missing config.json"),
+    ("model.safetensors", "missing model.safetensors"),
+    ("tokenizer.json", "missing tokenizer.json"),
+])
+def test_missing_files_are_named(micro_dir, tmp_path, remove, named):
+    d = _copy(micro_dir, tmp_path / "ck")
+    (d / remove).unlink()
+    with pytest.raises(ValueError, match=named) as err:
+        check_checkpoint(d)
+    assert str(d) in str(err.value)
+    with pytest.raises(ValueError, match=named):
+        load_checkpoint(d)
+
+
+@pytest.mark.parametrize("field,value", [("architectures", ["GPT2LMHeadModel"]), ("model_type", "gpt2")])
+def test_unsupported_architecture_is_named(micro_dir, tmp_path, field, value):
+    d = _copy(micro_dir, tmp_path / "ck")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"field '{field}'.*not supported"):
+        check_checkpoint(d)
+
+
+def test_sharded_write_read_and_load(micro_dir, tmp_path):
+    d = _copy(micro_dir, tmp_path / "ck")
+    sd = read_state_dict(d)
+    (d / "model.safetensors").unlink()
+    files = write_state_dict(d, sd, max_shard_bytes=20_000)
+    assert len(files) > 2 and (d / "model.safetensors.index.json").is_file()
+    back = read_state_dict(d)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    model, _ = load_checkpoint(d)  # from_pretrained follows the index
+    assert torch.equal(model.model.embed_tokens.weight, sd["model.embed_tokens.weight"])
+    files[0].unlink()
+    with pytest.raises(ValueError, match=f"missing weight shard {files[0].name}"):
+        check_checkpoint(d)
+
+
+def test_llama_checkpoint_loads(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    model, _ = load_checkpoint(tmp_path / "llama")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert "lm_head.weight" in read_state_dict(tmp_path / "llama")  # untied
+
+
+PAIRS = [(f"{a}+{b}=", f"{a + b} \\boxed{{{a + b}}}") for a in range(10, 40, 3) for b in (7, 21)]
+
+
+def test_warmstart_lowers_loss_and_is_deterministic(micro_dir, tmp_path):
+    model, tok = load_checkpoint(micro_dir)
+    before = completion_loss(model, tok, PAIRS)
+    kw = dict(steps=12, lr=3e-3, batch_size=8, seed=5, bf16_autocast=False)
+    out1 = sft_warmstart(micro_dir, PAIRS, out_dir=tmp_path / "a", **kw)
+    out2 = sft_warmstart(micro_dir, PAIRS, out_dir=tmp_path / "b", **kw)
+    tuned, _ = load_checkpoint(out1)
+    after = completion_loss(tuned, tok, PAIRS)
+    assert after < before - 0.5, (before, after)  # mean NLL per completion token, nats
+    log = json.loads((out1 / "warmstart.json").read_text())
+    assert len(log["losses"]) == 12 and log["loss_last"] < log["loss_first"]
+    a, b = read_state_dict(out1), read_state_dict(out2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    check_checkpoint(out1)  # a complete checkpoint the engine and learner can load
+
+
+def test_warmstart_rejects_bad_input(micro_dir, tmp_path):
+    with pytest.raises(ValueError, match="pairs is empty"):
+        sft_warmstart(micro_dir, [], steps=1, lr=1e-3, batch_size=2, seed=0, out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"pairs\[0\].*exceed"):
+        sft_warmstart(micro_dir, [("x" * 600, "y")], steps=1, lr=1e-3, batch_size=2, seed=0,
+                      out_dir=tmp_path)
