@@ -1,10 +1,14 @@
 """The controller's side of its rollout workers: sockets, liveness, the weight group, weight pushes.
 
-Topology (all sockets bound by the controller, workers connect):
-- one PUSH per worker slot (`slots[i]`) carrying prompts *and* control messages, so a worker sees
-  them in the order they were sent (a weight update before the prompts dispatched after it), and
-  the controller always knows which worker holds which prompt;
-- one PULL (`inbound`) for everything workers send: trajectory batches and control (hello, synced).
+Topology:
+- every worker binds its own PULL socket and announces it in its (authenticated) hello; the
+  controller *connects* one PUSH per worker slot to it. That socket carries prompts *and* control
+  messages, so a worker sees them in the order they were sent (a weight update before the prompts
+  dispatched after it), and — because a connecting PUSH has exactly the one peer it connected to —
+  no other process can attach to it and siphon off prompts, and the controller always knows which
+  worker holds which prompt;
+- the controller binds one PULL (`inbound`, published in controller.json) for everything workers
+  send: trajectory batches and control (hello, synced).
 Every message is authenticated with the run key and validated by qurl/stream/channel.py; rejects
 (forged, replayed, truncated, oversized, invalid) are counted there and never reach the caller.
 
@@ -16,12 +20,14 @@ from its cached chunks (no learner collective needed). A slot is *ready* — may
 only once it is in the current group and has the current weights.
 
 A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
-whose hello comes from a new pid is *replaced*: `take_replaced()` reports it once so the controller
-re-dispatches whatever that slot held.
+whose hello comes from a new pid is *replaced*: its socket is closed (queued messages to the dead
+process are discarded) and `take_replaced()` reports it once so the controller re-dispatches
+whatever that slot held.
 """
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections import Counter
@@ -56,17 +62,15 @@ class Fleet:
 
         self.cfg, self.run_dir, self.key = cfg, Path(run_dir), key
         self.n = cfg.rollout.num_workers
-        host, s = cfg.stream.host, cfg.stream
-        port = lambda base, i=0: f"tcp://{host}:{base + i if base else 0}"  # noqa: E731
-        self.senders = [Sender(port(s.prompt_port, i), key, bind=True, name=f"controller-slot{i}",
-                               hwm=s.hwm, linger_ms=0) for i in range(self.n)]
-        self.inbox = Receiver(port(s.traj_port), key, bind=True,
+        s = cfg.stream
+        self.senders: list[Sender | None] = [None] * self.n  # connected on the worker's hello
+        self.inbox = Receiver(f"tcp://{s.host}:{s.traj_port}", key, bind=True,
                               kinds=("trajectory", "control"), hwm=s.hwm, vocab_size=vocab_size,
                               max_len=cfg.rollout.max_new_tokens)
         self.session = secrets.token_hex(8)
         write_session(self.run_dir, {
-            "session": self.session, "slots": [x.endpoint for x in self.senders],
-            "inbound": self.inbox.endpoint, "model_dir": str(model_dir), "num_workers": self.n})
+            "session": self.session, "inbound": self.inbox.endpoint, "model_dir": str(model_dir),
+            "num_workers": self.n, "pid": os.getpid()})
         self.slots = [_SlotState() for _ in range(self.n)]
         self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads) if spawn else None
         self.gen = 0
@@ -87,6 +91,9 @@ class Fleet:
     def _replace(self, slot: int, why: str) -> None:
         log.warning("worker slot %d replaced (%s)", slot, why)
         self.slots[slot] = _SlotState()
+        if self.senders[slot] is not None:
+            self.senders[slot].close(linger_ms=0)  # whatever was queued for the dead one is void
+            self.senders[slot] = None
         self._replaced.append(slot)
         self.counts["workers_replaced"] += 1
         self.need_group = True
@@ -118,6 +125,7 @@ class Fleet:
                 self._replace(slot, f"hello from new pid {pid} (was {st.pid})")
                 st = self.slots[slot]
             st.pid = pid
+            self._connect(slot, meta.get("endpoint"))
             gen = meta.get("gen", -1)
             st.gen_seen = gen if isinstance(gen, int) else -1
             # A hello naming the current generation means the worker left (or failed to join) the
@@ -129,6 +137,20 @@ class Fleet:
             self.sync_acks.append(meta)
         else:
             self.counts["control_unknown"] += 1
+
+    def _connect(self, slot: int, endpoint: Any) -> None:
+        from qurl.stream.channel import Sender
+
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            self.counts["hello_bad_endpoint"] += 1
+            return
+        old = self.senders[slot]
+        if old is not None and old.endpoint == endpoint:
+            return
+        if old is not None:
+            old.close(linger_ms=0)
+        self.senders[slot] = Sender(endpoint, self.key, bind=False, name=f"controller-slot{slot}",
+                                    hwm=self.cfg.stream.hwm, linger_ms=0)
 
     def poll(self, timeout_ms: int = 0) -> list[Any]:
         """Receive for up to timeout_ms; handle control messages, return trajectory messages."""
@@ -148,6 +170,8 @@ class Fleet:
         return out
 
     def send_control(self, slot: int, meta: dict[str, Any], timeout_ms: int = 10_000) -> bool:
+        if self.senders[slot] is None:
+            return False
         ok = self.senders[slot].send("control", {"session": self.session, **meta},
                                      timeout_ms=timeout_ms)
         if not ok:
@@ -155,6 +179,8 @@ class Fleet:
         return ok
 
     def send_prompt(self, slot: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        if self.senders[slot] is None:
+            return False
         return self.senders[slot].send("prompt", {"session": self.session, **meta}, tensors,
                                        timeout_ms=10_000)
 
@@ -162,9 +188,9 @@ class Fleet:
 
     def _wait_for_hellos(self, on_traj: Any) -> None:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while any(s.pid is None for s in self.slots):
+        while any(s is None for s in self.senders):
             if time.monotonic() > deadline:
-                missing = [i for i, s in enumerate(self.slots) if s.pid is None]
+                missing = [i for i, s in enumerate(self.senders) if s is None]
                 raise RuntimeError(f"worker slots {missing} did not say hello within "
                                    f"{JOIN_TIMEOUT_S}s; see {self.run_dir / 'workers'}")
             self.check_procs()
@@ -250,5 +276,6 @@ class Fleet:
             self.procs.close()
         self._close_group()
         for s in self.senders:
-            s.close(linger_ms=0)
+            if s is not None:
+                s.close(linger_ms=0)
         self.inbox.close()

@@ -1,7 +1,8 @@
 """Start, watch and restart the rollout worker processes of one run.
 
 Each worker slot i runs `python -m qurl.pipeline.worker --run-dir <run> --slot i --parent-pid <pid>`
-as a child process of the controller, with stdout/stderr appended to `<run>/workers/slot<i>.log`.
+as a child process of the controller, with stdout/stderr appended to `<run>/workers/slot<i>.log`
+and its pid in `<run>/workers/slot<i>.pid`.
 The worker exits by itself when the parent pid disappears (a SIGKILLed controller leaves no orphans
 generating into the void); a resumed controller starts fresh workers, which find the new endpoints
 in the run directory.
@@ -71,6 +72,7 @@ class WorkerProcs:
                                       stdin=subprocess.DEVNULL, env=env, cwd=os.getcwd())
         finally:
             log.close()  # the child holds its own descriptor
+        (self.log_dir / f"slot{slot}.pid").write_text(f"{s.proc.pid}\n")
         s.incarnation += 1
         return s.proc.pid
 

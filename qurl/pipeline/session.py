@@ -4,9 +4,8 @@
                                  run (or taken from stream.key in the config) and kept on resume, so
                                  workers of a resumed run authenticate with the same key.
     runs/<run>/controller.json   the live controller: session id (new per controller process), pid,
-                                 the endpoint each worker slot connects to for prompts + control, the
-                                 shared endpoint workers push trajectories and acks to, the model dir
-                                 engines start from, the number of slots.
+                                 the endpoint workers push trajectories and control messages to, the
+                                 model dir engines start from, the number of worker slots.
 
 Both are written atomically (temp file + rename), so a worker never reads half a file. A worker that
 stops hearing from its controller re-reads controller.json: a new session id means a new controller
@@ -59,7 +58,7 @@ def read_key(run_dir: Path) -> bytes:
 
 
 def write_session(run_dir: Path, info: dict[str, Any]) -> None:
-    for field in ("session", "slots", "inbound", "model_dir"):
+    for field in ("session", "inbound", "model_dir", "num_workers"):
         if field not in info:
             raise ValueError(f"controller session info lacks {field!r}")
     path = Path(run_dir) / SESSION_FILE
@@ -73,6 +72,6 @@ def read_session(run_dir: Path) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no controller has published its endpoints yet")
     info = json.loads(path.read_text())
-    if not isinstance(info, dict) or not isinstance(info.get("slots"), list):
-        raise ValueError(f"{path}: malformed (expected an object with a 'slots' list)")
+    if not isinstance(info, dict) or not isinstance(info.get("inbound"), str):
+        raise ValueError(f"{path}: malformed (expected an object with an 'inbound' endpoint)")
     return info

@@ -1,11 +1,13 @@
 """A rollout worker process: one engine, fed prompts by the controller, streaming trajectories back.
 
-    python -m qurl.pipeline.worker --run-dir runs/<run> --slot 0 [--parent-pid PID] [--threads N]
+    python -m qurl.pipeline.worker --run-dir runs/<run> --slot 0 [--host H] [--parent-pid PID]
 
-The worker reads the run's config, stream key and the controller's endpoints from the run directory
-(qurl/pipeline/session.py), builds its engine from the model dir the controller names, and then:
+The worker reads the run's config, stream key and the controller's endpoint from the run directory
+(qurl/pipeline/session.py), builds its engine from the model dir the controller names, binds its own
+inbox (prompts + control; only authenticated messages are accepted) and then:
 
-1. says hello (every second until the controller answers with a weight group to join);
+1. says hello with its inbox address (every second until the controller answers with a weight group
+   to join); the controller connects to that inbox;
 2. joins the weight-update group (qurl/sync/group.py) as rank slot+1 and receives the current
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
@@ -45,12 +47,23 @@ BURST_WAIT_S = 0.5  # how long to wait for the rest of a dispatch burst before g
 MAX_PROMPT_TOKENS = 1 << 16
 
 
+def _default_host(controller_endpoint: str) -> str:
+    """127.0.0.1 when the controller is on this machine's loopback, else our own address."""
+    import socket
+
+    host = controller_endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    if host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
 class _Abort(Exception):
     """Abandon the current generation (controller changed or asked us to stop)."""
 
 
 class RolloutWorker:
-    def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0) -> None:
+    def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0,
+                 host: str = "") -> None:
         from qurl.pipeline.session import read_key, read_session
         from qurl.rollout import PromptCodec
         from qurl.runs import read_config
@@ -60,8 +73,9 @@ class RolloutWorker:
         self.cfg = read_config(self.run_dir)
         self.key = read_key(self.run_dir)
         info = read_session(self.run_dir)
-        if not 0 <= self.slot < len(info["slots"]):
-            raise ValueError(f"--slot {slot}: the controller has {len(info['slots'])} slots")
+        if not 0 <= self.slot < int(info["num_workers"]):
+            raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
+        self.host = host or _default_host(info["inbound"])
         self.engine = make_engine(self.cfg, info["model_dir"])
         self.codec = PromptCodec(self.engine.tokenizer, self.cfg.data.template)
         self.tasks: deque[tuple[Any, dict[str, Any], float]] = deque()  # (PromptTask, extra, t_recv)
@@ -80,15 +94,17 @@ class RolloutWorker:
     def _connect(self, info: dict[str, Any]) -> None:
         from qurl.stream.channel import Receiver, Sender
 
-        self._close_sockets()
         self._leave_group()
         self.tasks.clear()  # a new controller re-dispatches from its own ledger
         self.gen_seen = -1
         self.session = str(info["session"])
         hwm = self.cfg.stream.hwm
-        self.inbox = Receiver(info["slots"][self.slot], self.key, bind=False,
-                              kinds=("prompt", "control"), vocab_size=self.engine.vocab_size,
-                              max_len=MAX_PROMPT_TOKENS, hwm=hwm)
+        if self.inbox is None:
+            self.inbox = Receiver(f"tcp://{self.host}:0", self.key, bind=True,
+                                  kinds=("prompt", "control"), vocab_size=self.engine.vocab_size,
+                                  max_len=MAX_PROMPT_TOKENS, hwm=hwm)
+        if self.outbox is not None:
+            self.outbox.close(linger_ms=0)
         self.outbox = Sender(info["inbound"], self.key, bind=False, name=f"worker{self.slot}",
                              hwm=hwm, linger_ms=2000)
         self.last_heard = time.monotonic()
@@ -278,6 +294,7 @@ class RolloutWorker:
             try:
                 if not self.joined and now >= self._next_hello:
                     self._send_control({"op": "hello", "gen": self.gen_seen,
+                                        "endpoint": self.inbox.endpoint,
                                         "engine_version": int(self.engine.version)})
                     self._next_hello = now + HELLO_EVERY_S
                 if self.parent_pid == 0 and now - self.last_heard > RECONNECT_S:
@@ -302,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--parent-pid", type=int, default=0,
                    help="exit when this process is no longer our parent (0: never)")
+    p.add_argument("--host", default="", help="address to bind this worker's inbox on and announce "
+                   "to the controller (default: 127.0.0.1 for a local controller, else this "
+                   "machine's address)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
@@ -309,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid)
+    worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host)
     try:
         return worker.run()
     finally:
