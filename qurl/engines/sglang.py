@@ -48,8 +48,12 @@ flight, closes the session, flushes caches and continues. Requests interrupted b
 back with their partial output; they are resubmitted as prompt + generated prefix with the
 remaining token budget, and the pieces are stitched with per-token versions (partial rollout).
 A server that stops answering is restarted (when qurl launched it), the weight group is formed
-anew, and the current weights are sent again. Every HTTP call has a timeout; a malformed reply is
-an SGLangError naming the server, route and what is wrong.
+anew, and the current weights are sent again (so the engine keeps the last synced chunks in CPU
+memory: the size of the 8-bit model). Every HTTP call has a timeout; a malformed reply is an
+SGLangError naming the server, route and what is wrong. Limits: with NCCL, servers that survive a
+peer dying in the middle of a broadcast stay blocked in it until SGLang's group timeout (30 min
+by default); gloo reports the broken connection at once. This file is longer than most because
+the project keeps every line that talks to SGLang in this one module.
 """
 from __future__ import annotations
 
@@ -58,7 +62,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
