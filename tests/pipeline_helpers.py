@@ -1,0 +1,62 @@
+"""Shared helpers of the async-pipeline tests: tiny configs, trained-uid reading, process checks."""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+from qurl.config import Config, load_config
+from qurl.setup import load_datasets
+
+TIMING = ("time/", "tokens_per_s", "sync/time", "wall")
+
+
+def tiny_cfg(run_dir: Path, name: str, steps: int, **extra) -> Config:
+    """A few-second-per-step async-capable config (tiny model, 4 prompts x 4 samples, 10 tokens)."""
+    sets = {
+        "run.dir": str(run_dir), "run.name": name, "run.steps": steps, "run.eval_every": 0,
+        "run.ckpt_every": 1, "run.progress": False, "model.warmstart_steps": 20,
+        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 10,
+        "rollout.eval_max_new_tokens": 10, "data.eval_size": 8, "data.train_size": 16,
+        "optim.lr": 1e-3,
+    }
+    sets.update(extra)
+    return load_config(sets=[f"{k}={v}" for k, v in sets.items()])
+
+
+def cli_sets(cfg_sets: dict) -> list[str]:
+    return [a for k, v in cfg_sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def trained_uids(run_dir: Path) -> list[str]:
+    rows = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()
+            if line.strip()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"trained.jsonl steps repeat or go back: {steps}"
+    return [u for r in rows for u in r["uids"]]
+
+
+def assert_each_prompt_once(cfg: Config, run_dir: Path) -> None:
+    """Over the run (steps * B == dataset size), every train prompt was trained exactly once."""
+    train_set, _ = load_datasets(cfg)
+    got = Counter(trained_uids(run_dir))
+    want = Counter(ex.uid for ex in train_set)
+    assert got == want, (f"missing {sorted(want - got)}, extra {sorted(got - want)}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def worker_pids(run_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted((run_dir / "workers").glob("slot*.pid"))]

@@ -1,0 +1,187 @@
+"""The asynchronous pipeline end to end: real worker processes, real ZeroMQ on 127.0.0.1, gloo.
+
+- η = 0 reproduces the synchronous loop's metrics for the same seed;
+- η = 1 with two workers overlaps generation and training: tokens trained one version stale show up
+  in the split diagnostics, nothing is staler than η, every prompt of the epoch is trained once;
+- a stray peer's forged / truncated / oversized / replayed messages are rejected and counted while
+  the run goes on undisturbed.
+Plus fast unit tests of the ledger and of the run-key file.
+"""
+from __future__ import annotations
+
+import math
+import os
+import stat
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from pipeline_helpers import TIMING, assert_each_prompt_once, tiny_cfg, trained_uids
+from qurl.metrics import read_metrics
+from qurl.pipeline.ledger import Ledger, split_key
+from qurl.pipeline.session import load_or_create_key, read_key, read_session
+from qurl.stream.payload import pack_trajectories
+from qurl.stream.wire import encode
+from qurl.types import Trajectory
+
+
+# ---------------------------------------------------------------- fast: ledger, key file
+
+
+def test_ledger_life_cycle_and_state_round_trip():
+    led = Ledger()
+    a = led.dispatch(5, "arith:1+2", slot=0, version=3)
+    b = led.dispatch(7, "arith:3+4", slot=1, version=3)
+    c = led.dispatch(5, "arith:1+2", slot=1, version=4)  # same prompt again: a distinct key
+    assert (a.did, b.did, c.did) == (0, 1, 2) and a.key != c.key
+    assert split_key(c.key) == ("arith:1+2", 2)
+    assert led.complete(a.key) == a and led.buffered(a.key) == a and led.in_flight(a.key) is None
+    assert [d.key for d in led.take_slot(1)] == [b.key, c.key]  # slot 1 died: both come back
+    assert led.num_in_flight == 0
+    d = led.dispatch(9, "arith:5+6", slot=0, version=5)
+    state = led.state_dict()
+    other = Ledger()
+    other.load_state_dict(state)
+    assert other.next_did == 4 and other.buffered(a.key) == a and other.in_flight(d.key) == d
+    assert [x.index for x in other.take_in_flight()] == [9]
+    assert [x.uid for x in other.trained([a.key])] == ["arith:1+2"]
+    with pytest.raises(ValueError, match="dispatch key"):
+        split_key("no-did")
+    bad = dict(state, next_did=1)
+    with pytest.raises(ValueError, match="next_did"):
+        Ledger().load_state_dict(bad)
+
+
+def test_run_key_is_private_and_kept(tmp_path):
+    key = load_or_create_key(tmp_path)
+    assert len(key) == 32
+    assert stat.S_IMODE(os.stat(tmp_path / "stream.key").st_mode) == 0o600
+    assert load_or_create_key(tmp_path) == key == read_key(tmp_path)  # a resume reuses it
+    with pytest.raises(ValueError, match="at least 16"):
+        load_or_create_key(tmp_path, "short")
+
+
+# ---------------------------------------------------------------- slow: real processes
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory):
+    """One directory for every run of this module, so the warm-started base model is built once."""
+    return tmp_path_factory.mktemp("pipeline")
+
+
+def _comparable(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if not any(t in k for t in TIMING)}
+
+
+@pytest.mark.slow
+def test_eta0_async_reproduces_sync(run_root):
+    from qurl.learn import train
+    from qurl.pipeline.controller import train_async
+
+    steps = 3
+    train(tiny_cfg(run_root, "sync", steps))
+    train_async(tiny_cfg(run_root, "async0", steps, **{"rollout.mode": "async"}))
+    sync = read_metrics(run_root / "sync" / "metrics.jsonl")
+    asyn = read_metrics(run_root / "async0" / "metrics.jsonl")
+    assert [r["kind"] for r in sync] == [r["kind"] for r in asyn]
+    for rs, ra in zip(sync, asyn):
+        ra = _comparable(ra)
+        for k, v in _comparable(rs).items():
+            assert k in ra, (rs["step"], k)
+            if isinstance(v, float):
+                # same tokens, same log-probs, same update: only float noise of another process
+                assert math.isclose(v, ra[k], rel_tol=1e-4, abs_tol=1e-6), (rs["step"], k, v, ra[k])
+            else:
+                assert v == ra[k], (rs["step"], k, v, ra[k])
+    train_recs = [r for r in asyn if r["kind"] == "train"]
+    assert all(r["staleness_max"] == 0 for r in train_recs)
+    assert train_recs[-1]["async/dispatched"] == steps * 4  # η = 0: never more than one batch out
+    assert trained_uids(run_root / "async0") == [u for r in _trained_rows(run_root / "sync")
+                                                 for u in r]
+
+
+def _trained_rows(run_dir):
+    """The sync loop's per-step prompt order: the data cursor's, reproduced from the config."""
+    from qurl.data.cursor import DataCursor
+    from qurl.runs import read_config
+    from qurl.setup import load_datasets
+
+    cfg = read_config(run_dir)
+    train_set, _ = load_datasets(cfg)
+    cur = DataCursor(len(train_set), seed=cfg.run.seed)
+    return [[train_set[i].uid for i in cur.take(cfg.rollout.prompts_per_step)]
+            for _ in range(cfg.run.steps)]
+
+
+def _stray_peer(run_dir, stop: threading.Event, sent: dict) -> None:
+    """Connect to the controller's inbound socket like a worker would and misbehave."""
+    deadline = time.monotonic() + 300
+    while not (run_dir / "controller.json").exists() or not (run_dir / "metrics.jsonl").exists():
+        if stop.is_set() or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
+    info = read_session(run_dir)
+    key = read_key(run_dir)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(info["inbound"])
+    t = Trajectory(prompt_uid="arith:1+1@999999", sample_idx=0,
+                   prompt_ids=torch.tensor([5, 6, 7]), response_ids=torch.tensor([8, 9]),
+                   behav_logp=torch.tensor([-0.5, -0.25]), versions=torch.tensor([0, 0]),
+                   reward=1.0, finish_reason="stop")
+    meta, tensors = pack_trajectories([t])
+    meta["session"] = info["session"]
+    good = encode("trajectory", meta, tensors, key=key, sender="stray:1:abcd", seq=0)
+    forged = encode("trajectory", meta, tensors, key=b"not-the-run-key-at-all", sender="stray",
+                    seq=0)
+    msgs = {
+        "bad_mac": forged,
+        "truncated": good[:-2] + good[-1:],  # a tensor frame missing
+        "oversized": [b"x"] * 100,  # more frames than any message may have
+        "late": good,  # authentic, but for a dispatch nobody made: dropped by the ledger
+        "replay": good,  # the very same frames again
+    }
+    for reason, frames in msgs.items():
+        sock.send_multipart([bytes(f) for f in frames])
+        sent[reason] = sent.get(reason, 0) + 1
+        time.sleep(0.05)
+    sock.close()
+    ctx.term()
+
+
+@pytest.mark.slow
+def test_eta1_two_workers_stale_tokens_exactly_once_and_stray_peer(run_root):
+    from qurl.pipeline.controller import train_async
+
+    cfg = tiny_cfg(run_root, "async1", 4, **{"rollout.mode": "async", "rollout.max_staleness": 1,
+                                              "rollout.num_workers": 2})
+    run_dir = run_root / "async1"
+    stop, sent = threading.Event(), {}
+    stray = threading.Thread(target=_stray_peer, args=(run_dir, stop, sent), daemon=True)
+    stray.start()
+    try:
+        final = train_async(cfg)
+    finally:
+        stop.set()
+        stray.join(30)
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train_recs] == [1, 2, 3, 4]
+    assert 0.0 <= final["accuracy"] <= 1.0
+    # generation ran ahead of training: one-version-stale tokens were trained, none staler than η
+    assert any(r.get("tokens/s1", 0) > 0 for r in train_recs)
+    assert max(r["staleness_max"] for r in train_recs) == 1
+    assert all(math.isfinite(r["kl_behav_prox"]) for r in train_recs)
+    assert all("sync/time_send" in r and "sync/time_quantize" in r for r in train_recs)
+    assert_each_prompt_once(cfg, run_dir)
+    # the stray peer sent one message of each kind; the last record has the counts
+    assert sent == {"bad_mac": 1, "truncated": 1, "oversized": 1, "late": 1, "replay": 1}
+    last = train_recs[-1]
+    for reason in ("bad_mac", "truncated", "oversized", "replay"):
+        assert last.get(f"async/rejects/{reason}") == 1.0, (reason, last)
+    assert last.get("async/late") == 1.0
