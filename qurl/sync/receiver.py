@@ -90,7 +90,11 @@ class Receiver:
         BucketAnnouncement or its `to_dict()` form; it is called once per bucket.
 
         A background thread receives bucket i+1 while the engine loads bucket i (one bucket of
-        read-ahead); the engine still sees the chunks strictly in order."""
+        read-ahead); the engine still sees the chunks strictly in order. `next_announcement` is
+        called on that thread after the first bucket — one call at a time, while the caller is
+        blocked in `receive`, so a channel it reads is never used by two threads at once. It
+        should time out rather than block forever: a failed engine load waits for the remaining
+        announced broadcasts (to keep the group usable) before re-raising."""
 
         def get() -> BucketAnnouncement:
             a = next_announcement()
