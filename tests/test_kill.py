@@ -1,0 +1,126 @@
+"""Kill tests of the async pipeline (real processes, SIGKILL, CPU, tiny model).
+
+1. SIGKILL the controller (learner rank 0) mid-run after at least one checkpoint, resume with
+   `qurl train --resume`: over the epoch every prompt id is trained exactly once, and the killed
+   controller's workers do not outlive it.
+2. SIGKILL a rollout worker mid-run: the controller replaces it, re-dispatches what it held, and
+   every prompt is still trained exactly once.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline_helpers import assert_each_prompt_once, cli_sets, pid_alive, tiny_cfg, worker_pids
+from qurl.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+ASYNC = {"rollout.mode": "async", "rollout.max_staleness": 1}
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+
+
+def _wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None,
+              log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _qurl(args: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    with log.open("ab") as f:
+        return subprocess.Popen([sys.executable, "-m", "qurl.cli", *args], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("kill")
+
+
+def test_sigkill_controller_then_resume_trains_each_prompt_once(run_root):
+    sets = {"run.dir": str(run_root), "run.name": "ctl", "run.steps": 4, "data.train_size": 16,
+            "run.ckpt_every": 1, **ASYNC}
+    cfg = tiny_cfg(run_root, "ctl", 4, **{k: v for k, v in sets.items()
+                                          if k not in ("run.dir", "run.name", "run.steps")})
+    run_dir = run_root / "ctl"
+    full = {**{"run.eval_every": 0, "run.progress": False, "model.warmstart_steps": 20,
+               "rollout.prompts_per_step": 4, "rollout.group_size": 4,
+               "rollout.max_new_tokens": 10, "rollout.eval_max_new_tokens": 10,
+               "data.eval_size": 8, "optim.lr": 1e-3}, **sets}
+    log = run_root / "ctl.log"
+    proc = _qurl(["train", *cli_sets(full)], log)
+    try:
+        _wait_for(lambda: len(_train_steps(run_dir)) >= 2 and (run_dir / "ckpt" / "latest").exists(),
+                  600, "two trained steps and a checkpoint", proc, log)
+        workers = worker_pids(run_dir)
+        assert workers and all(pid_alive(p) for p in workers)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed_at = max(_train_steps(run_dir))
+    assert killed_at < 4, "the run finished before it could be killed"
+    # the checkpoint resumed from holds work in progress: prompts in flight or groups buffered
+    state = torch.load(run_dir / "ckpt" / (run_dir / "ckpt" / "latest").read_text().strip()
+                       / "state.pt", weights_only=False)
+    assert len(state["ledger"]["in_flight"]) + len(state["ledger"]["buffered"]) > 0
+    # the orphaned workers notice their parent is gone and exit by themselves
+    _wait_for(lambda: not any(pid_alive(p) for p in workers), 60, "orphaned workers to exit")
+
+    resumed = _qurl(["train", "--resume", str(run_dir)], log)
+    try:
+        assert resumed.wait(600) == 0, log.read_text()[-3000:]
+    finally:
+        if resumed.poll() is None:
+            resumed.kill()
+    assert _train_steps(run_dir) == [1, 2, 3, 4]  # metrics truncated to the checkpoint
+    assert_each_prompt_once(cfg, run_dir)
+    assert not any(pid_alive(p) for p in worker_pids(run_dir))
+
+
+def test_sigkill_worker_is_replaced_and_no_prompt_is_lost(run_root):
+    from qurl.pipeline.controller import train_async
+
+    cfg = tiny_cfg(run_root, "wkr", 4, **ASYNC)
+    run_dir = run_root / "wkr"
+    killed: list[int] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and len(_train_steps(run_dir)) >= 1:
+                pid = worker_pids(run_dir)[0]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    train_async(cfg)
+    t.join(5)
+    assert killed, "the worker was never killed"
+    last = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["async/workers_replaced"] >= 1
+    assert worker_pids(run_dir)[0] != killed[0]  # a new process took the slot
+    assert_each_prompt_once(cfg, run_dir)
