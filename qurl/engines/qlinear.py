@@ -72,7 +72,8 @@ def scaled_mm_available(device: torch.device) -> bool:
                 one = torch.ones((), device=device)
                 got = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
                 ref = a.float() @ b.float().t()
-                ok = bool(torch.allclose(got, ref, rtol=1e-5, atol=1e-5))
+                # fp32 accumulation order differs between the GEMM and the emulation: compare loosely
+                ok = bool(torch.allclose(got, ref, rtol=1e-3, atol=1e-3))
             except (RuntimeError, NotImplementedError, TypeError):
                 ok = False
         _SCALED_MM_OK[key] = ok
