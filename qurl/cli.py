@@ -94,14 +94,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_launch(args: argparse.Namespace) -> int:
-    from qurl.launch import main_launch
-
-    return main_launch(args.rest)
-
-
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # its own parser: options pass through untouched
+        from qurl.launch import main_launch
+
+        return main_launch(argv[1:])
     parser = argparse.ArgumentParser(prog="qurl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -127,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.set_defaults(fn=cmd_bench)
-    p = sub.add_parser("launch", help="per-node torchrun + SGLang commands (see --help there)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_launch)
+    sub.add_parser("launch", help="per-node torchrun + SGLang commands (qurl launch --help)")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -46,7 +46,8 @@ class DataConfig:
     question_field: str = ""
     answer_field: str = ""
     template: str = "plain"  # plain | boxed | chat
-    digits: int = 2  # synthetic arithmetic difficulty
+    digits: int = 2  # synthetic arithmetic difficulty: digits per operand
+    operands: int = 2  # synthetic arithmetic: numbers per question
     train_size: int = 4096
     eval_size: int = 200
     reward_timeout_s: float = 5.0

@@ -36,7 +36,8 @@ def load_datasets(cfg: Config) -> tuple[list[Example], list[Example]]:
 
     def one(source: str, split: str, n: int) -> list[Example]:
         if source == "synthetic":
-            return arithmetic_task(n, seed=cfg.run.seed, split=split, digits=d.digits)
+            return arithmetic_task(n, seed=cfg.run.seed, split=split, digits=d.digits,
+                                   n_operands=d.operands)
         return load_dataset(_resolve_data_path(source), d.format,
                             question_field=d.question_field or None,
                             answer_field=d.answer_field or None,
@@ -48,7 +49,7 @@ def load_datasets(cfg: Config) -> tuple[list[Example], list[Example]]:
 def _base_key(cfg: Config) -> str:
     m, d = cfg.model, cfg.data
     ident = {"preset": m.preset, "seed": cfg.run.seed, "steps": m.warmstart_steps,
-             "lr": m.warmstart_lr, "digits": d.digits, "template": d.template, "v": 1}
+             "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template, "v": 1}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -72,7 +73,7 @@ def prepare_base_model(cfg: Config, run_dir: Path) -> str:
         if cfg.model.warmstart_steps > 0:
             tok = build_tokenizer()
             train = arithmetic_task(cfg.data.train_size, seed=cfg.run.seed, split="train",
-                                    digits=cfg.data.digits)
+                                    digits=cfg.data.digits, n_operands=cfg.data.operands)
             pairs = [(render_prompt(ex.prompt, cfg.data.template, tokenizer=tok),
                       worked_solution(ex)) for ex in train]
             sft_warmstart(init, pairs, steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr,
