@@ -172,7 +172,8 @@ class Controller:
                                     progress=cfg.run.progress)
         self.trained_log = _truncated_jsonl(self.run_dir / TRAINED_FILE, start)
         key = load_or_create_key(self.run_dir, cfg.stream.key)
-        self.fleet = Fleet(cfg, self.run_dir, key, model_dir, vocab_size=self.engine.vocab_size)
+        self.fleet = Fleet(cfg, self.run_dir, key, model_dir, vocab_size=self.engine.vocab_size,
+                           worker_threads=self._split_cores())
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
         self._prev_codes: dict[str, torch.Tensor] = {}
@@ -180,6 +181,18 @@ class Controller:
         self.counts: Counter[str] = Counter()
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._last_progress = time.monotonic()
+
+    def _split_cores(self) -> int:
+        """On CPU, when generation overlaps training (η ≥ 1 or several workers), give the learner
+        and each worker an equal share of the cores instead of letting every process spin up one
+        thread per core (oversubscribed OpenMP threads slow everyone down). Returns the workers'
+        thread count (0 = torch's default)."""
+        n = self.cfg.rollout.num_workers
+        if torch.cuda.is_available() or (self.cfg.rollout.max_staleness == 0 and n == 1):
+            return 0
+        threads = max(1, (os.cpu_count() or 1) // (n + 1))
+        torch.set_num_threads(threads)
+        return threads
 
     # ------------------------------------------------------------------ state
 

@@ -1,0 +1,213 @@
+"""`qurl compare`: sync vs async, bf16 vs 8-bit QuRL rollout — same seed, same data, same step budget.
+
+Arms (every other config field is the caller's, so they share seed, data, model, steps, batch):
+
+    sync-bf16            precision bf16, decoupled loss, no UAQ     (full-precision reference)
+    sync-int8-acr-uaq    precision int8, ACR, UAQ (s from the config, 1.5 if it is 1)
+    async1-bf16          as sync-bf16, async with max_staleness 1
+    async1-int8-acr-uaq  as sync-int8-acr-uaq, async with max_staleness 1
+    sync-int8-naive      precision int8, naive ratio (quantized logp as the denominator), no UAQ
+
+Each arm runs as its own `qurl train` process (one after the other, so they do not compete for the
+cores) under `<out>/<arm>/`; a finished arm is reused when compare runs again, an unfinished one
+starts over. Every arm is timed the same way, from outside: compare stamps each metrics record with
+the moment it appeared (seconds since the arm's process started). Then `<out>/compare.md` and `compare.csv` get one row per arm:
+
+- final (and initial) held-out greedy accuracy;
+- steps/hour of the training loop: train steps / (wall clock from the end of the step-0 evaluation to
+  the last train record, minus intermediate evaluations), so process start-up and evaluation do not
+  count, and the ratio of each arm to its sync counterpart;
+- the arm's whole wall time (process included);
+- mean mismatch KL(behav‖prox) over the steps, its stale-token part (`/s1`) for async arms, and the
+  mean flip fraction of the 8-bit codes;
+and `compare_step.png` / `compare_wall.png` plot every arm's metrics against step and wall time.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from qurl.config import Config, override, to_toml
+from qurl.metrics import read_metrics
+
+ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("sync-bf16", {"rollout.mode": "sync", "rollout.precision": "bf16", "algo.loss": "decoupled",
+                   "algo.uaq_scale": 1.0}),
+    ("sync-int8-acr-uaq", {"rollout.mode": "sync", "rollout.precision": "int8",
+                           "algo.loss": "acr"}),
+    ("async1-bf16", {"rollout.mode": "async", "rollout.max_staleness": 1,
+                     "rollout.precision": "bf16", "algo.loss": "decoupled", "algo.uaq_scale": 1.0}),
+    ("async1-int8-acr-uaq", {"rollout.mode": "async", "rollout.max_staleness": 1,
+                             "rollout.precision": "int8", "algo.loss": "acr"}),
+    ("sync-int8-naive", {"rollout.mode": "sync", "rollout.precision": "int8", "algo.loss": "naive",
+                         "algo.uaq_scale": 1.0}),
+)
+
+
+def arm_configs(cfg: Config, out_dir: Path) -> dict[str, Config]:
+    uaq = cfg.algo.uaq_scale if cfg.algo.uaq_scale != 1.0 else 1.5
+    out = {}
+    for name, sets in ARMS:
+        sets = dict(sets)
+        sets.setdefault("algo.uaq_scale", uaq)
+        out[name] = override(cfg, {**sets, "run.dir": str(out_dir), "run.name": name,
+                                   "run.progress": False})
+    return out
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    return any(r.get("kind") == "eval" and r.get("step") == steps for r in recs) and \
+        sum(r.get("kind") == "train" for r in recs) == steps
+
+
+class _Stamper:
+    """Stamps each new line of a metrics.jsonl with the wall time it appeared (s since start)."""
+
+    def __init__(self, path: Path, t0: float) -> None:
+        self.path, self.t0, self.offset = path, t0, 0
+        self.stamps: dict[str, float] = {}
+
+    def poll(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() < self.offset:  # the logger rewrote (truncated) the file
+                    self.offset = 0
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        now = time.monotonic() - self.t0
+        for line in complete.decode().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                self.stamps.setdefault(f"{rec.get('kind')}:{rec.get('step')}", now)
+
+
+def run_arm(cfg: Config, out_dir: Path) -> dict[str, Any]:
+    """Run one arm as a `qurl train` process (reusing a finished one). Returns its timing:
+    {"arm_wall_s": process seconds, "stamps": {"kind:step": seconds since the process started}}.
+
+    Every arm is timed the same way, from outside: the moment each metrics record appears."""
+    run_dir = out_dir / cfg.run.name
+    timing_file = out_dir / f"{cfg.run.name}.timing.json"
+    if _finished(run_dir, cfg.run.steps) and timing_file.exists():
+        return json.loads(timing_file.read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished arm starts over: timings stay whole
+    out_dir.mkdir(parents=True, exist_ok=True)
+    toml = out_dir / f"{cfg.run.name}.toml"
+    toml.write_text(to_toml(cfg))
+    log = out_dir / f"{cfg.run.name}.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    t0 = time.monotonic()
+    stamper = _Stamper(run_dir / "metrics.jsonl", t0)
+    with log.open("ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "qurl.cli", "train", "--config", str(toml)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
+        while proc.poll() is None:
+            stamper.poll()
+            time.sleep(0.05)
+    stamper.poll()
+    if proc.returncode != 0:
+        raise RuntimeError(f"compare arm {cfg.run.name} failed (exit {proc.returncode}); see {log}")
+    timing = {"arm_wall_s": time.monotonic() - t0, "stamps": stamper.stamps}
+    timing_file.write_text(json.dumps(timing))
+    return timing
+
+
+def with_wall(records: list[dict], stamps: dict[str, float]) -> list[dict]:
+    """Records with `wall` = when they appeared (seconds since their arm's process started)."""
+    out = []
+    for r in records:
+        key = f"{r.get('kind')}:{r.get('step')}"
+        if key not in stamps:
+            raise ValueError(f"no timing stamp for record {key}")
+        out.append({**r, "wall": stamps[key]})
+    return out
+
+
+def _mean(vals: list[float]) -> float:
+    vals = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def summarize(name: str, records: list[dict], arm_wall_s: float) -> dict[str, Any]:
+    """One table row from an arm's records (which carry the externally stamped `wall`)."""
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if not train or not evals:
+        raise ValueError(f"compare arm {name}: metrics.jsonl has no train or eval records")
+    start = next((r["wall"] for r in evals if r["step"] == 0), 0.0)
+    mid_eval = sum(r.get("time/eval", 0.0) for r in evals if 0 < r["step"] < train[-1]["step"])
+    loop_s = train[-1]["wall"] - start - mid_eval
+    return {
+        "arm": name, "steps": len(train),
+        "acc_initial": evals[0]["accuracy"], "acc_final": evals[-1]["accuracy"],
+        "steps_per_hour": len(train) / loop_s * 3600 if loop_s > 0 else float("nan"),
+        "loop_wall_s": loop_s, "arm_wall_s": arm_wall_s,
+        "kl_mean": _mean([r.get("kl_behav_prox") for r in train]),
+        "kl_stale_mean": _mean([r.get("kl_behav_prox/s1") for r in train]),
+        "flip_frac_mean": _mean([r.get("flip_frac") for r in train]),
+        "reward_last5": _mean([r.get("reward") for r in train[-5:]]),
+    }
+
+
+def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
+    by = {r["arm"]: r for r in rows}
+    for r in rows:
+        ref = by.get(r["arm"].replace("async1-", "sync-"))
+        r["speedup_vs_sync"] = (r["steps_per_hour"] / ref["steps_per_hour"]
+                                if ref is not None and ref["steps_per_hour"] > 0 else float("nan"))
+    cols = ["arm", "steps", "acc_initial", "acc_final", "steps_per_hour", "speedup_vs_sync",
+            "loop_wall_s", "arm_wall_s", "kl_mean", "kl_stale_mean", "flip_frac_mean",
+            "reward_last5"]
+    with (out_dir / "compare.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows({c: r[c] for c in cols} for r in rows)
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "—" if not math.isfinite(v) else (f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}")
+        return str(v)
+
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    path = out_dir / "compare.md"
+    path.write_text("# qurl compare\n\nSame seed, data and step budget for every arm; "
+                    "steps/hour counts the training loop only (see qurl/pipeline/compare.py).\n\n"
+                    + "\n".join(md) + "\n")
+    return path
+
+
+def compare(cfg: Config, out_dir: str | Path = "runs/compare") -> Path:
+    """Run every arm (ARMS) and write the table and plots into out_dir. Returns compare.md."""
+    from qurl.report import plot_runs
+
+    out = Path(out_dir)
+    rows, runs = [], {}
+    for name, arm_cfg in arm_configs(cfg, out).items():
+        print(f"[compare] {name}: running {arm_cfg.run.steps} steps", flush=True)
+        timing = run_arm(arm_cfg, out)
+        records = with_wall(read_metrics(out / name / "metrics.jsonl"), timing["stamps"])
+        rows.append(summarize(name, records, timing["arm_wall_s"]))
+        runs[name] = records
+        r = rows[-1]
+        print(f"[compare] {name}: accuracy {r['acc_initial']:.3f} -> {r['acc_final']:.3f}, "
+              f"{r['steps_per_hour']:.0f} steps/h", flush=True)
+    path = write_table(rows, out)
+    plot_runs(runs, out / "compare_step.png", x="step")
+    plot_runs(runs, out / "compare_wall.png", x="wall")
+    print(path.read_text(), flush=True)
+    return path
