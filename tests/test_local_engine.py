@@ -23,6 +23,16 @@ KL_BOUND = {"int8": 0.02, "fp8": 0.1}
 UAQ_KL_BOUND = 0.01  # measured ~1e-4: the scaled and unscaled 8-bit models are the same up to rounding
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls gain nothing from a second thread, and on a shared, oversubscribed 2-core
+    machine OpenMP barriers make 2 threads 10x+ slower; restore the setting afterwards."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("m") / "tiny2", "tiny", seed=1,

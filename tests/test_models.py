@@ -19,6 +19,16 @@ MICRO = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls gain nothing from a second thread, and on a shared, oversubscribed 2-core
+    machine OpenMP barriers make 2 threads 10x+ slower; restore the setting afterwards."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(scope="module")
 def micro_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("m") / "micro", "tiny", seed=0, overrides=MICRO)
@@ -140,7 +150,7 @@ PAIRS = [(f"{a}+{b}=", f"{a + b} \\boxed{{{a + b}}}") for a in range(10, 40, 3) 
 def test_warmstart_lowers_loss_and_is_deterministic(micro_dir, tmp_path):
     model, tok = load_checkpoint(micro_dir)
     before = completion_loss(model, tok, PAIRS)
-    kw = dict(steps=12, lr=3e-3, batch_size=8, seed=5, bf16_autocast=False)
+    kw = dict(steps=12, lr=3e-3, batch_size=8, seed=5, bf16_autocast=False, num_threads=1)
     out1 = sft_warmstart(micro_dir, PAIRS, out_dir=tmp_path / "a", **kw)
     out2 = sft_warmstart(micro_dir, PAIRS, out_dir=tmp_path / "b", **kw)
     tuned, _ = load_checkpoint(out1)

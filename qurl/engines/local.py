@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear
-from qurl.engines.sampling import check_params, request_generator, sample_row
+from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
 from qurl.quant.formats import quantize_per_channel
 from qurl.types import GenRequest, GenResult
@@ -73,7 +73,7 @@ class LocalEngine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         seed: int = 0,
-        max_batch: int = 64,
+        max_batch: int = 256,
         eos_token_ids: Iterable[int] | None = None,
     ) -> None:
         if precision not in PRECISIONS:
@@ -83,7 +83,7 @@ class LocalEngine:
         self.precision, self.dtype, self.max_batch = precision, dtype, max_batch
         self.device = torch.device(device)
         model, tok = load_checkpoint(model_dir, dtype=dtype)
-        self.model = model.to(self.device)
+        self.model = model.to(self.device).requires_grad_(False)  # never trained here
         self.tokenizer = tok
         self._qlinears: dict[str, QuantLinear] = (
             quantize_model_linears(self.model, precision) if precision != "bf16" else {}
@@ -233,17 +233,19 @@ class LocalEngine:
         mask, pos = mask.to(dev), pos.to(dev)
         logits = self._forward(ids.to(dev), mask, pos, cache)
         next_pos = pos[:, -1] + 1
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
+        top_ps = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
         while True:
+            rows = torch.tensor(active)
+            tokens, logps = sample(logits, temps[rows], top_ps[rows], [gens[i] for i in active])
             keep, last = [], []
-            for row, i in enumerate(active):
-                p = reqs[i].params
-                tok, lp = sample_row(logits[row], p.temperature, p.top_p, gens[i])
+            for row, (i, tok, lp) in enumerate(zip(active, tokens.tolist(), logps.tolist())):
                 toks[i].append(tok)
                 lps[i].append(lp)
                 vers[i].append(self._version)
                 if tok in stops[i]:
                     reasons[i] = "stop"
-                elif len(toks[i]) < p.max_new_tokens:
+                elif len(toks[i]) < reqs[i].params.max_new_tokens:
                     keep.append(row)
                     last.append(tok)
             if not keep:

@@ -26,32 +26,37 @@ def check_params(rid: str, temperature: float, top_p: float, max_new_tokens: int
         raise ValueError(f"request {rid}: max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs: [V] -> [V] restricted to the top-p nucleus (unnormalised; multinomial renormalises).
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs: [B, V], top_p: [B] -> probs restricted to each row's top-p nucleus (unnormalised).
 
     A token is kept when the mass of strictly more likely tokens is below top_p, so the most likely
     token is always kept and the kept set is the smallest one reaching top_p."""
-    if top_p >= 1.0:
-        return probs
-    sorted_p, order = probs.sort(descending=True)
-    mass_before = sorted_p.cumsum(0) - sorted_p
-    keep_sorted = mass_before < top_p
-    keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p.unsqueeze(-1)
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return torch.where(keep, probs, torch.zeros_like(probs))
 
 
-def sample_row(
-    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
-) -> tuple[int, float]:
-    """logits: [V] (any float dtype, read in fp32) -> (token id, log-prob as defined above)."""
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. logits: [B, V] (read in fp32), temperature / top_p: [B] fp32,
+    gens: B generators -> (tokens [B] int64, log-probs [B] fp32, as defined in the module docstring).
+
+    Sampling is by inverse CDF: row i draws one uniform u_i from its own generator and takes the
+    first token whose cumulative (nucleus-renormalised) probability exceeds u_i, so each request's
+    draw depends only on its own generator and its own logits."""
     logits = logits.float()
-    if temperature == 0.0:
-        tok = int(torch.argmax(logits))
-        return tok, float(torch.log_softmax(logits, dim=-1)[tok])
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    probs = nucleus(logp.exp(), top_p)
-    tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
-    return tok, float(logp[tok])
+    greedy = temperature == 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / t.unsqueeze(-1), dim=-1)  # greedy rows: T = 1
+    probs = nucleus(logp.exp(), torch.where(top_p < 1, top_p, torch.full_like(top_p, 2.0)))
+    cdf = probs.cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    u = torch.tensor([float(torch.rand((), generator=g)) for g in gens], dtype=cdf.dtype)
+    drawn = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn.clamp(max=logits.shape[-1] - 1))
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def request_generator(seed: int | None, fallback: torch.Generator) -> torch.Generator:
