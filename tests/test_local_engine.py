@@ -284,3 +284,13 @@ def test_partial_rollout_versions(model_dir, precision):
         assert torch.equal(b.logprobs[:k], a.logprobs[:k])
         assert not torch.allclose(b.logprobs[k:], a.logprobs[k:])
     assert eng.version == 6
+
+
+def test_implements_engine_protocol(engines):
+    from qurl.engines.base import Engine
+
+    eng = engines("int8")
+    assert isinstance(eng, Engine) and eng.version == 0
+    assert eng.generate([]) == []
+    with pytest.raises(ValueError, match="precision must be one of"):
+        LocalEngine("/nonexistent", precision="int4")

@@ -128,17 +128,20 @@ class LocalEngine:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if name not in self._tensors:
-            hint = " (this engine is bf16: send full-precision weights)" if name.endswith(SCALE) else ""
+            bf16_scale = self.precision == "bf16" and name.endswith(SCALE)
+            hint = " (this engine is bf16: send full-precision weights)" if bf16_scale else ""
             raise ValueError(f"{name}: no tensor of that name in the engine's model{hint}")
         target = self._tensors[name]
         if tuple(t.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(target.shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(target.shape)}")
         quant_weight = name in self._qlinears
         if t.dtype in CODE_DTYPES:
             if not quant_weight:
                 raise ValueError(f"{name}: got 8-bit codes ({t.dtype}) for a full-precision tensor")
             if t.dtype != target.dtype:
-                raise ValueError(f"{name}: got {t.dtype} codes, this {self.precision} engine holds {target.dtype}")
+                raise ValueError(
+                    f"{name}: got {t.dtype} codes, this {self.precision} engine holds {target.dtype}")
         elif not torch.is_floating_point(t):
             raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
         elif not bool(torch.isfinite(t).all()):
@@ -161,7 +164,8 @@ class LocalEngine:
             else:
                 if s is not None:
                     raise ValueError(f"{name + SCALE}: scale sent with a full-precision {name}")
-                writes[name], writes[name + SCALE] = quantize_per_channel(w, qmod.fmt)  # type: ignore[arg-type]
+                codes, scale = quantize_per_channel(w, qmod.fmt)  # type: ignore[arg-type]
+                writes[name], writes[name + SCALE] = codes, scale
         return writes
 
     # ------------------------------------------------------------------ scoring
@@ -175,7 +179,9 @@ class LocalEngine:
         p = len(prompt_ids)
         return logits[p - 1 : p - 1 + len(output_ids)].cpu()
 
-    def logprobs(self, prompt_ids: list[int], output_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(
+        self, prompt_ids: list[int], output_ids: list[int], temperature: float = 1.0
+    ) -> torch.Tensor:
         """log softmax(logits / T)[token] of each output token: [T] fp32 (T == 0 scores at T = 1)."""
         logits = self.token_logits(prompt_ids, output_ids)
         t = temperature if temperature > 0 else 1.0

@@ -154,7 +154,8 @@ def sft_warmstart(
         tok.save_pretrained(out)
         (out / "warmstart.json").write_text(json.dumps(
             {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "pairs": len(pairs),
-             "bf16_autocast": bool(bf16_autocast), "loss_first": losses[0], "loss_last": losses[-1], "losses": losses}, indent=1))
+             "bf16_autocast": bool(bf16_autocast), "loss_first": losses[0], "loss_last": losses[-1],
+             "losses": losses}, indent=1))
         return out
     finally:
         torch.set_num_threads(prev_threads)
