@@ -25,9 +25,12 @@ def runs_root(tmp_path_factory):
 def small_cfg(tmp_path, name, steps, **extra):
     sets = {
         "run.dir": str(tmp_path), "run.name": name, "run.steps": steps, "run.eval_every": 0,
-        "run.ckpt_every": 1, "run.progress": False, "model.warmstart_steps": 20,
-        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 10,
-        "rollout.eval_max_new_tokens": 10, "data.eval_size": 8, "data.train_size": 64,
+        "run.ckpt_every": 1, "run.progress": False, "model.warmstart_steps": 40,
+        # one-digit sums: a briefly warm-started model is right sometimes, so rewards, advantages
+        # and gradients are non-zero and exact resume is a real claim
+        "data.digits": 1, "data.train_size": 100,
+        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
+        "rollout.eval_max_new_tokens": 16, "data.eval_size": 8,
         "optim.lr": 1e-3,
     }
     sets.update(extra)
@@ -71,8 +74,10 @@ def test_resume_is_exact(runs_root):
     assert_records_close(a_train, b_train)
     assert_records_close([r for r in a if r["kind"] == "eval"][-1:],
                          [r for r in b if r["kind"] == "eval"][-1:])
-    # the trained model is the same: every ratio/KL diagnostic matched above, and flips were measured
-    assert all("flip_frac" in r for r in a_train[1:])
+    # the comparison is not vacuous: the policy really moved and the 8-bit codes changed
+    assert any(r["grad_norm"] > 0 for r in a_train)
+    assert 0 < sum(r["reward"] for r in a_train) < len(a_train)
+    assert any(r["flip_frac"] > 0 for r in a_train if "flip_frac" in r)
     png = report(tmp_path / "split")
     assert png.exists() and png.stat().st_size > 10_000
 
