@@ -20,9 +20,9 @@ class RunConfig:
     name: str = "qurl-cpu-tiny"
     dir: str = "runs"
     seed: int = 0
-    steps: int = 40
-    eval_every: int = 10  # steps; 0 = only before and after
-    ckpt_every: int = 10  # steps; 0 = only at the end
+    steps: int = 60
+    eval_every: int = 20  # steps; 0 = only before and after
+    ckpt_every: int = 20  # steps; 0 = only at the end
     keep_ckpts: int = 2
     wandb: bool = False
     wandb_mode: str = "offline"  # offline | online | disabled
@@ -34,7 +34,7 @@ class ModelConfig:
     preset: str = "tiny"  # tiny | small | path (then `path` names an HF checkpoint dir)
     path: str = ""  # HF checkpoint dir; for tiny/small: where the locally built model is cached
     dtype: str = "float32"  # learner parameter dtype: float32 | bfloat16
-    warmstart_steps: int = 300  # SFT steps on worked solutions before RL (tiny/small only); 0 = none
+    warmstart_steps: int = 250  # SFT steps on worked solutions before RL (tiny/small only); 0 = none
     warmstart_lr: float = 3e-3
 
 
@@ -46,9 +46,9 @@ class DataConfig:
     question_field: str = ""
     answer_field: str = ""
     template: str = "plain"  # plain | boxed | chat
-    digits: int = 2  # synthetic arithmetic difficulty: digits per operand
-    operands: int = 2  # synthetic arithmetic: numbers per question
-    train_size: int = 4096
+    digits: int = 1  # synthetic arithmetic difficulty: digits per operand
+    operands: int = 3  # synthetic arithmetic: numbers per question
+    train_size: int = 2000
     eval_size: int = 200
     reward_timeout_s: float = 5.0
 
@@ -59,10 +59,10 @@ class RolloutConfig:
     precision: str = "int8"  # bf16 | int8 | fp8
     group_size: int = 8  # G samples per prompt
     prompts_per_step: int = 16
-    max_new_tokens: int = 24
+    max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
-    eval_max_new_tokens: int = 24
+    eval_max_new_tokens: int = 32
     num_workers: int = 1
     max_staleness: int = 0  # η; 0 = synchronous
     mode: str = "sync"  # sync | async
@@ -90,7 +90,7 @@ class AlgoConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 2e-4
+    lr: float = 3e-5
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
@@ -294,7 +294,11 @@ def immutable_changes(old: Config, new: Config) -> list[str]:
 # ---------------------------------------------------------------- presets
 
 def cpu_tiny() -> Config:
-    """The embedded default: INT8 rollout + ACR + UAQ on a tiny Qwen2 learning synthetic arithmetic."""
+    """The embedded default: INT8 rollout + ACR + UAQ on a tiny Qwen2 learning synthetic arithmetic.
+
+    One-digit, three-operand sums/differences ("7-3+5="): 250 SFT steps put the tiny model near 50%
+    greedy accuracy — right often enough that most groups of 8 carry both rewards — and 60 RL
+    steps at lr 3e-5 (16 prompts x 8 samples, 2 mini-batches) fit in a few CPU minutes."""
     return Config()
 
 
