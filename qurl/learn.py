@@ -30,7 +30,7 @@ from qurl.metrics import MetricsLogger
 from qurl.rollout import PromptCodec, evaluate, rollout
 from qurl.runs import CheckpointDir, check_resume_config, read_config, rng_state, run_dir_for, \
     set_rng_state, write_config
-from qurl.setup import load_datasets, make_engine, prepare_base_model
+from qurl.setup import load_datasets, make_engine, prepare_base_model, set_threads
 from qurl.types import SamplingParams
 from qurl.weights import WeightSync
 
@@ -51,6 +51,7 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
     """Run (or resume) the synchronous loop. Returns the final eval record on rank 0."""
     run_dir = run_dir_for(cfg)
     ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
+    set_threads(cfg)
     init_learner_dist(cfg.learner, rank, world_size)
     main = is_main_rank()
     if main:

@@ -49,7 +49,7 @@ def load_datasets(cfg: Config) -> tuple[list[Example], list[Example]]:
 def _base_key(cfg: Config) -> str:
     m, d = cfg.model, cfg.data
     ident = {"preset": m.preset, "seed": cfg.run.seed, "steps": m.warmstart_steps,
-             "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template, "v": 1}
+             "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template, "v": 2}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -77,13 +77,22 @@ def prepare_base_model(cfg: Config, run_dir: Path) -> str:
             pairs = [(render_prompt(ex.prompt, cfg.data.template, tokenizer=tok),
                       worked_solution(ex)) for ex in train]
             sft_warmstart(init, pairs, steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr,
-                          batch_size=32, seed=cfg.run.seed, out_dir=tmp / "sft")
+                          batch_size=32, seed=cfg.run.seed, out_dir=tmp / "sft",
+                          num_threads=cfg.run.torch_threads or None)
             shutil.move(str(tmp / "sft"), str(cache))
         else:
             shutil.move(str(init), str(cache))
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(cache, target, dirs_exist_ok=True)
     return str(target)
+
+
+def set_threads(cfg: Config) -> None:
+    """Pin torch's CPU threads for this process (run.torch_threads; 0 keeps torch's default)."""
+    import torch
+
+    if cfg.run.torch_threads > 0:
+        torch.set_num_threads(cfg.run.torch_threads)
 
 
 def make_engine(cfg: Config, model_dir: str) -> Engine:
