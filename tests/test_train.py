@@ -6,6 +6,7 @@ import pytest
 
 from qurl.cli import main
 from qurl.config import ConfigError, load_config
+from qurl.evaluate import eval_run
 from qurl.learn import train
 from qurl.metrics import read_metrics
 from qurl.report import report
@@ -96,4 +97,6 @@ def test_resume_refuses_immutable_change_and_fresh_overwrite(runs_root):
     assert 'loss = "acr"' in saved and "uaq_scale = 1.5" in saved
     recs = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert [r["kind"] for r in recs] == ["eval", "train", "eval"]
+    # `qurl eval` rebuilds the 8-bit actor from the checkpoint and scores what training's last eval did
+    assert eval_run(tmp_path / "r")["accuracy"] == recs[-1]["accuracy"]
     json.dumps(recs)  # strictly JSON (no NaN literals)
