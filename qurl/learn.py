@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 
 from qurl.batching import build_batch
-from qurl.config import Config, ConfigError
+from qurl.config import Config
 from qurl.data.cursor import DataCursor
-from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
+from qurl.learner.dist import broadcast_object, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.metrics import MetricsLogger
 from qurl.rollout import PromptCodec, evaluate, rollout
-from qurl.runs import CheckpointDir, check_resume_config, read_config, rng_state, run_dir_for, \
-    set_rng_state, write_config
-from qurl.setup import load_datasets, make_engine, prepare_base_model, set_threads
+from qurl.runs import CheckpointDir, rng_state, set_rng_state
+from qurl.setup import load_datasets, make_engine
+from qurl.start import open_run
 from qurl.types import SamplingParams
 from qurl.weights import WeightSync
 
@@ -49,30 +49,10 @@ def _train_record(step: int, version: int, rstats: dict, bstats: dict, tstats: d
 
 def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
     """Run (or resume) the synchronous loop. Returns the final eval record on rank 0."""
-    run_dir = run_dir_for(cfg)
-    ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
-    set_threads(cfg)
-    init_learner_dist(cfg.learner, rank, world_size)
-    main = is_main_rank()
-    if main:
-        if resume:
-            check_resume_config(read_config(run_dir), cfg)
-        elif (run_dir / "ckpt" / "latest").exists():
-            raise ConfigError(f"{run_dir} already holds a run: resume it with --resume {run_dir} "
-                              "or pick another run.name")
-        write_config(run_dir, cfg)
-    model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
-    torch.manual_seed(cfg.run.seed)
-    learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed)
-    start, state = 0, None
-    if resume:
-        latest = broadcast_object(str(ckpts.latest()) if main and ckpts.latest() else None)
-        if latest is None:
-            raise FileNotFoundError(f"{run_dir}: nothing to resume (no checkpoint yet)")
-        learner.load(Path(latest))
-        state = torch.load(Path(latest) / "state.pt", weights_only=False)
-        start = state["step"]
+    run = open_run(cfg, resume=resume, rank=rank, world_size=world_size)
+    run_dir, ckpts, learner, start, state, main = (run.run_dir, run.ckpts, run.learner, run.start,
+                                                   run.state, run.main)
+    model_dir = run.model_dir
 
     engine = logger = cursor = codec = None
     train_set = eval_set = []

@@ -1,0 +1,59 @@
+"""Opening a run, shared by the synchronous loop (learn.py) and the async controller (pipeline/).
+
+On every learner rank: pin CPU threads, join the process groups, make or find the base model
+(rank 0), build the Megatron learner (UAQ applied to its master weights) and, on resume, load the
+latest checkpoint. Rank 0 also checks that a resume does not change an immutable field, that a fresh
+run does not overwrite an existing one, and writes the resolved config into the run directory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qurl.config import Config, ConfigError
+from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
+from qurl.learner.megatron import MegatronLearner
+from qurl.runs import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
+from qurl.setup import prepare_base_model, set_threads
+
+
+@dataclass
+class OpenedRun:
+    run_dir: Path
+    ckpts: CheckpointDir
+    model_dir: str
+    learner: MegatronLearner
+    start: int  # last completed step (0 for a fresh run)
+    state: dict[str, Any] | None  # rank 0's state.pt of the resumed checkpoint
+    main: bool
+
+
+def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> OpenedRun:
+    run_dir = run_dir_for(cfg)
+    ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
+    set_threads(cfg)
+    init_learner_dist(cfg.learner, rank, world_size)
+    main = is_main_rank()
+    if main:
+        if resume:
+            check_resume_config(read_config(run_dir), cfg)
+        elif (run_dir / "ckpt" / "latest").exists():
+            raise ConfigError(f"{run_dir} already holds a run: resume it with --resume {run_dir} "
+                              "or pick another run.name")
+        write_config(run_dir, cfg)
+    model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
+    torch.manual_seed(cfg.run.seed)
+    learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed)
+    start, state = 0, None
+    if resume:
+        latest = broadcast_object(str(ckpts.latest()) if main and ckpts.latest() else None)
+        if latest is None:
+            raise FileNotFoundError(f"{run_dir}: nothing to resume (no checkpoint yet)")
+        learner.load(Path(latest))
+        state = torch.load(Path(latest) / "state.pt", weights_only=False)
+        start = state["step"]
+    return OpenedRun(run_dir, ckpts, model_dir, learner, start, state, main)
