@@ -270,8 +270,13 @@ def test_grad_norm_and_clip_single_rank() -> None:
 
 
 def test_errors_before_any_process_group() -> None:
-    from qurl.learner.dist import init_learner_dist
+    import torch.distributed as dist
+
+    from qurl.learner.dist import destroy_learner_dist, init_learner_dist
     from qurl.learner.megatron import MegatronLearner
+
+    if dist.is_initialized():  # an earlier in-process run (e.g. test_train) left its group up
+        destroy_learner_dist()
 
     with pytest.raises(ValueError, match="world_size == tp"):
         init_learner_dist(LearnerConfig(tp=2), 0, 1)
