@@ -17,12 +17,29 @@ from qurl.quant.flips import flip_fractions
 from qurl.quant.named import quantize_named
 
 
+class FlipTracker:
+    """Flip fraction between consecutive syncs, from the exact 8-bit codes sent."""
+
+    def __init__(self) -> None:
+        self._prev_codes: dict[str, torch.Tensor] = {}
+
+    def update(self, chunks: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        codes = {n: t for n, t in chunks if t.dtype in (torch.int8, torch.float8_e4m3fn)}
+        stats: dict[str, float] = {}
+        if self._prev_codes and codes:
+            flips = flip_fractions(self._prev_codes, codes)
+            stats = {"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
+                     "flip_frac/unscaled": flips["unscaled"]}
+        self._prev_codes = codes
+        return stats
+
+
 class WeightSync:
     def __init__(self, precision: str) -> None:
         if precision not in ("bf16", "int8", "fp8"):
             raise ValueError(f"precision={precision!r}: must be bf16, int8 or fp8")
         self.precision = precision
-        self._prev_codes: dict[str, torch.Tensor] = {}
+        self.flips = FlipTracker()
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], engine: Engine | None,
              version: int) -> dict[str, float]:
@@ -35,12 +52,7 @@ class WeightSync:
             return {}
         engine.load_weights(iter(chunks), version)
         t2 = time.perf_counter()
-        codes = {n: t for n, t in chunks if t.dtype in (torch.int8, torch.float8_e4m3fn)}
         stats = {"sync/time_quantize": t1 - t0, "sync/time_load": t2 - t1,
                  "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in chunks))}
-        if self._prev_codes and codes:
-            flips = flip_fractions(self._prev_codes, codes)
-            stats.update({"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
-                          "flip_frac/unscaled": flips["unscaled"]})
-        self._prev_codes = codes
+        stats.update(self.flips.update(chunks))
         return stats
