@@ -12,17 +12,36 @@ from qurl.setup import load_datasets
 TIMING = ("time/", "tokens_per_s", "sync/time", "wall")
 
 
-def tiny_cfg(run_dir: Path, name: str, steps: int, **extra) -> Config:
-    """A few-second-per-step async-capable config (tiny model, 4 prompts x 4 samples, 10 tokens)."""
+def tiny_sets(run_dir: Path, name: str, steps: int, **extra) -> dict:
+    """`--set` pairs of a few-second-per-step config (tiny model, 4 prompts x 4 samples,
+    16 tokens, 16 train prompts)."""
     sets = {
         "run.dir": str(run_dir), "run.name": name, "run.steps": steps, "run.eval_every": 0,
-        "run.ckpt_every": 1, "run.progress": False, "model.warmstart_steps": 20,
-        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 10,
-        "rollout.eval_max_new_tokens": 10, "data.eval_size": 8, "data.train_size": 16,
-        "optim.lr": 1e-3,
+        "run.ckpt_every": 1, "run.progress": False, "model.warmstart_steps": 40,
+        # one-digit sums: a briefly warm-started model is sometimes right, so rewards, advantages,
+        # gradients and code flips are non-zero and the comparisons below are not vacuous
+        "data.digits": 1, "data.operands": 2, "data.train_size": 16,
+        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
+        "rollout.eval_max_new_tokens": 16, "data.eval_size": 8, "optim.lr": 1e-3,
     }
     sets.update(extra)
-    return load_config(sets=[f"{k}={v}" for k, v in sets.items()])
+    return sets
+
+
+def tiny_cfg(run_dir: Path, name: str, steps: int, **extra) -> Config:
+    return load_config(sets=[f"{k}={v}" for k, v in tiny_sets(run_dir, name, steps, **extra).items()])
+
+
+def use_free_dist_port() -> None:
+    """In-process runs join torch.distributed at MASTER_PORT (29500 by default): pick a free port
+    instead, so concurrent test runs on one machine do not collide."""
+    import torch.distributed as dist
+
+    from qurl.learner.dist import free_port
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
 
 
 def cli_sets(cfg_sets: dict) -> list[str]:

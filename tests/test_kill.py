@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline_helpers import assert_each_prompt_once, cli_sets, pid_alive, tiny_cfg, worker_pids
+from pipeline_helpers import (assert_each_prompt_once, cli_sets, pid_alive, tiny_cfg, tiny_sets,
+                              use_free_dist_port, worker_pids)
 from qurl.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -46,6 +47,7 @@ def _wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen | None =
 
 def _qurl(args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env.pop("MASTER_PORT", None)  # the child picks its own free port
     with log.open("ab") as f:
         return subprocess.Popen([sys.executable, "-m", "qurl.cli", *args], stdout=f,
                                 stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
@@ -53,21 +55,18 @@ def _qurl(args: list[str], log: Path) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory):
+    use_free_dist_port()
     return tmp_path_factory.mktemp("kill")
 
 
 def test_sigkill_controller_then_resume_trains_each_prompt_once(run_root):
-    sets = {"run.dir": str(run_root), "run.name": "ctl", "run.steps": 4, "data.train_size": 16,
-            "run.ckpt_every": 1, **ASYNC}
-    cfg = tiny_cfg(run_root, "ctl", 4, **{k: v for k, v in sets.items()
-                                          if k not in ("run.dir", "run.name", "run.steps")})
+    # 6 steps x 4 prompts = one epoch of 24; killed after step 2, so 4 steps of margin
+    extra = {**ASYNC, "data.train_size": 24}
+    sets = tiny_sets(run_root, "ctl", 6, **extra)
+    cfg = tiny_cfg(run_root, "ctl", 6, **extra)
     run_dir = run_root / "ctl"
-    full = {**{"run.eval_every": 0, "run.progress": False, "model.warmstart_steps": 20,
-               "rollout.prompts_per_step": 4, "rollout.group_size": 4,
-               "rollout.max_new_tokens": 10, "rollout.eval_max_new_tokens": 10,
-               "data.eval_size": 8, "optim.lr": 1e-3}, **sets}
     log = run_root / "ctl.log"
-    proc = _qurl(["train", *cli_sets(full)], log)
+    proc = _qurl(["train", *cli_sets(sets)], log)
     try:
         _wait_for(lambda: len(_train_steps(run_dir)) >= 2 and (run_dir / "ckpt" / "latest").exists(),
                   600, "two trained steps and a checkpoint", proc, log)
@@ -79,7 +78,7 @@ def test_sigkill_controller_then_resume_trains_each_prompt_once(run_root):
         if proc.poll() is None:
             proc.kill()
     killed_at = max(_train_steps(run_dir))
-    assert killed_at < 4, "the run finished before it could be killed"
+    assert killed_at < 6, "the run finished before it could be killed"
     # the checkpoint resumed from holds work in progress: prompts in flight or groups buffered
     state = torch.load(run_dir / "ckpt" / (run_dir / "ckpt" / "latest").read_text().strip()
                        / "state.pt", weights_only=False)
@@ -93,7 +92,7 @@ def test_sigkill_controller_then_resume_trains_each_prompt_once(run_root):
     finally:
         if resumed.poll() is None:
             resumed.kill()
-    assert _train_steps(run_dir) == [1, 2, 3, 4]  # metrics truncated to the checkpoint
+    assert _train_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # metrics truncated to the checkpoint
     assert_each_prompt_once(cfg, run_dir)
     assert not any(pid_alive(p) for p in worker_pids(run_dir))
 

@@ -9,8 +9,8 @@ Arms (every other config field is the caller's, so they share seed, data, model,
     sync-int8-naive      precision int8, naive ratio (quantized logp as the denominator), no UAQ
 
 Each arm runs as its own `qurl train` process (one after the other, so they do not compete for the
-cores) under `<out>/<arm>/`; a finished arm is reused when compare runs again, an unfinished one
-starts over. Every arm is timed the same way, from outside: compare stamps each metrics record with
+cores) under `<out>/<arm>/`; a finished arm is reused when compare runs again with the same config,
+anything else starts over. Every arm is timed the same way, from outside: compare stamps each metrics record with
 the moment it appeared (seconds since the arm's process started). Then `<out>/compare.md` and `compare.csv` get one row per arm:
 
 - final (and initial) held-out greedy accuracy;
@@ -102,11 +102,12 @@ def run_arm(cfg: Config, out_dir: Path) -> dict[str, Any]:
     Every arm is timed the same way, from outside: the moment each metrics record appears."""
     run_dir = out_dir / cfg.run.name
     timing_file = out_dir / f"{cfg.run.name}.timing.json"
-    if _finished(run_dir, cfg.run.steps) and timing_file.exists():
+    toml = out_dir / f"{cfg.run.name}.toml"
+    same_cfg = toml.exists() and toml.read_text() == to_toml(cfg)
+    if same_cfg and _finished(run_dir, cfg.run.steps) and timing_file.exists():
         return json.loads(timing_file.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished arm starts over: timings stay whole
     out_dir.mkdir(parents=True, exist_ok=True)
-    toml = out_dir / f"{cfg.run.name}.toml"
     toml.write_text(to_toml(cfg))
     log = out_dir / f"{cfg.run.name}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1")

@@ -16,8 +16,8 @@ running the same decoder in another process). With η ≥ 1 generation of the ne
 training and weight sync; responses may span versions (partial rollout) and the learner sees
 per-token staleness.
 
-Nothing is lost or trained twice (qurl/pipeline/ledger.py): every dataset index taken from the cursor
-is in flight at one worker, buffered, trained, or put back. A dead worker's prompts are put back and
+Nothing is lost or trained twice (qurl/pipeline/dispatch.py, ledger.py): every dataset index taken
+from the cursor is in flight at one worker, buffered, trained, or put back. A dead worker's prompts are put back and
 re-dispatched; a group that became too stale is dropped and its prompt put back; late output of a
 replaced worker is dropped. The checkpoint holds the cursor, the buffer (trajectories received but
 not trained), the staleness counters and the ledger; on resume the prompts that were in flight go
@@ -26,11 +26,11 @@ metrics.jsonl), so exactly-once can be checked.
 
 The other TP ranks follow the same step sequence (`_follow`): receive the batch, train, take part in
 the weight gather, write their checkpoint shard. Re-broadcasts to replaced workers use the chunks
-cached on rank 0, so they need no collective.
+cached on rank 0, so they need no collective. Evaluation uses an engine on rank 0 loaded with the
+same cached chunks the workers received (greedy accuracy of exactly the 8-bit actor they run).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -43,16 +43,15 @@ import torch
 
 from qurl.batching import build_batch
 from qurl.config import Config, ConfigError
-from qurl.data.cursor import DataCursor
 from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
-from qurl.metrics import MetricsLogger, read_metrics
-from qurl.pipeline.ledger import Ledger
+from qurl.metrics import MetricsLogger
+from qurl.pipeline.dispatch import Dispatcher
+from qurl.pipeline.records import TrainedLog, ack_stats, rollout_stats
 from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, check_resume_config, read_config, rng_state, run_dir_for, \
     set_rng_state, write_config
-from qurl.setup import load_datasets, make_engine, prepare_base_model
-from qurl.stream.buffer import StalenessController, TrajectoryBuffer
+from qurl.setup import load_datasets, make_engine, prepare_base_model, set_threads
 from qurl.types import SamplingParams, Trajectory
 
 log = logging.getLogger("qurl.controller")
@@ -65,6 +64,7 @@ def train_async(cfg: Config, *, resume: bool = False, rank: int = 0, world_size:
     """Run (or resume) the asynchronous loop. Returns the final eval record on rank 0."""
     run_dir = run_dir_for(cfg)
     ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
+    set_threads(cfg)
     init_learner_dist(cfg.learner, rank, world_size)
     main = is_main_rank()
     if main:
@@ -152,17 +152,16 @@ class Controller:
         self.cfg, self.learner, self.run_dir, self.ckpts = cfg, learner, Path(run_dir), ckpts
         self.start = self.version = start
         self.B, self.G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-        self.train_set, self.eval_set = load_datasets(cfg)
-        self.cursor = DataCursor(len(self.train_set), seed=cfg.run.seed)
+        train_set, self.eval_set = load_datasets(cfg)
         self.engine = make_engine(cfg, model_dir)  # evaluation only (rollouts are the workers')
         self.codec = PromptCodec(self.engine.tokenizer, cfg.data.template)
-        self.params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                     stop_token_ids=(self.engine.tokenizer.eos_token_id,))
-        eta = cfg.rollout.max_staleness
-        self.staleness = StalenessController(self.B, eta)
-        self.buffer = TrajectoryBuffer(self.G, eta)
-        self.ledger = Ledger()
+        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                stop_token_ids=(self.engine.tokenizer.eos_token_id,))
+        self.work = Dispatcher(train_set, batch_size=self.B, group_size=self.G,
+                               max_staleness=cfg.rollout.max_staleness,
+                               total_steps=cfg.run.steps, seed=cfg.run.seed,
+                               encode=self.codec.encode, params=params)
         self.wall0, self.wall_offset = time.monotonic(), 0.0
         if state is not None:
             self._restore(state)
@@ -170,24 +169,25 @@ class Controller:
                                     wandb=cfg.run.wandb, wandb_mode=cfg.run.wandb_mode,
                                     run_name=cfg.run.name, config=asdict(cfg),
                                     progress=cfg.run.progress)
-        self.trained_log = _truncated_jsonl(self.run_dir / TRAINED_FILE, start)
+        self.trained_log = TrainedLog(self.run_dir / TRAINED_FILE, start)
         key = load_or_create_key(self.run_dir, cfg.stream.key)
         self.fleet = Fleet(cfg, self.run_dir, key, model_dir, vocab_size=self.engine.vocab_size,
                            worker_threads=self._split_cores())
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
         self._prev_codes: dict[str, torch.Tensor] = {}
-        self._prompt_ids: dict[int, torch.Tensor] = {}
-        self.counts: Counter[str] = Counter()
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._last_progress = time.monotonic()
 
     def _split_cores(self) -> int:
-        """On CPU, when generation overlaps training (η ≥ 1 or several workers), give the learner
-        and each worker an equal share of the cores instead of letting every process spin up one
-        thread per core (oversubscribed OpenMP threads slow everyone down). Returns the workers'
-        thread count (0 = torch's default)."""
+        """torch CPU threads of each worker: run.torch_threads when set (every process gets that
+        many, as in the sync loop). With torch's default (0) and generation overlapping training
+        (η ≥ 1 or several workers), the learner and each worker get an equal share of the cores
+        instead of each spinning up one thread per core (oversubscribed OpenMP threads spin in
+        barriers and slow everyone down). 0 = torch's default."""
         n = self.cfg.rollout.num_workers
+        if self.cfg.run.torch_threads > 0:
+            return self.cfg.run.torch_threads
         if torch.cuda.is_available() or (self.cfg.rollout.max_staleness == 0 and n == 1):
             return 0
         threads = max(1, (os.cpu_count() or 1) // (n + 1))
@@ -197,26 +197,17 @@ class Controller:
     # ------------------------------------------------------------------ state
 
     def _restore(self, state: dict) -> None:
-        self.cursor.load_state_dict(state["cursor"])
         set_rng_state(state["rng"])
         self.wall_offset = float(state.get("wall", 0.0))
-        if "ledger" not in state:  # a synchronous checkpoint: nothing buffered or in flight
-            self.staleness.accepted = self.version * self.B
-            return
-        self.buffer.load_state_dict(state["buffer"])
-        self.staleness.load_state_dict(state["staleness"])
-        self.ledger.load_state_dict(state["ledger"])
-        lost = self.ledger.take_in_flight()  # their results died with the old controller
-        self.cursor.put_back(d.index for d in lost)
-        self.staleness.on_reject(len(lost))
+        lost = self.work.load_state_dict(state, self.version)
         log.info("resumed at step %d: %d groups buffered, %d prompts re-dispatched",
-                 self.version, self.ledger.num_buffered, len(lost))
+                 self.version, self.work.ledger.num_buffered, lost)
 
     def _state(self, step: int) -> dict:
-        return {"step": step, "version": self.version, "cursor": self.cursor.state_dict(),
-                "rng": rng_state(), "wall": self.wall(), "mode": "async",
-                "buffer": self.buffer.state_dict(), "staleness": self.staleness.state_dict(),
-                "ledger": self.ledger.state_dict()}
+        """state.pt: step, version, RNG, wall clock, and the dispatcher's cursor, buffer (trajectories
+        received but not trained), staleness counters and ledger (prompts in flight)."""
+        return {"step": step, "version": self.version, "rng": rng_state(), "wall": self.wall(),
+                "mode": "async", **self.work.state_dict()}
 
     def wall(self) -> float:
         return self.wall_offset + time.monotonic() - self.wall0
@@ -248,100 +239,34 @@ class Controller:
 
     # ------------------------------------------------------------------ dispatch / receive
 
-    def _prompt_tensor(self, index: int) -> torch.Tensor:
-        if index not in self._prompt_ids:
-            ids = self.codec.encode(self.train_set[index].prompt)
-            self._prompt_ids[index] = torch.tensor(ids, dtype=torch.int64)
-        return self._prompt_ids[index]
-
-    def _remaining(self) -> int:
-        """Groups still to be produced for the configured number of steps."""
-        return ((self.cfg.run.steps - self.version) * self.B - self.ledger.num_buffered
-                - self.ledger.num_in_flight)
-
-    def _dispatch(self) -> None:
-        from qurl.stream.payload import PromptTask, pack_prompt
-
-        ready = self.fleet.ready_slots()
-        if not ready:
-            return
-        bursts: dict[int, list[int]] = {}
-        while self.staleness.can_dispatch(self.version) and \
-                self._remaining() - sum(map(len, bursts.values())) > 0:
-            slot = min(ready, key=lambda s: (self.ledger.load_of(s) + len(bursts.get(s, ())), s))
-            bursts.setdefault(slot, []).extend(self.cursor.take(1))
-            self.staleness.on_dispatch(1)
-        for slot, indices in bursts.items():
-            for k, index in enumerate(indices):
-                ex = self.train_set[index]
-                d = self.ledger.dispatch(index, ex.uid, slot, self.version)
-                task = PromptTask(prompt_uid=ex.uid, prompt_ids=self._prompt_tensor(index),
-                                  params=self.params, group_size=self.G, version=self.version)
-                meta, tensors = pack_prompt(task)
-                meta.update(key=d.key, answer=ex.answer, burst_end=k == len(indices) - 1)
-                if not self.fleet.send_prompt(slot, meta, tensors):
-                    self._put_back(d.key, "unsent")
-
-    def _put_back(self, key: str, why: str, accepted: bool = False) -> None:
-        d = self.ledger.drop(key, why)
-        if d is None:
-            return
-        self.cursor.put_back([d.index])
-        if accepted:  # it had been counted as accepted but will never be trained
-            self.staleness.accepted -= 1
-        else:
-            self.staleness.on_reject(1)
-
-    def _reclaim(self, slot: int) -> None:
-        """A replaced worker's prompts go back to the cursor (re-dispatched before new ones)."""
-        lost = self.ledger.take_slot(slot)
-        self.cursor.put_back(d.index for d in lost)
-        self.staleness.on_reject(len(lost))
-        self.counts["redispatched"] += len(lost)
+    def _send(self, slot: int, meta: dict, tensors: dict) -> bool:
+        return self.fleet.send_prompt(slot, meta, tensors)
 
     def _accept(self, msg: Any) -> None:
-        """File one trajectory message into the buffer (channel.py has already validated it)."""
-        meta = msg.meta
+        """File one trajectory message (channel.py has already authenticated and validated it)."""
         for k in ("gen_s", "new_tokens"):
-            if isinstance(meta.get(k), (int, float)):
-                self._since[k] += meta[k]
-        by_key: dict[str, list[Trajectory]] = {}
-        for t in msg.payload:
-            by_key.setdefault(t.prompt_uid, []).append(t)
-        for key, trajs in by_key.items():
-            if self.ledger.in_flight(key) is None:
-                self.ledger.note_late(len(trajs))
-                continue
-            for t in trajs:
-                status = self.buffer.put(t, self.version)
-                if status == "complete":
-                    self.ledger.complete(key)
-                    self.staleness.on_accept(1)
-                    self._last_progress = time.monotonic()
-                elif status == "stale":
-                    self._put_back(key, "stale")
-                    break
+            if isinstance(msg.meta.get(k), (int, float)):
+                self._since[k] += msg.meta[k]
+        if self.work.accept(msg.payload, self.version):
+            self._last_progress = time.monotonic()
 
-    def _collect(self) -> tuple[list[list[Trajectory]], float]:
+    def _collect(self) -> tuple[list[list[Trajectory]], list, float]:
         """Dispatch and receive until B complete groups can be popped. Returns them in dispatch
-        order, and the seconds spent waiting."""
+        order, their dispatches, and the seconds spent waiting."""
         t0 = time.perf_counter()
         while True:
             self.fleet.check_procs()
             for slot in self.fleet.take_replaced():
-                self._reclaim(slot)
+                self.work.reclaim(slot)
             if self.fleet.need_group:
                 self._push()
                 continue
-            self._dispatch()
+            self.work.dispatch(self.version, self.fleet.ready_slots(), self._send)
             for msg in self.fleet.poll(timeout_ms=20):
                 self._accept(msg)
-            for key in self.buffer.evict_stale(self.version):
-                self._put_back(key, "evicted", accepted=self.ledger.buffered(key) is not None)
-            groups = self.buffer.pop_batch(self.B)
-            if groups is not None:
-                groups.sort(key=lambda g: self.ledger.buffered(g[0].prompt_uid).did)
-                return groups, time.perf_counter() - t0
+            popped = self.work.pop_batch(self.version)
+            if popped is not None:
+                return popped[0], popped[1], time.perf_counter() - t0
             if time.monotonic() - self._last_progress > STALL_TIMEOUT_S:
                 raise RuntimeError(f"no trajectories for {STALL_TIMEOUT_S:.0f}s; see "
                                    f"{self.run_dir / 'workers'}")
@@ -355,8 +280,7 @@ class Controller:
         self._push()
         last_eval = self._eval(0) if self.start == 0 else None
         for step in range(self.start + 1, cfg.run.steps + 1):
-            groups, wait_s = self._collect()
-            trained = self.ledger.trained([g[0].prompt_uid for g in groups])
+            groups, trained, wait_s = self._collect()
             batch, bstats = build_batch(
                 groups, version=self.version, pad_id=self.engine.tokenizer.pad_token_id,
                 advantage=cfg.algo.advantage, dynamic_sampling=cfg.algo.dynamic_sampling,
@@ -399,58 +323,31 @@ class Controller:
 
     def _log_step(self, step: int, groups: list[list[Trajectory]], trained: list, wait_s: float,
                   bstats: dict, tstats: dict, sstats: dict, t_train: float, n_tokens: int) -> None:
-        trajs = [t for g in groups for t in g]
-        n_new = sum(len(t.response_ids) for t in trajs)
-        # staleness of each token at training time, relative to the version trained (= before +1)
-        stale = torch.cat([(self.version - 1) - t.versions for t in trajs]) if n_new else None
         rec: dict[str, Any] = {"kind": "train", "step": step, "version": self.version,
-                               "reward": sum(t.reward for t in trajs) / len(trajs),
-                               "response_len": n_new / len(trajs),
-                               "truncated_frac": sum(t.finish_reason == "length" for t in trajs)
-                               / len(trajs),
-                               "reward_timeouts": float(sum(t.reward_timed_out for t in trajs)),
-                               "time/wait": wait_s,
+                               **rollout_stats(groups, self.version - 1), "time/wait": wait_s,
                                "rollout_tokens_per_s": self._since["new_tokens"]
-                               / max(self._since["gen_s"], 1e-9)}
-        if stale is not None:
-            rec["staleness_mean"] = float(stale.float().mean())
-            rec["staleness_max"] = float(stale.max())
-        rec["dispatch_lag_mean"] = sum(self.version - 1 - d.version for d in trained) / len(trained)
+                               / max(self._since["gen_s"], 1e-9),
+                               "dispatch_lag_mean": sum(self.version - 1 - d.version
+                                                        for d in trained) / len(trained)}
         rec.update(bstats)
         rec.update(tstats)
         rec.update(sstats)
-        acks = self.fleet.sync_acks
+        rec.update(ack_stats(self.fleet.sync_acks))
         self.fleet.sync_acks = []
-        for k in ("load_s", "pause_s"):
-            vals = [a[k] for a in acks if isinstance(a.get(k), (int, float))]
-            if vals:
-                rec[f"sync/worker_{k[:-2]}_max"] = max(vals)
-        counts = Counter(self.ledger.stats) + self.fleet.counts + self.counts
+        w = self.work
+        counts = Counter(w.ledger.stats) + self.fleet.counts + w.counts
         rec.update({f"async/{k}": float(v) for k, v in counts.items()})
         rec.update({f"async/rejects/{k}": float(v) for k, v in self.fleet.rejects().items()})
-        rec.update({"async/buffered": float(self.ledger.num_buffered),
-                    "async/in_flight": float(self.ledger.num_in_flight),
-                    "async/buffer_stale": float(self.buffer.stats.get("stale", 0))})
-        rec["time/train"] = t_train
-        rec["train_tokens_per_s"] = n_tokens / max(t_train, 1e-9)
-        rec["wall"] = self.wall()
+        rec.update({"async/buffered": float(w.ledger.num_buffered),
+                    "async/in_flight": float(w.ledger.num_in_flight),
+                    "async/buffer_stale": float(w.buffer.stats.get("stale", 0)),
+                    "time/train": t_train, "train_tokens_per_s": n_tokens / max(t_train, 1e-9),
+                    "wall": self.wall()})
         self._since.clear()
         self.logger.log(rec)
-        self.trained_log.write(json.dumps({
-            "step": step, "uids": [d.uid for d in trained], "keys": [d.key for d in trained],
-            "dispatch_versions": [d.version for d in trained]}) + "\n")
-        self.trained_log.flush()
+        self.trained_log.write(step, trained)
 
     def close(self) -> None:
         self.fleet.close()
         self.logger.close()
         self.trained_log.close()
-
-
-def _truncated_jsonl(path: Path, start_step: int):
-    """Open a per-step jsonl for appending, keeping only records at or before start_step (resume)."""
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= start_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
-    return path.open("a")

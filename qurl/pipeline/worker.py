@@ -67,10 +67,11 @@ class RolloutWorker:
         from qurl.pipeline.session import read_key, read_session
         from qurl.rollout import PromptCodec
         from qurl.runs import read_config
-        from qurl.setup import make_engine
+        from qurl.setup import make_engine, set_threads
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.cfg = read_config(self.run_dir)
+        set_threads(self.cfg)  # run.torch_threads, as every qurl process (--threads overrides)
         self.key = read_key(self.run_dir)
         info = read_session(self.run_dir)
         if not 0 <= self.slot < int(info["num_workers"]):
@@ -159,10 +160,7 @@ class RolloutWorker:
             return
         self.last_heard = time.monotonic()
         if msg.kind == "prompt":
-            if not isinstance(meta.get("key"), str) or not isinstance(meta.get("answer"), str):
-                self.counts["bad_control"] += 1
-                return
-            self.tasks.append((msg.payload, meta, time.monotonic()))
+            self._queue_prompt(msg)
             return
         op = meta.get("op")
         if op == "group":
@@ -174,6 +172,13 @@ class RolloutWorker:
             raise _Abort()
         elif op != "ping":
             self.counts["bad_control"] += 1
+
+    def _queue_prompt(self, msg: Any) -> None:
+        meta = msg.meta
+        if not isinstance(meta.get("key"), str) or not isinstance(meta.get("answer"), str):
+            self.counts["bad_control"] += 1
+            return
+        self.tasks.append((msg.payload, meta, time.monotonic()))
 
     def _join_group(self, meta: dict[str, Any]) -> None:
         from qurl.sync.group import WeightGroup
@@ -202,8 +207,11 @@ class RolloutWorker:
             return
         t0 = time.perf_counter()
         pending = [first]
+        deferred: list[Any] = []  # a control message that ends this sync (e.g. a new group)
 
         def next_announcement() -> dict[str, Any]:
+            # Called from the receiver's fetch thread; the main thread is inside load_weights and
+            # does not touch the inbox until receive() returns, so the socket has one user.
             if pending:
                 return pending.pop()
             deadline = time.monotonic() + 300.0
@@ -212,11 +220,15 @@ class RolloutWorker:
                 if msg is None or msg.meta.get("session") != self.session:
                     continue
                 if msg.kind == "prompt":
-                    self._handle(msg)
+                    self._queue_prompt(msg)
                     continue
-                if msg.meta.get("op") == "weights":
+                op = msg.meta.get("op")
+                if op == "weights":
                     return msg.meta
-                raise RuntimeError(f"control {msg.meta.get('op')!r} arrived inside a weight sync")
+                if op == "ping":
+                    continue
+                deferred.append(msg)
+                raise RuntimeError(f"control {op!r} arrived inside a weight sync")
             raise TimeoutError("no next bucket announcement within 300 s")
 
         try:
@@ -225,6 +237,8 @@ class RolloutWorker:
             self.counts["sync_failures"] += 1
             log.warning("slot %d: weight sync v%s failed: %s", self.slot, first.get("version"), e)
             self._leave_group()
+            for msg in deferred:
+                self._handle(msg)
             return
         self.counts["syncs"] += 1
         self._send_control({"op": "synced", "version": int(self.engine.version),
@@ -322,14 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="", help="address to bind this worker's inbox on and announce "
                    "to the controller (default: 127.0.0.1 for a local controller, else this "
                    "machine's address)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: the config's run.torch_threads)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host)
     if args.threads:
         torch.set_num_threads(args.threads)
-    worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host)
     try:
         return worker.run()
     finally:

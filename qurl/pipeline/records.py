@@ -1,0 +1,68 @@
+"""What the async loop writes per step besides the learner's stats: rollout statistics of the trained
+batch, weight-sync acks of the workers, and `trained.jsonl` (the prompts each step trained on).
+
+`trained.jsonl` has one line per step: {"step", "uids" (dataset prompt uids, in batch order),
+"keys" (dispatch keys `uid@did`), "dispatch_versions"}. Like metrics.jsonl it is truncated to the
+checkpoint's step on resume, so over a resumed run it lists every trained prompt exactly as often as
+it was trained — the record exactly-once is checked against.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from qurl.metrics import read_metrics
+from qurl.types import Trajectory
+
+
+def rollout_stats(groups: list[list[Trajectory]], trained_version: int) -> dict[str, float]:
+    """Reward / length / truncation of the batch's responses and per-token staleness relative to
+    the version the step trained (staleness = trained_version − version that sampled the token)."""
+    trajs = [t for g in groups for t in g]
+    if not trajs:
+        raise ValueError("rollout_stats: empty batch")
+    n_new = sum(len(t.response_ids) for t in trajs)
+    out = {"reward": sum(t.reward for t in trajs) / len(trajs),
+           "response_len": n_new / len(trajs),
+           "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+           "reward_timeouts": float(sum(t.reward_timed_out for t in trajs))}
+    if n_new:
+        stale = torch.cat([trained_version - t.versions for t in trajs])
+        out["staleness_mean"] = float(stale.float().mean())
+        out["staleness_max"] = float(stale.max())
+    return out
+
+
+def ack_stats(acks: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Slowest worker's load and pause time among the `synced` acks received."""
+    acks = list(acks)
+    out = {}
+    for k in ("load_s", "pause_s"):
+        vals = [a[k] for a in acks if isinstance(a.get(k), (int, float))]
+        if vals:
+            out[f"sync/worker_{k[:-2]}_max"] = float(max(vals))
+    return out
+
+
+class TrainedLog:
+    """Append-only `trained.jsonl`, truncated to records at or before `start_step` when opened."""
+
+    def __init__(self, path: Path, start_step: int) -> None:
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= start_step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+        self._file = path.open("a")
+
+    def write(self, step: int, dispatches: list[Any]) -> None:
+        self._file.write(json.dumps({
+            "step": step, "uids": [d.uid for d in dispatches], "keys": [d.key for d in dispatches],
+            "dispatch_versions": [d.version for d in dispatches]}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
