@@ -69,6 +69,10 @@ class RolloutConfig:
     num_workers: int = 1
     max_staleness: int = 0  # η; 0 = synchronous
     mode: str = "sync"  # sync | async
+    # async: "local" = the controller starts and restarts its num_workers worker processes;
+    # "external" = they are started elsewhere (`python -m qurl.pipeline.worker --run-dir ... --slot i`,
+    # other machines reaching stream.host) and the controller waits for them to connect
+    workers: str = "local"
     sglang_urls: tuple[str, ...] = ()  # attach to running servers; empty = launch
     sglang_args: tuple[str, ...] = ()  # extra flags passed to sglang.launch_server
     sglang_tp: int = 1
@@ -157,6 +161,7 @@ _CHOICES = {
     "rollout.engine": ("local", "sglang"),
     "rollout.precision": ("bf16", "int8", "fp8"),
     "rollout.mode": ("sync", "async"),
+    "rollout.workers": ("local", "external"),
     "algo.loss": ("ppo", "naive", "decoupled", "tis", "acr"),
     "algo.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "algo.advantage": ("grpo", "drgrpo"),

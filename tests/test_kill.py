@@ -5,9 +5,12 @@
    controller's workers do not outlive it.
 2. SIGKILL a rollout worker mid-run: the controller replaces it, re-dispatches what it held, and
    every prompt is still trained exactly once.
+3. With externally started workers, SIGKILL the controller: the worker survives, reconnects to the
+   resumed controller, and every prompt is trained exactly once.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -123,3 +126,41 @@ def test_sigkill_worker_is_replaced_and_no_prompt_is_lost(run_root):
     assert last["async/workers_replaced"] >= 1
     assert worker_pids(run_dir)[0] != killed[0]  # a new process took the slot
     assert_each_prompt_once(cfg, run_dir)
+
+
+def test_external_worker_outlives_a_killed_controller_and_reconnects(run_root):
+    """rollout.workers=external: the worker is started by hand. SIGKILL the controller; the worker
+    keeps running, finds the resumed controller in controller.json, reconnects, and the epoch is
+    still trained exactly once."""
+    extra = {**ASYNC, "rollout.workers": "external", "data.train_size": 24}
+    sets = tiny_sets(run_root, "ext", 6, **extra)
+    cfg = tiny_cfg(run_root, "ext", 6, **extra)
+    run_dir = run_root / "ext"
+    log = run_root / "ext.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env.pop("MASTER_PORT", None)
+    proc = _qurl(["train", *cli_sets(sets)], log)
+    with (run_root / "ext-worker.log").open("ab") as f:
+        worker = subprocess.Popen([sys.executable, "-m", "qurl.pipeline.worker", "--run-dir",
+                                   str(run_dir), "--slot", "0", "--reconnect-s", "2"],
+                                  stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+    resumed = None
+    try:
+        _wait_for(lambda: len(_train_steps(run_dir)) >= 2 and (run_dir / "ckpt" / "latest").exists(),
+                  600, "two trained steps and a checkpoint", proc, log)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        assert max(_train_steps(run_dir)) < 6, "the run finished before it could be killed"
+        assert worker.poll() is None  # an external worker does not die with its controller
+        old_session = json.loads((run_dir / "controller.json").read_text())["session"]
+        resumed = _qurl(["train", "--resume", str(run_dir)], log)
+        assert resumed.wait(600) == 0, log.read_text()[-3000:]
+        assert json.loads((run_dir / "controller.json").read_text())["session"] != old_session
+        assert worker.wait(60) == 0  # the resumed controller told it to stop at the end
+    finally:
+        for p in (proc, resumed, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert_each_prompt_once(cfg, run_dir)
+    text = (run_root / "ext-worker.log").read_text()
+    assert "reconnecting" in text, text[-2000:]

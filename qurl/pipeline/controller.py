@@ -172,6 +172,7 @@ class Controller:
         self.trained_log = TrainedLog(self.run_dir / TRAINED_FILE, start)
         key = load_or_create_key(self.run_dir, cfg.stream.key)
         self.fleet = Fleet(cfg, self.run_dir, key, model_dir, vocab_size=self.engine.vocab_size,
+                           spawn=cfg.rollout.workers == "local",
                            worker_threads=self._split_cores())
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []

@@ -47,6 +47,20 @@ BURST_WAIT_S = 0.5  # how long to wait for the rest of a dispatch burst before g
 MAX_PROMPT_TOKENS = 1 << 16
 
 
+def _wait_for_session(run_dir: Path, timeout_s: float = 600.0) -> dict[str, Any]:
+    """controller.json of the run; a worker started before its controller waits for it."""
+    from qurl.pipeline.session import read_session
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return read_session(run_dir)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _default_host(controller_endpoint: str) -> str:
     """127.0.0.1 when the controller is on this machine's loopback, else our own address."""
     import socket
@@ -63,17 +77,18 @@ class _Abort(Exception):
 
 class RolloutWorker:
     def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0,
-                 host: str = "") -> None:
-        from qurl.pipeline.session import read_key, read_session
+                 host: str = "", reconnect_s: float = RECONNECT_S) -> None:
+        from qurl.pipeline.session import read_key
         from qurl.rollout import PromptCodec
         from qurl.runs import read_config
         from qurl.setup import make_engine, set_threads
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
+        self.reconnect_s = float(reconnect_s)
+        info = _wait_for_session(self.run_dir)  # written after the config and the key
         self.cfg = read_config(self.run_dir)
         set_threads(self.cfg)  # run.torch_threads, as every qurl process (--threads overrides)
         self.key = read_key(self.run_dir)
-        info = read_session(self.run_dir)
         if not 0 <= self.slot < int(info["num_workers"]):
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
@@ -311,7 +326,7 @@ class RolloutWorker:
                                         "endpoint": self.inbox.endpoint,
                                         "engine_version": int(self.engine.version)})
                     self._next_hello = now + HELLO_EVERY_S
-                if self.parent_pid == 0 and now - self.last_heard > RECONNECT_S:
+                if self.parent_pid == 0 and now - self.last_heard > self.reconnect_s:
                     self._maybe_reconnect()
                 self._pump(0 if self.tasks else 50)
                 batch = self._take_batch()
@@ -336,13 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="", help="address to bind this worker's inbox on and announce "
                    "to the controller (default: 127.0.0.1 for a local controller, else this "
                    "machine's address)")
+    p.add_argument("--reconnect-s", type=float, default=RECONNECT_S,
+                   help="without --parent-pid: after this long without a word from the controller, "
+                        "look for a new one in controller.json")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: the config's run.torch_threads)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host)
+    worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host,
+                           reconnect_s=args.reconnect_s)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
