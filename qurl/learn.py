@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from pathlib import Path
-
-import torch
 
 from qurl.batching import build_batch
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
-from qurl.learner.dist import broadcast_object, is_main_rank
-from qurl.learner.megatron import MegatronLearner
+from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
 from qurl.rollout import PromptCodec, evaluate, rollout
-from qurl.runs import CheckpointDir, rng_state, set_rng_state
+from qurl.runs import rng_state, set_rng_state
 from qurl.setup import load_datasets, make_engine
-from qurl.start import open_run
+from qurl.start import open_run, save_checkpoint
 from qurl.types import SamplingParams
 from qurl.weights import WeightSync
 
@@ -111,22 +107,11 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
             last_eval = run_eval(step)
         if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
-            save_checkpoint(ckpts, learner, step, version, cursor)
+            save_checkpoint(ckpts, learner, step, {
+                "step": step, "version": version, "rng": rng_state(),
+                "cursor": cursor.state_dict() if main else None})
     if start < cfg.run.steps or last_eval is None:
         last_eval = run_eval(cfg.run.steps)
     if main:
         logger.close()
     return last_eval or {}
-
-
-def save_checkpoint(ckpts: CheckpointDir, learner: MegatronLearner, step: int, version: int,
-                    cursor: DataCursor | None) -> None:
-    """All ranks write their learner shard into one temp dir; rank 0 adds state.pt and commits."""
-    main = is_main_rank()
-    tmp = Path(broadcast_object(str(ckpts.begin(step)) if main else None))
-    learner.save(tmp)
-    broadcast_object(None)  # barrier: every shard is on disk before the rename
-    if main:
-        torch.save({"step": step, "version": version, "cursor": cursor.state_dict(),
-                    "rng": rng_state()}, tmp / "state.pt")
-        ckpts.commit(tmp)

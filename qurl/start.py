@@ -2,7 +2,7 @@
 
 On every learner rank: pin CPU threads, join the process groups, make or find the base model
 (rank 0), build the Megatron learner (UAQ applied to its master weights) and, on resume, load the
-latest checkpoint. Rank 0 also checks that a resume does not change an immutable field, that a fresh
+latest checkpoint. `save_checkpoint` is the matching writer. Rank 0 also checks that a resume does not change an immutable field, that a fresh
 run does not overwrite an existing one, and writes the resolved config into the run directory.
 """
 from __future__ import annotations
@@ -57,3 +57,16 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
         state = torch.load(Path(latest) / "state.pt", weights_only=False)
         start = state["step"]
     return OpenedRun(run_dir, ckpts, model_dir, learner, start, state, main)
+
+
+def save_checkpoint(ckpts: CheckpointDir, learner: MegatronLearner, step: int,
+                    state: dict[str, Any] | None) -> None:
+    """All ranks write their learner shard into one temp dir; rank 0 adds `state` as state.pt and
+    commits (atomic rename + `latest`)."""
+    main = is_main_rank()
+    tmp = Path(broadcast_object(str(ckpts.begin(step)) if main else None))
+    learner.save(tmp)
+    broadcast_object(None)  # barrier: every shard is on disk before the rename
+    if main:
+        torch.save(state, tmp / "state.pt")
+        ckpts.commit(tmp)

@@ -42,17 +42,18 @@ from typing import Any
 import torch
 
 from qurl.batching import build_batch
-from qurl.config import Config, ConfigError
-from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
+from qurl.config import Config
+from qurl.learner.dist import broadcast_object
 from qurl.learner.megatron import MegatronLearner
 from qurl.metrics import MetricsLogger
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats, rollout_stats
 from qurl.rollout import PromptCodec, evaluate
-from qurl.runs import CheckpointDir, check_resume_config, read_config, rng_state, run_dir_for, \
-    set_rng_state, write_config
-from qurl.setup import load_datasets, make_engine, prepare_base_model, set_threads
+from qurl.runs import CheckpointDir, rng_state, set_rng_state
+from qurl.setup import load_datasets, make_engine
+from qurl.start import open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory
+from qurl.weights import FlipTracker
 
 log = logging.getLogger("qurl.controller")
 
@@ -62,30 +63,10 @@ TRAINED_FILE = "trained.jsonl"
 
 def train_async(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
     """Run (or resume) the asynchronous loop. Returns the final eval record on rank 0."""
-    run_dir = run_dir_for(cfg)
-    ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
-    set_threads(cfg)
-    init_learner_dist(cfg.learner, rank, world_size)
-    main = is_main_rank()
-    if main:
-        if resume:
-            check_resume_config(read_config(run_dir), cfg)
-        elif (run_dir / "ckpt" / "latest").exists():
-            raise ConfigError(f"{run_dir} already holds a run: resume it with --resume {run_dir} "
-                              "or pick another run.name")
-        write_config(run_dir, cfg)
-    model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
-    torch.manual_seed(cfg.run.seed)
-    learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed)
-    start, state = 0, None
-    if resume:
-        latest = broadcast_object(str(ckpts.latest()) if main and ckpts.latest() else None)
-        if latest is None:
-            raise FileNotFoundError(f"{run_dir}: nothing to resume (no checkpoint yet)")
-        learner.load(Path(latest))
-        state = torch.load(Path(latest) / "state.pt", weights_only=False)
-        start = state["step"]
+    run = open_run(cfg, resume=resume, rank=rank, world_size=world_size)
+    run_dir, ckpts, learner, start, state, main = (run.run_dir, run.ckpts, run.learner, run.start,
+                                                   run.state, run.main)
+    model_dir = run.model_dir
     if not main:
         return _follow(cfg, learner, ckpts, start)
     ctl = Controller(cfg, learner, run_dir, ckpts, model_dir, start, state)
@@ -112,18 +93,6 @@ def _follow(cfg: Config, learner: MegatronLearner, ckpts: CheckpointDir, start: 
         if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
             save_checkpoint(ckpts, learner, step, None)
     return {}
-
-
-def save_checkpoint(ckpts: CheckpointDir, learner: MegatronLearner, step: int,
-                    state: dict | None) -> None:
-    """All ranks write their learner shard into one temp dir; rank 0 adds state.pt and commits."""
-    main = is_main_rank()
-    tmp = Path(broadcast_object(str(ckpts.begin(step)) if main else None))
-    learner.save(tmp)
-    broadcast_object(None)  # barrier: every shard is on disk before the rename
-    if main:
-        torch.save(state, tmp / "state.pt")
-        ckpts.commit(tmp)
 
 
 def quantize_weights(named: Any, precision: str) -> tuple[list[tuple[str, torch.Tensor]], float, float]:
@@ -176,7 +145,7 @@ class Controller:
                            worker_threads=self._split_cores())
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
-        self._prev_codes: dict[str, torch.Tensor] = {}
+        self.flips = FlipTracker()
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._last_progress = time.monotonic()
 
@@ -217,17 +186,10 @@ class Controller:
 
     def _quantize(self) -> dict[str, float]:
         """Gather + quantize the current master weights (a collective with the other TP ranks)."""
-        from qurl.quant.flips import flip_fractions
-
         self.chunks, gather_s, quant_s = quantize_weights(self.learner.named_weights(),
                                                           self.cfg.rollout.precision)
         stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s}
-        codes = {n: t for n, t in self.chunks if t.dtype in (torch.int8, torch.float8_e4m3fn)}
-        if self._prev_codes and codes:
-            flips = flip_fractions(self._prev_codes, codes)
-            stats.update({"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
-                          "flip_frac/unscaled": flips["unscaled"]})
-        self._prev_codes = codes
+        stats.update(self.flips.update(self.chunks))
         return stats
 
     def _push(self) -> dict[str, float]:
