@@ -1,5 +1,9 @@
 """SGLang rollout engines over HTTP: the only qurl code that talks to SGLang (it never imports it).
 
+(Longer than qurl's ~400-line norm on purpose: the rule that one file holds everything that speaks
+SGLang's protocol — launch, health, generate, weight-update sessions — keeps its version-specific
+facts in one place to re-check when the pinned SGLang release changes.)
+
 Facts used here, read from the source of sglang 0.5.23 (`srt/entrypoints/http_server.py`,
 `srt/managers/io_struct.py`, `srt/managers/tokenizer_manager.py`, `srt/managers/
 scheduler_components/weight_updater.py`, `srt/model_executor/model_runner_components/
