@@ -46,6 +46,7 @@ log = logging.getLogger("qurl.fleet")
 GROUP_TIMEOUT_S = 120.0  # rendezvous and every broadcast of the weight group
 JOIN_TIMEOUT_S = 600.0  # a worker must say hello within this (process start + engine build)
 PING_EVERY_S = 2.0
+MAX_RESTARTS = 10  # per slot and run: a worker that keeps dying is a bug to report, not to retry
 
 
 @dataclass
@@ -103,7 +104,11 @@ class Fleet:
         if self.procs is None:
             return
         for slot in self.procs.poll():
-            self._replace(slot, f"process exited with {self.procs.slots[slot].exits[-1]}")
+            exits = self.procs.slots[slot].exits
+            self._replace(slot, f"process exited with {exits[-1]}")
+            if len(exits) > MAX_RESTARTS:
+                raise RuntimeError(f"worker slot {slot} exited {len(exits)} times (last exit code "
+                                   f"{exits[-1]}); see {self.procs.log_dir / f'slot{slot}.log'}")
             self.procs.start(slot)
 
     def take_replaced(self) -> list[int]:
