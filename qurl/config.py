@@ -109,13 +109,14 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    tp: int = 1
+    tp: int = 1  # tensor-parallel size
+    dp: int = 1  # data-parallel size; the learner has tp * dp ranks
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
     nnodes: int = 1
     nproc_per_node: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = False  # shard fp32 masters + AdamW moments over DP (ZeRO-1)
     transformer_engine: bool = False
 
 
@@ -151,7 +152,7 @@ class Config:
 # Fields a resumed run may not change: they define the weights and their layout.
 IMMUTABLE_ON_RESUME = (
     "model.preset", "model.path", "model.dtype", "learner.tp", "algo.uaq_scale",
-    "rollout.group_size", "run.seed", "data.train",
+    "rollout.group_size", "run.seed", "data.train", "learner.dp", "learner.distributed_optimizer",
 )
 
 _CHOICES = {
@@ -172,6 +173,7 @@ _CHOICES = {
 _POSITIVE = (
     "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.num_workers",
     "algo.eps_low", "algo.eps_high", "algo.mini_batches", "algo.epochs", "optim.lr", "learner.tp",
+    "learner.dp",
     "rollout.temperature", "algo.uaq_scale", "sync.bucket_mb", "run.steps",
 )
 
@@ -202,6 +204,10 @@ def validate(cfg: Config) -> Config:
     if batch % cfg.algo.mini_batches:
         raise ConfigError(
             f"algo.mini_batches={cfg.algo.mini_batches}: must divide prompts_per_step*group_size={batch}")
+    if (batch // cfg.algo.mini_batches) % cfg.learner.dp:
+        raise ConfigError(f"learner.dp={cfg.learner.dp}: must divide the mini-batch of "
+                          f"{batch // cfg.algo.mini_batches} sequences (prompts_per_step*group_size"
+                          f"/algo.mini_batches)")
     if cfg.model.preset not in ("tiny", "small", "path"):
         raise ConfigError(f"model.preset={cfg.model.preset!r}: must be tiny, small or path")
     if cfg.model.preset == "path" and not cfg.model.path:

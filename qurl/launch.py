@@ -9,8 +9,8 @@ Placement:
 - nodes = `--nodes h0,h1,...` (Slurm passes its host list), else `learner.master_addr` followed
   by the distinct hosts of `rollout.sglang_urls`. Node 0 is the learner's master; the first
   `learner.nnodes` nodes run torchrun with `learner.nproc_per_node` ranks on GPUs 0..P-1
-  (the learner is TP only: nnodes * nproc_per_node must equal learner.tp; a nproc_per_node left
-  at its default 1 is taken as tp / nnodes, since the presets set only learner.tp).
+  (nnodes * nproc_per_node must equal the learner's tp * dp ranks; a nproc_per_node left at its
+  default 1 is taken as tp * dp / nnodes, since the presets set only learner.tp and learner.dp).
 - servers = `rollout.sglang_urls` when given (each host must be one of the nodes), else the free
   GPUs of every node (all of a non-learner node, those after the learner's on a learner node) are
   filled with servers of `rollout.sglang_tp` GPUs on ports 30000, 30001, ...; their URLs are
@@ -72,11 +72,12 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     that reproduce cfg; they are forwarded to the learner's `qurl train`."""
     lc, r = cfg.learner, cfg.rollout
     nproc = lc.nproc_per_node
-    if nproc == 1 and lc.tp > 1 and lc.tp % lc.nnodes == 0:
-        nproc = lc.tp // lc.nnodes  # 1 is the default: the presets only set learner.tp
-    if lc.nnodes * nproc != lc.tp:
-        raise ValueError(f"learner.tp={lc.tp}: must equal learner.nnodes * learner.nproc_per_node "
-                         f"= {lc.nnodes} * {nproc} (the learner is TP only)")
+    world = lc.tp * lc.dp
+    if nproc == 1 and world > 1 and world % lc.nnodes == 0:
+        nproc = world // lc.nnodes  # 1 is the default: the presets only set learner.tp and .dp
+    if lc.nnodes * nproc != world:
+        raise ValueError(f"learner.tp * learner.dp={world}: must equal learner.nnodes * "
+                         f"learner.nproc_per_node = {lc.nnodes} * {nproc}")
     if nproc > gpus_per_node:
         raise ValueError(f"learner.nproc_per_node={nproc} > --gpus-per-node {gpus_per_node}")
     urls = list(r.sglang_urls)

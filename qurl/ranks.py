@@ -1,6 +1,6 @@
 """Start the learner's ranks for a command: under torchrun, as spawned processes, or in-process.
 
-`qurl train` with learner.tp = N on one machine spawns N processes (gloo on CPU), each running the
+`qurl train` with learner.tp × learner.dp = N on one machine spawns N processes (gloo on CPU), each running the
 same loop; rank 0 is the controller (engine, data, run dir). Under torchrun (RANK/WORLD_SIZE set, the
 multi-node path that `qurl launch` prints) this process is already one rank. With one rank the loop
 runs in this process. Rank 0's return value is handed back to the caller.
@@ -22,7 +22,7 @@ def launch(fn: Callable[..., Any], cfg: Config, **kwargs: Any) -> Any:
     """Run fn(cfg, rank=, world_size=, **kwargs) on every learner rank; return rank 0's result."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _call(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), fn, cfg, kwargs)
-    world = cfg.learner.tp  # one machine without torchrun: one rank per TP shard (DP = 1)
+    world = cfg.learner.tp * cfg.learner.dp  # one machine without torchrun
     if world == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

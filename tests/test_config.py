@@ -27,7 +27,8 @@ def test_set_overrides_are_typed():
 @pytest.mark.parametrize("pair,field", [
     ("algo.loss=foo", "algo.loss"), ("optim.lr=-1", "optim.lr"), ("algo.tis_cap=0.5", "algo.tis_cap"),
     ("optim.lr=abc", "optim.lr"), ("nosuch.x=1", "nosuch.x"), ("algo.nosuch=1", "algo.nosuch"),
-    ("algo.mini_batches=3", "algo.mini_batches"),
+    ("algo.mini_batches=3", "algo.mini_batches"), ("learner.dp=0", "learner.dp"),
+    ("learner.dp=3", "learner.dp"),  # 16*8/2 = 64 rows per mini-batch do not split 3 ways
 ])
 def test_bad_values_name_the_field(pair, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -46,3 +47,6 @@ def test_immutable_changes_named():
     b = override(a, {"learner.tp": 2, "optim.lr": 1e-5})
     changes = immutable_changes(a, b)
     assert len(changes) == 1 and changes[0].startswith("learner.tp")
+    c = override(a, {"learner.dp": 2, "learner.distributed_optimizer": True})
+    assert [x.split(":")[0] for x in immutable_changes(a, c)] == ["learner.dp",
+                                                                 "learner.distributed_optimizer"]

@@ -2,6 +2,7 @@
 errors named by field, and running one node's commands."""
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -64,7 +65,9 @@ def test_slurm_style_placement_from_node_list():
 
 
 @pytest.mark.parametrize("sets,msg", [
-    (["learner.tp=8"], "learner.tp=8: must equal"),
+    (["learner.tp=8"], "learner.tp * learner.dp=8: must equal"),
+    (["learner.tp=2", "learner.dp=4", "learner.nproc_per_node=4"],
+     "learner.tp * learner.dp=8: must equal"),
     (["rollout.sglang_urls=http://elsewhere:1"], "host 'elsewhere' is not a node"),
     (["rollout.sglang_urls=10.0.0.2:30000"], "is not http://host:port"),
     (["model.preset=tiny"], "model.preset='tiny'"),
@@ -74,7 +77,7 @@ def test_slurm_style_placement_from_node_list():
 ])
 def test_placement_errors_name_the_field(sets, msg):
     cfg = load_config("paper-dapo-7b", EXAMPLE, sets)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
         plan(cfg, [], nodes=["10.0.0.1", "10.0.0.2"])
 
 

@@ -1,12 +1,13 @@
 """Process groups for the learner: torch.distributed (gloo on CPU, NCCL on GPU) + megatron's TP groups.
 
-Every learner rank is one TP shard (data parallel size 1: world_size must equal learner.tp). Rank 0
+The learner has learner.tp × learner.dp ranks: megatron puts consecutive ranks in one TP group
+(keep a TP group inside a node) and ranks tp apart in one data-parallel group. Rank 0
 is the controller: it owns the data, the engine and the run directory, and shares each batch with
 `broadcast_object`. Launch with torchrun (RANK/WORLD_SIZE/MASTER_* in the environment) or with
 `spawn` (tests, the CPU launcher), which picks a free port and sets the same variables.
 
 Invariants: `init_learner_dist` is idempotent within a process; after it returns, megatron's
-`parallel_state` reports TP size = world size; `spawn` returns each rank's return value, in rank
+`parallel_state` reports TP size = learner.tp and DP size = learner.dp; `spawn` returns each rank's return value, in rank
 order, and raises if any rank failed.
 """
 from __future__ import annotations
@@ -42,10 +43,10 @@ def resolve_backend(learner: LearnerConfig) -> str:
 
 def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
                       timeout_min: float = 30.0) -> None:
-    """Join the default process group (if not yet) and build megatron's TP groups (TP = world)."""
-    if world_size != learner.tp:
-        raise ValueError(f"learner.tp={learner.tp}: the learner runs TP only (data parallel 1), so it "
-                         f"needs world_size == tp, got world_size={world_size}")
+    """Join the default process group (if not yet) and build megatron's TP and DP groups."""
+    if world_size != learner.tp * learner.dp:
+        raise ValueError(f"learner.tp={learner.tp} x learner.dp={learner.dp}: needs world_size "
+                         f"{learner.tp * learner.dp}, got {world_size}")
     backend = resolve_backend(learner)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
@@ -66,7 +67,8 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
                              f"{ps.get_tensor_model_parallel_world_size()}, asked for {learner.tp}")
         return
     kwargs: dict[str, Any] = {"tensor_model_parallel_size": learner.tp}
-    # Extra gloo groups only serve megatron's distributed optimizer, which the learner does not use.
+    # Extra gloo groups only serve megatron's own distributed optimizer, which the learner does not
+    # use (qurl/learner/distopt.py shards over the main DP group).
     if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:
         kwargs["create_gloo_process_groups"] = False
     ps.initialize_model_parallel(**kwargs)

@@ -1,7 +1,7 @@
 """The tensor-parallel learner: a megatron-core GPTModel trained with the QuRL surrogate.
 
-One instance per TP rank (after `init_learner_dist`). At start the HF checkpoint is read, cast to
-fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged, see qurl/quant/uaq.py), and
+One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the HF
+checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged, see qurl/quant/uaq.py), and
 this rank's shard is loaded into a GPTModel built with megatron's local layer spec. Those weights
 are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
 
@@ -17,11 +17,14 @@ mini-batch's denominator, so their gradients sum to the mini-batch gradient.
 Log-probs: out[:, j] = log softmax(logits(tokens[:, :j]) / T)[tokens[:, j]], out[:, 0] = 0, from
 megatron's vocab-parallel cross entropy (logits never gathered). Padded vocab rows (the vocab is
 padded to a multiple of 128·TP) are masked to -inf so the distribution is exactly HF's.
-In bfloat16 mode the model runs in bf16 while fp32 master copies are what AdamW updates.
+The optimizer (qurl/learner/distopt.py) keeps fp32 master weights and AdamW moments, sharded over
+the data-parallel ranks with learner.distributed_optimizer (ZeRO-1); in bfloat16 mode the model runs
+in bf16 and receives the masters after every update. With DP > 1 each DP rank computes its rows of
+every mini-batch and the gradients are summed over DP.
 
-Invariants: all TP ranks must call every method with identical inputs (rank 0 broadcasts batches);
+Invariants: all ranks must call every method with identical inputs (rank 0 broadcasts batches);
 `named_weights()` is a collective that every rank must exhaust; `save`/`load` give bit-identical
-continuation on the same TP size.
+continuation on the same TP and DP sizes.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from qurl.algo.loss import loss_denominator, policy_loss
 from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
+from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
 from qurl.models import convert
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -71,8 +75,6 @@ class MegatronLearner:
             raise RuntimeError("MegatronLearner: call qurl.learner.dist.init_learner_dist first")
         if learner.transformer_engine:
             raise ValueError("learner.transformer_engine=True: this learner uses the local layer spec")
-        if learner.distributed_optimizer:
-            raise ValueError("learner.distributed_optimizer=True: unsupported (the learner is TP-only)")
         if model.dtype not in _DTYPES:
             raise ValueError(f"model.dtype={model.dtype!r}: must be one of {', '.join(_DTYPES)}")
         self.algo, self.optim, self.total_steps = algo, optim, total_steps
@@ -81,6 +83,11 @@ class MegatronLearner:
         self.tp_group = ps.get_tensor_model_parallel_group()
         if self.tp_size != learner.tp:
             raise ValueError(f"learner.tp={learner.tp} but megatron's TP group has {self.tp_size} ranks")
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
+        if self.dp_size != learner.dp:
+            raise ValueError(f"learner.dp={learner.dp} but megatron's DP group has {self.dp_size} ranks")
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -108,13 +115,12 @@ class MegatronLearner:
             self.ref_model = self._build(shard).requires_grad_(False)
         del shard, hf_state
         self.named_params = [(n, p) for n, p in self.model.named_parameters()]
-        self.sharded = [convert.partition_dim(n) is not None for n, _ in self.named_params]
-        self.mixed = self.dtype != torch.float32
-        if self.mixed:  # fp32 master copies are what AdamW updates
-            self.master = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in self.named_params]
-        else:
-            self.master = self.named_params
-        self.optimizer = lopt.adamw(self.master, optim)
+        # Norm counting: TP-split params on every rank, TP-replicated ones (norm gains) on rank 0.
+        counted = [convert.partition_dim(n) is not None or self.tp_rank == 0 for n, _ in self.named_params]
+        par = Parallel(self.tp_rank, self.tp_size, self.tp_group if self.tp_size > 1 else None,
+                       self.dp_rank, self.dp_size, self.dp_group)
+        self.optimizer = DistributedAdamW([p for _, p in self.named_params], counted, optim, par,
+                                          distributed=learner.distributed_optimizer)
         self.step = 0
         padded = convert.padded_vocab_size(int(hf_config.vocab_size), self.tp_size)
         local = padded // self.tp_size
@@ -204,15 +210,19 @@ class MegatronLearner:
                    adv: torch.Tensor, *, staleness: torch.Tensor | None = None,
                    temperature: float = 1.0, norm_len: int | None = None) -> dict[str, float]:
         """One learner step. tokens, loss_mask, behav_logp: [B, L]; adv: [B] or [B, L];
-        staleness: [B] or [B, L] (stats only). Returns mean stats over the mini-batches plus
-        grad_norm (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates."""
+        staleness: [B] or [B, L] (stats only). Every rank passes the whole batch; with data
+        parallelism DP rank d computes rows [d·m/D, (d+1)·m/D) of each mini-batch of m rows (and
+        its share of prox_logp), against the whole mini-batch's loss denominator. Returns mean
+        stats over the mini-batches (of whole mini-batches, the same on every rank) plus grad_norm
+        (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates."""
         B, L = tokens.shape
         for name, t in (("loss_mask", loss_mask), ("behav_logp", behav_logp)):
             if tuple(t.shape) != (B, L):
                 raise ValueError(f"{name} must be [B, L]={B, L}, got {tuple(t.shape)}")
         n_mb = self.algo.mini_batches
-        if B % n_mb:
-            raise ValueError(f"batch of {B} sequences not divisible by algo.mini_batches={n_mb}")
+        if B % (n_mb * self.dp_size):
+            raise ValueError(f"batch of {B} sequences not divisible by algo.mini_batches={n_mb} "
+                             f"x learner.dp={self.dp_size}")
         dev = self.device
         tokens, mask = tokens.to(dev, torch.long), loss_mask.to(dev).bool()
         behav, adv = behav_logp.to(dev).float(), adv.to(dev).float()
@@ -220,14 +230,17 @@ class MegatronLearner:
         lr = lopt.lr_at(self.optim, self.step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        prox = self.logprobs(tokens, temperature=temperature)
-        ref = None if self.ref_model is None else self._logprobs(self.ref_model, tokens, temperature)
+        self.model.eval()
+        prox = self._dp_logprobs(self.model, tokens, temperature)
+        ref = None if self.ref_model is None else self._dp_logprobs(self.ref_model, tokens, temperature)
 
         kw = dict(preset=self.algo.loss, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high,
                   tis_cap=self.algo.tis_cap, agg=self.algo.agg, kl_coef=self.algo.kl_coef,
                   norm_len=norm_len)
         self.model.train()
-        mb, rows = B // n_mb, self._rows_per_micro(L)
+        mb = B // n_mb
+        share = mb // self.dp_size  # rows of each mini-batch this DP rank computes
+        rows = self._rows_per_micro(L)
         per_mb: list[dict[str, float]] = []
         norms: list[float] = []
         skipped = 0
@@ -235,13 +248,14 @@ class MegatronLearner:
             for i in range(n_mb):
                 sl = slice(i * mb, (i + 1) * mb)
                 if not bool(mask[sl].any()):
-                    continue  # nothing to learn from: no optimizer step either
+                    continue  # nothing to learn from: no optimizer step either (on every rank)
                 cut = lambda t: None if t is None else t[sl]  # noqa: E731
                 denom = loss_denominator(mask[sl], self.algo.agg)
-                self._zero_grad()
+                self.optimizer.zero_grad()
                 logps = []
-                for j in range(0, mb, rows):
-                    part = lambda t: None if t is None else t[sl][j:j + rows]  # noqa: E731
+                own = i * mb + self.dp_rank * share
+                for j in range(own, own + share, rows):
+                    part = lambda t: None if t is None else t[j:min(j + rows, own + share)]  # noqa: E731
                     logp = self._forward_logp(self.model, part(tokens), temperature)
                     loss, _ = policy_loss(logp, part(prox), part(behav), part(adv), part(mask),
                                           ref_logp=part(ref), staleness=part(staleness),
@@ -249,9 +263,10 @@ class MegatronLearner:
                     loss.backward()
                     logps.append(logp.detach())
                 with torch.no_grad():  # stats of the whole mini-batch, from the same logp
-                    _, stats = policy_loss(torch.cat(logps), cut(prox), cut(behav), cut(adv), cut(mask),
-                                           ref_logp=cut(ref), staleness=cut(staleness), **kw)
-                norm = self._clip_and_step()
+                    _, stats = policy_loss(self._dp_gather(torch.cat(logps)), cut(prox), cut(behav),
+                                           cut(adv), cut(mask), ref_logp=cut(ref),
+                                           staleness=cut(staleness), **kw)
+                norm = self.optimizer.step(self.optim.grad_clip)
                 skipped += int(not math.isfinite(norm))
                 norms.append(norm)
                 per_mb.append(stats)
@@ -263,57 +278,56 @@ class MegatronLearner:
                     "grad_norm_last": norms[-1] if norms else float("nan")})
         return out
 
-    def _zero_grad(self) -> None:
-        for _, p in self.named_params:
-            p.grad = None
-        if self.mixed:
-            for _, p in self.master:
-                p.grad = None
+    def _dp_gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, L] from each DP rank -> [D·n, L] in DP rank order (identity when D = 1)."""
+        if self.dp_size == 1:
+            return rows
+        out = torch.empty((self.dp_size * rows.shape[0], *rows.shape[1:]), dtype=rows.dtype,
+                          device=rows.device)
+        all_gather_tensor(out, rows.contiguous(), group=self.dp_group)
+        return out
 
-    def _clip_and_step(self) -> float:
-        """Global grad norm (TP-correct), clip, AdamW step. A non-finite norm skips the update."""
-        if self.mixed:
-            for (_, p), (_, m) in zip(self.named_params, self.master):
-                m.grad = None if p.grad is None else p.grad.float()
-        grads = [p.grad for _, p in self.master]
-        norm = lopt.global_grad_norm(grads, self.sharded, tp_rank=self.tp_rank,
-                                     tp_group=self.tp_group, tp_size=self.tp_size)
-        if math.isfinite(norm):
-            lopt.clip_(grads, norm, self.optim.grad_clip)
-            self.optimizer.step()
-            if self.mixed:
-                with torch.no_grad():
-                    for (_, p), (_, m) in zip(self.named_params, self.master):
-                        p.copy_(m)
-        self._zero_grad()
-        return norm
+    def _dp_logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[B, L] log-probs, each DP rank computing B/D rows (no grad)."""
+        n = tokens.shape[0] // self.dp_size
+        mine = tokens[self.dp_rank * n:(self.dp_rank + 1) * n]
+        return self._dp_gather(self._logprobs(model, mine, temperature))
 
     # ------------------------------------------------------------------ weights out
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every weight, master precision, on this learner's device;
-        rank 0 yields, the other ranks yield nothing. A collective: every TP rank must exhaust it.
-        Tied models yield no lm_head.weight. Tensors are fresh copies."""
-        for (name, p), sharded in zip(self.master, self.sharded):
-            t = p.detach()
-            if sharded and self.tp_size > 1:
+        """(HF name, full tensor) for every weight, fp32 masters, on this learner's device;
+        rank 0 yields, the other ranks yield nothing. A collective (TP, and DP when the optimizer
+        is sharded): every rank must exhaust it. Tied models yield no lm_head.weight. Tensors are
+        fresh copies."""
+        masters = self.optimizer.full_masters()
+        for (name, _), t in zip(self.named_params, masters):
+            if convert.partition_dim(name) is not None and self.tp_size > 1:
                 shards = [torch.empty_like(t) for _ in range(self.tp_size)]
                 dist.all_gather(shards, t.contiguous(), group=self.tp_group)
             else:
                 shards = [t]
-            if self.tp_rank == 0:
+            if self.tp_rank == 0 and self.dp_rank == 0:
                 yield from convert.megatron_param_to_hf(name, shards, self.hf_config)
 
     # ------------------------------------------------------------------ checkpoint
 
+    def _files(self) -> tuple[str, str]:
+        """(model shard file, optimizer file) of this rank. The model shard is the same on every DP
+        rank (DP rank 0 writes it); the optimizer state is per DP rank when DP > 1."""
+        optim = f"optim_rank{self.tp_rank}.pt" if self.dp_size == 1 else \
+            f"optim_rank{self.tp_rank}_dp{self.dp_rank}.pt"
+        return f"model_rank{self.tp_rank}.pt", optim
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model shard, fp32 masters (bf16 mode), optimizer and schedule position."""
+        """This rank's model shard, optimizer (fp32 masters + AdamW moments) and schedule position."""
         model = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        return {"format": 1, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "step": self.step,
-                "model": model, "master": [p.detach() for _, p in self.master] if self.mixed else None,
-                "optimizer": self.optimizer.state_dict()}
+        return {"format": 2, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "step": self.step,
+                "model": model, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != 2:
+            raise ValueError(f"learner checkpoint format {state.get('format')!r}: this qurl reads 2")
         if (state.get("tp_rank"), state.get("tp_size")) != (self.tp_rank, self.tp_size):
             raise ValueError(f"checkpoint shard is TP rank {state.get('tp_rank')} of "
                              f"{state.get('tp_size')}, this learner is {self.tp_rank} of {self.tp_size}")
@@ -321,20 +335,18 @@ class MegatronLearner:
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"checkpoint model shard: missing {missing}, unexpected {unexpected}")
-        if self.mixed:
-            with torch.no_grad():
-                for (_, m), saved in zip(self.master, state["master"], strict=True):
-                    m.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])  # also re-publishes the masters
         self.step = int(state["step"])
 
     def save(self, directory: str | Path) -> None:
-        """Write `model_rank{r}.pt` (model shard + masters) and `optim_rank{r}.pt` into directory."""
+        """Write this rank's model shard (DP rank 0) and optimizer file into directory."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
         optim = {k: state.pop(k) for k in ("optimizer", "step")}
-        for fname, obj in ((f"model_rank{self.tp_rank}.pt", state), (f"optim_rank{self.tp_rank}.pt", optim)):
+        model_file, optim_file = self._files()
+        parts = [(optim_file, optim)] + ([(model_file, state)] if self.dp_rank == 0 else [])
+        for fname, obj in parts:
             tmp = d / (fname + ".tmp")
             torch.save(obj, tmp)
             os.replace(tmp, d / fname)
@@ -342,7 +354,7 @@ class MegatronLearner:
     def load(self, directory: str | Path) -> None:
         d = Path(directory)
         parts = {}
-        for fname in (f"model_rank{self.tp_rank}.pt", f"optim_rank{self.tp_rank}.pt"):
+        for fname in self._files():
             if not (d / fname).is_file():
                 raise FileNotFoundError(f"{d / fname}: learner checkpoint shard missing")
             parts.update(torch.load(d / fname, map_location=self.device, weights_only=False))
