@@ -10,9 +10,10 @@ What the learner avoids instead of patching (so no patch exists for it):
 - weight init on the GPU / through the CUDA RNG: `perform_initialization=False` and
   `use_cpu_initialization=True` (all weights are loaded from the HF checkpoint anyway);
 - `get_default_causal_mask` (allocates on "cuda"): the learner passes an explicit causal mask;
-- megatron's DDP wrapper (CUDA streams in its grad buffers) and DistributedOptimizer / clip_grads
-  (`device="cuda"` norms, `torch.cuda.FloatTensor` checks): with DP = 1 the learner uses
-  `torch.optim.AdamW` and computes the TP-correct global grad norm itself.
+- megatron's DistributedOptimizer / clip_grads (`device="cuda"` tensors in the constructor,
+  `param.type() == "torch.cuda.BFloat16Tensor"` checks): the learner shards its optimizer over DP
+  itself (qurl/learner/distopt.py) with plain torch.distributed collectives, so neither megatron's
+  DDP wrapper nor its optimizer is used on CPU or GPU.
 
 Patches (checked against megatron-core 0.16.1; re-check each on upgrade):
 

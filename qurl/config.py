@@ -117,7 +117,9 @@ class LearnerConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     distributed_optimizer: bool = False  # shard fp32 masters + AdamW moments over DP (ZeRO-1)
-    transformer_engine: bool = False
+    # Transformer Engine layers (CUDA only): auto = when transformer_engine imports and CUDA is
+    # present, else megatron's local spec; on = required; off = local spec
+    transformer_engine: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ _CHOICES = {
     "algo.advantage": ("grpo", "drgrpo"),
     "optim.schedule": ("constant", "cosine"),
     "learner.backend": ("auto", "gloo", "nccl"),
+    "learner.transformer_engine": ("auto", "on", "off"),
     "run.wandb_mode": ("offline", "online", "disabled"),
 }
 _POSITIVE = (

@@ -109,3 +109,28 @@ def test_errors_name_the_problem() -> None:
         convert.megatron_config_from_hf(cfg, tp=1, dtype=torch.float32)
     with pytest.raises(ValueError, match="no HF counterpart"):
         convert.megatron_param_to_hf("decoder.layers.0.mystery.weight", [torch.zeros(1)], build("llama").config)
+
+
+def test_transformer_engine_names_fuse_the_norm_gains() -> None:
+    model = build("qwen2")
+    local = convert.hf_to_megatron(hf_state(model), model.config, tp_rank=0, tp_size=1)
+    te = convert.to_te_names(local)
+    renamed = {k for k in local if k not in te}
+    assert renamed == {f"decoder.layers.{i}.{n}" for i in range(2)
+                       for n in ("input_layernorm.weight", "pre_mlp_layernorm.weight")}
+    assert torch.equal(te["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"],
+                       local["decoder.layers.1.input_layernorm.weight"])
+    assert torch.equal(te["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"],
+                       local["decoder.layers.0.pre_mlp_layernorm.weight"])
+    assert {convert.from_te_name(k) for k in te} == set(local)  # back to the local names
+    assert convert.from_te_name("decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
+
+
+def test_transformer_engine_choice_on_cpu() -> None:
+    from qurl.learner.megatron import use_transformer_engine
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    assert use_transformer_engine("auto") is False and use_transformer_engine("off") is False
+    with pytest.raises(ValueError, match="learner.transformer_engine='on'"):
+        use_transformer_engine("on")

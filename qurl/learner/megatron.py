@@ -1,9 +1,10 @@
 """The tensor-parallel learner: a megatron-core GPTModel trained with the QuRL surrogate.
 
-One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the HF
-checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged, see qurl/quant/uaq.py), and
-this rank's shard is loaded into a GPTModel built with megatron's local layer spec. Those weights
-are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
+One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
+HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
+see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel built with megatron's
+Transformer Engine layer spec (learner.transformer_engine; CUDA only) or its local spec (pure
+torch; CPU). Those weights are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
 
 A step (`train_step`) on a batch of B right-padded sequences:
 1. prox_logp = logprobs of the current weights, once, no grad (π_prox of the whole step);
@@ -73,8 +74,6 @@ class MegatronLearner:
 
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("MegatronLearner: call qurl.learner.dist.init_learner_dist first")
-        if learner.transformer_engine:
-            raise ValueError("learner.transformer_engine=True: this learner uses the local layer spec")
         if model.dtype not in _DTYPES:
             raise ValueError(f"model.dtype={model.dtype!r}: must be one of {', '.join(_DTYPES)}")
         self.algo, self.optim, self.total_steps = algo, optim, total_steps
@@ -107,6 +106,7 @@ class MegatronLearner:
             hf_state = apply_uaq(hf_state, algo.uaq_scale)
         self.dtype = _DTYPES[model.dtype]
         model_parallel_cuda_manual_seed(seed)  # attention forks megatron's RNG tracker every call
+        self.te = use_transformer_engine(learner.transformer_engine)
 
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         self.model = self._build(shard)
@@ -114,7 +114,8 @@ class MegatronLearner:
         if algo.kl_coef > 0:  # frozen initial policy for the k3 KL term
             self.ref_model = self._build(shard).requires_grad_(False)
         del shard, hf_state
-        self.named_params = [(n, p) for n, p in self.model.named_parameters()]
+        # Local-spec names (what convert.py maps), whichever layer spec built the model.
+        self.named_params = [(convert.from_te_name(n), p) for n, p in self.model.named_parameters()]
         # Norm counting: TP-split params on every rank, TP-replicated ones (norm gains) on rank 0.
         counted = [convert.partition_dim(n) is not None or self.tp_rank == 0 for n, _ in self.named_params]
         par = Parallel(self.tp_rank, self.tp_size, self.tp_group if self.tp_size > 1 else None,
@@ -132,7 +133,7 @@ class MegatronLearner:
     # ------------------------------------------------------------------ model
 
     def _build(self, shard: dict[str, torch.Tensor]) -> torch.nn.Module:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt import gpt_layer_specs
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -141,7 +142,11 @@ class MegatronLearner:
         flags = dict(_RUNTIME_FLAGS, use_cpu_initialization=self.device.type == "cpu")
         kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
         config = TransformerConfig(**kwargs)
-        spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+        if self.te:
+            spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+            shard = convert.to_te_names(shard)
+        else:
+            spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
         with torch.random.fork_rng(devices=[]):  # megatron may draw from the global RNG
             model = GPTModel(config, spec, pre_process=True, post_process=True,
                              **convert.gpt_model_kwargs_from_hf(self.hf_config, tp=self.tp_size))
@@ -152,14 +157,20 @@ class MegatronLearner:
             raise ValueError(f"Megatron model vs converted weights: missing {missing}, unexpected {unexpected}")
         return model
 
+    def _causal_mask(self, L: int) -> torch.Tensor | None:
+        """[1, 1, L, L] bool, True = hidden. The local spec needs it explicitly (megatron's default
+        mask is allocated on "cuda"); TE attention builds its own causal mask and wants None."""
+        if self.te:
+            return None
+        return torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
+
     def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
         """tokens: [b, L] -> [b, L] fp32 log-probs (column 0 is 0); differentiable."""
         from megatron.core import tensor_parallel
 
         b, L = tokens.shape
         pos = torch.arange(L, device=self.device).unsqueeze(0).expand(b, L)
-        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]  # True = hidden
-        logits = model(tokens, pos, causal)  # [b, L, V_local]
+        logits = model(tokens, pos, self._causal_mask(L))  # [b, L, V_local]
         # A fresh fp32 tensor: vocab_parallel_cross_entropy overwrites its input in place.
         logits = logits[:, :-1].float().div(temperature)
         if self._vocab_pad is not None:
@@ -190,8 +201,7 @@ class MegatronLearner:
         tokens = tokens.to(self.device, torch.long)
         B, L = tokens.shape
         pos = torch.arange(L, device=self.device).unsqueeze(0).expand(B, L)
-        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
-        local = self.model(tokens, pos, causal).float().contiguous()
+        local = self.model(tokens, pos, self._causal_mask(L)).float().contiguous()
         if self.tp_size > 1:
             parts = [torch.empty_like(local) for _ in range(self.tp_size)]
             dist.all_gather(parts, local, group=self.tp_group)
@@ -359,6 +369,23 @@ class MegatronLearner:
                 raise FileNotFoundError(f"{d / fname}: learner checkpoint shard missing")
             parts.update(torch.load(d / fname, map_location=self.device, weights_only=False))
         self.load_state_dict(parts)
+
+
+def use_transformer_engine(choice: str) -> bool:
+    """learner.transformer_engine: 'auto' -> TE when it imports and CUDA is present; 'on' -> TE or
+    a clear error; 'off' -> megatron's local spec."""
+    if choice == "off":
+        return False
+    if choice not in ("auto", "on"):
+        raise ValueError(f"learner.transformer_engine={choice!r}: must be auto, on or off")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        importable, why = torch.cuda.is_available(), "it needs a CUDA device"
+    except ImportError as e:
+        importable, why = False, f"transformer_engine does not import ({e})"
+    if choice == "on" and not importable:
+        raise ValueError(f"learner.transformer_engine='on': {why}")
+    return importable
 
 
 def _combine(per_mb: list[dict[str, float]]) -> dict[str, float]:

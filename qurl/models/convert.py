@@ -21,6 +21,12 @@ hidden `H`, TP size `tp` (ng % tp == 0) — shard `k` of `tp` along the stated d
         dim 0, vocab zero-padded to `padded_vocab_size` (the learner masks the padded logits)
     model.norm.weight                      ->  decoder.final_layernorm.weight        (replicated)
 
+Transformer Engine layer spec (`get_gpt_layer_with_transformer_engine_spec`): the RMSNorm before
+attention and before the MLP is fused into the linear that follows it, so the two norm gains are
+named `self_attention.linear_qkv.layer_norm_weight` and `mlp.linear_fc1.layer_norm_weight` (and TE
+modules add `_extra_state` entries). `to_te_names` / `from_te_name` translate; every other name,
+shape and shard layout is the same as the local spec's.
+
 Tied embeddings (`tie_word_embeddings`): Megatron has no `output_layer.weight`; HF has no (or an
 ignored) `lm_head.weight`, and `megatron_to_hf` emits none.
 
@@ -199,6 +205,30 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_r
     if extra:
         raise ValueError(f"HF state dict: unexpected weights {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     return out
+
+
+# ------------------------------------------------------------------ Transformer Engine names
+
+_TE_TAILS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_FROM_TE = {te: local for local, te in _TE_TAILS.items()}
+
+
+def _rename_tail(name: str, table: Mapping[str, str]) -> str:
+    m = _LAYER.match(name)
+    if m is None or m.group(2) not in table:
+        return name
+    return f"decoder.layers.{m.group(1)}.{table[m.group(2)]}"
+
+
+def to_te_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A local-spec Megatron state dict under Transformer Engine spec names (fused norm gains)."""
+    return {_rename_tail(k, _TE_TAILS): v for k, v in state.items()}
+
+
+def from_te_name(name: str) -> str:
+    """The local-spec name of a Transformer Engine spec parameter (identity for local names)."""
+    return _rename_tail(name, _FROM_TE)
 
 
 # ------------------------------------------------------------------ Megatron -> HF
