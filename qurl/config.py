@@ -59,7 +59,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "local"  # local | sglang
-    precision: str = "int8"  # bf16 | int8 | fp8
+    precision: str = "int8"  # bf16 | int8 | fp8 (per channel) | fp8_block (128x128; sglang only)
     group_size: int = 8  # G samples per prompt
     prompts_per_step: int = 16
     max_new_tokens: int = 32
@@ -162,7 +162,7 @@ _CHOICES = {
     "data.format": ("auto", "gsm8k", "math", "deepscaler", "dapo", "custom"),
     "data.template": ("plain", "boxed", "chat"),
     "rollout.engine": ("local", "sglang"),
-    "rollout.precision": ("bf16", "int8", "fp8"),
+    "rollout.precision": ("bf16", "int8", "fp8", "fp8_block"),
     "rollout.mode": ("sync", "async"),
     "rollout.workers": ("local", "external"),
     "algo.loss": ("ppo", "naive", "decoupled", "tis", "acr"),
@@ -211,6 +211,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"learner.dp={cfg.learner.dp}: must divide the mini-batch of "
                           f"{batch // cfg.algo.mini_batches} sequences (prompts_per_step*group_size"
                           f"/algo.mini_batches)")
+    if cfg.rollout.precision == "fp8_block" and cfg.rollout.engine != "sglang":
+        raise ConfigError("rollout.precision='fp8_block': SGLang's block-scaled FP8 needs "
+                          "rollout.engine='sglang' (the local engine runs int8/fp8 per channel)")
     if cfg.model.preset not in ("tiny", "small", "path"):
         raise ConfigError(f"model.preset={cfg.model.preset!r}: must be tiny, small or path")
     if cfg.model.preset == "path" and not cfg.model.path:

@@ -14,7 +14,7 @@ import torch
 
 from qurl.engines.base import Engine
 from qurl.quant.flips import flip_fractions
-from qurl.quant.named import quantize_named
+from qurl.quant.named import NAMED_FORMATS, quantize_named
 
 
 class FlipTracker:
@@ -36,8 +36,8 @@ class FlipTracker:
 
 class WeightSync:
     def __init__(self, precision: str) -> None:
-        if precision not in ("bf16", "int8", "fp8"):
-            raise ValueError(f"precision={precision!r}: must be bf16, int8 or fp8")
+        if precision not in NAMED_FORMATS:
+            raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision
         self.flips = FlipTracker()
 

@@ -28,7 +28,7 @@ def test_set_overrides_are_typed():
     ("algo.loss=foo", "algo.loss"), ("optim.lr=-1", "optim.lr"), ("algo.tis_cap=0.5", "algo.tis_cap"),
     ("optim.lr=abc", "optim.lr"), ("nosuch.x=1", "nosuch.x"), ("algo.nosuch=1", "algo.nosuch"),
     ("algo.mini_batches=3", "algo.mini_batches"), ("learner.dp=0", "learner.dp"),
-    ("learner.dp=3", "learner.dp"),  # 16*8/2 = 64 rows per mini-batch do not split 3 ways
+    ("learner.dp=3", "learner.dp"), ("rollout.precision=fp8_block", "rollout.precision"),  # 16*8/2 = 64 rows per mini-batch do not split 3 ways
 ])
 def test_bad_values_name_the_field(pair, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -225,6 +225,25 @@ def test_quantize_named_layout_and_inverse(fmt: str) -> None:
         torch.testing.assert_close(back[n], dequantize_per_channel(c, s), rtol=0, atol=0)
 
 
+def test_quantize_named_fp8_block_layout_and_inverse() -> None:
+    """SGLang's block FP8: codes + `_scale_inv` with one scale per 128x128 tile (a 200x300 linear
+    has a 2x3 grid), dequantized with the same tiles."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(200, 300, generator=g)
+    state = {"model.layers.3.mlp.up_proj.weight": w, "model.norm.weight": torch.ones(300)}
+    got = dict(quantize_named(state, "fp8_block"))
+    assert list(got) == ["model.layers.3.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight_scale_inv",
+                         "model.norm.weight"]
+    assert got["model.layers.3.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert got["model.layers.3.mlp.up_proj.weight_scale_inv"].shape == (2, 3)
+    codes, scale = quantize_fp8_block(w, 128)
+    assert torch.equal(got["model.layers.3.mlp.up_proj.weight_scale_inv"], scale)
+    back = dequantize_named(got)
+    torch.testing.assert_close(back["model.layers.3.mlp.up_proj.weight"], dequantize_fp8_block(codes, scale),
+                               rtol=0, atol=0)
+    assert float(((back["model.layers.3.mlp.up_proj.weight"] - w).abs() / w.abs().clamp_min(1e-3)).median()) < 2**-4
+
+
 def test_quantize_named_bf16_passthrough_and_errors() -> None:
     state = _state()
     out = list(quantize_named(state, "bf16"))

@@ -246,3 +246,56 @@ def test_attached_server_malformed_replies_and_launch_failures(tmp_path):
         SGLangEngine([ServerSpec(f"http://127.0.0.1:{p2}",
                                  command=_fake_cmd(tmp_path, p2, extra=("--startup-delay", "60")))],
                      timeouts=Timeouts(launch_s=3), log_dir=tmp_path / "logs")
+
+
+def _wait_healthy(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy")
+
+
+@pytest.mark.slow
+def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_path):
+    """`qurl train` (the sync loop, Megatron learner) with rollout.engine=sglang and
+    precision=fp8_block: every step's weights reach the server as FP8 codes + 128x128
+    `_scale_inv` scales, byte-equal to the learner's final master weights quantized."""
+    from qurl.config import load_config
+    from qurl.learn import train
+    from transformers import AutoConfig
+
+    from qurl.models.convert import megatron_to_hf
+
+    port = free_port()
+    proc = subprocess.Popen(_fake_cmd(tmp_path, port, delay=0.0), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url)
+        cfg = load_config("cpu-tiny", sets=[
+            f"run.dir={tmp_path}", "run.name=sg", "run.steps=2", "run.eval_every=0",
+            "run.progress=false", "model.warmstart_steps=0", "data.eval_size=4",
+            "rollout.engine=sglang", "rollout.precision=fp8_block", f"rollout.sglang_urls={url}",
+            "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4",
+            "rollout.eval_max_new_tokens=4"])
+        final = train(cfg)
+        served = _get(url, "/_fake/requests")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert final["n"] == 4
+    assert len(served) >= 2 * 4 * 2 + 2 * 4  # 2 steps x 4 prompts x 2 samples + 2 evals of 4
+    dump = load_file(str(tmp_path / "dump" / f"port{port}_v2.safetensors"))
+    run = tmp_path / "sg"
+    state = torch.load(run / "ckpt" / "step_000002" / "model_rank0.pt", weights_only=False)["model"]
+    hf_cfg = AutoConfig.from_pretrained(str(run / "base_model"), local_files_only=True)
+    masters = megatron_to_hf([state], hf_cfg)  # fp32 model: the masters the learner synced
+    expected = list(engine_chunks(masters.items(), "fp8_block"))
+    assert _same(dump, expected)
+    scale = dump["model.layers.0.mlp.gate_proj.weight_scale_inv"]
+    assert dump["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert scale.dtype == torch.float32 and scale.dim() == 2

@@ -13,7 +13,7 @@ temperature applied.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -22,6 +22,9 @@ from qurl.types import GenRequest, GenResult
 
 @runtime_checkable
 class Engine(Protocol):
+    tokenizer: Any  # the served model's HF tokenizer (prompts are encoded with it)
+    vocab_size: int  # token ids the model accepts: [0, vocab_size)
+
     @property
     def version(self) -> int:
         """Policy version of the weights currently loaded."""

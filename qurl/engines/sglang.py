@@ -273,7 +273,10 @@ class SGLangEngine:
                  group_host: str = "127.0.0.1", group_port: int = 0, backend: str = "auto",
                  bucket_bytes: int = 64 << 20, load_format: str = "flattened_bucket",
                  timeouts: Timeouts | None = None, log_dir: str | Path | None = None,
-                 max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True) -> None:
+                 max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
+                 tokenizer: Any = None, vocab_size: int = 0) -> None:
+        """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
+        validate token ids against it); from_config reads both from the model directory."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         if precision not in QUANTIZATION:
@@ -281,6 +284,7 @@ class SGLangEngine:
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.precision, self.backend, self.load_format = precision, backend, load_format
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.group_host, self.group_port, self.bucket_bytes = group_host, group_port, bucket_bytes
         self.timeouts = timeouts or Timeouts()
         self.max_restarts, self.poll_s, self.keep_weights = max_restarts, poll_s, keep_weights
@@ -336,9 +340,13 @@ class SGLangEngine:
                                         command=server_command(str(ckpt), port=port, tp=r.sglang_tp,
                                                                quantization=quant,
                                                                extra=r.sglang_args)))
+        from transformers import AutoConfig, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        vocab = int(AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vocab_size)
         return cls(specs, precision=r.precision, group_host=cfg.learner.master_addr,
                    group_port=cfg.sync.port, bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
-                   log_dir=run_dir / "logs")
+                   log_dir=run_dir / "logs", tokenizer=tok, vocab_size=vocab)
 
     @property
     def version(self) -> int:

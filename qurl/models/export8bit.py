@@ -35,9 +35,9 @@ import torch
 
 from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
 from qurl.quant.formats import dequantize_fp8_block, dequantize_per_channel
-from qurl.quant.named import is_quantized_linear
+from qurl.quant.named import FP8_BLOCK, is_quantized_linear
 from qurl.quant.uaq import apply_uaq
-from qurl.sync.sender import FP8_BLOCK, engine_chunks
+from qurl.sync.sender import engine_chunks
 
 FORMATS = ("int8", "fp8", "fp8_block")
 SGLANG_QUANTIZATION = {"int8": "w8a8_int8", "fp8": "w8a8_fp8", "fp8_block": "fp8"}

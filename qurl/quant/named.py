@@ -6,12 +6,17 @@ are replaced by two chunks, the W8A8 layout SGLang holds:
 
     (name, codes [out, in] int8 | float8_e4m3fn), (name + "_scale", scale [out, 1] fp32)
 
-e.g. `model.layers.0.self_attn.q_proj.weight` and `model.layers.0.self_attn.q_proj.weight_scale`.
+e.g. `model.layers.0.self_attn.q_proj.weight` and `model.layers.0.self_attn.q_proj.weight_scale`;
+with fmt "fp8_block" (SGLang's `fp8` method with `weight_block_size` [128, 128]) the scale is one per
+128x128 tile, under SGLang's name for it:
+
+    (name, codes [out, in] float8_e4m3fn), (name + "_scale_inv", scale [ceil(out/128), ceil(in/128)] fp32)
+
 Everything else (embeddings, lm_head, norms, biases) passes through untouched: those stay in full
 precision in a W8A8 model. With fmt "bf16" nothing is quantized (the full-precision rollout baseline).
 
 Invariant: `dequantize_named(dict(quantize_named(chunks, fmt)))` has exactly the names of `chunks`,
-with linears equal to their per-channel round trip and everything else identical.
+with linears equal to their quantization round trip and everything else identical.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from qurl.quant.formats import FORMATS, dequantize_per_channel, quantize_per_channel
+from qurl.quant.formats import (FORMATS, dequantize_fp8_block, dequantize_per_channel,
+                                quantize_fp8_block, quantize_per_channel)
 
 SCALE_SUFFIX = "_scale"
-NAMED_FORMATS: tuple[str, ...] = (*FORMATS, "bf16")
+BLOCK_SCALE_SUFFIX = "_scale_inv"
+FP8_BLOCK = 128
+NAMED_FORMATS: tuple[str, ...] = (*FORMATS, "fp8_block", "bf16")
 
 _LINEAR_RE = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
@@ -39,7 +47,7 @@ def is_quantized_linear(name: str) -> bool:
 def quantize_named(
     chunks: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], fmt: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the engine-ready chunks for `chunks` in format `fmt` ("int8", "fp8" or "bf16").
+    """Yield the engine-ready chunks for `chunks` in format `fmt` ("int8", "fp8", "fp8_block", "bf16").
 
     Lazy: one input chunk is quantized at a time, so a sync never holds two copies of the model.
     """
@@ -49,11 +57,14 @@ def quantize_named(
     for name, tensor in items:
         if fmt != "bf16" and is_quantized_linear(name):
             try:
-                codes, scale = quantize_per_channel(tensor, fmt)  # type: ignore[arg-type]
+                if fmt == "fp8_block":
+                    codes, scale = quantize_fp8_block(tensor, FP8_BLOCK)
+                else:
+                    codes, scale = quantize_per_channel(tensor, fmt)  # type: ignore[arg-type]
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from err
             yield name, codes
-            yield name + SCALE_SUFFIX, scale
+            yield name + (BLOCK_SCALE_SUFFIX if fmt == "fp8_block" else SCALE_SUFFIX), scale
         else:
             yield name, tensor
 
@@ -67,15 +78,27 @@ def dequantize_named(
     """
     out: dict[str, torch.Tensor] = {}
     for name, tensor in named.items():
-        if name.endswith(SCALE_SUFFIX) and is_quantized_linear(name[: -len(SCALE_SUFFIX)]):
-            if name[: -len(SCALE_SUFFIX)] not in named:
-                raise ValueError(f"{name}: scale without its codes {name[: -len(SCALE_SUFFIX)]!r}")
+        base = _scale_owner(name)
+        if base is not None and is_quantized_linear(base):
+            if base not in named:
+                raise ValueError(f"{name}: scale without its codes {base!r}")
             continue
-        is_codes = tensor.dtype in (torch.int8, torch.float8_e4m3fn)
-        if is_codes:
-            if name + SCALE_SUFFIX not in named:
-                raise ValueError(f"{name}: 8-bit codes without a {name + SCALE_SUFFIX!r} scale")
-            out[name] = dequantize_per_channel(tensor, named[name + SCALE_SUFFIX], dtype)
+        if tensor.dtype in (torch.int8, torch.float8_e4m3fn):
+            if name + SCALE_SUFFIX in named:
+                out[name] = dequantize_per_channel(tensor, named[name + SCALE_SUFFIX], dtype)
+            elif name + BLOCK_SCALE_SUFFIX in named:
+                out[name] = dequantize_fp8_block(tensor, named[name + BLOCK_SCALE_SUFFIX], FP8_BLOCK, dtype)
+            else:
+                raise ValueError(f"{name}: 8-bit codes without a {name + SCALE_SUFFIX!r} or "
+                                 f"{name + BLOCK_SCALE_SUFFIX!r} scale")
         else:
             out[name] = tensor
     return out
+
+
+def _scale_owner(name: str) -> str | None:
+    """The weight a scale chunk belongs to (`…weight_scale` / `…weight_scale_inv` -> `…weight`)."""
+    for suffix in (BLOCK_SCALE_SUFFIX, SCALE_SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None

@@ -41,14 +41,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from qurl.quant.formats import quantize_fp8_block
-from qurl.quant.named import is_quantized_linear, quantize_named
+from qurl.quant.named import quantize_named
 from qurl.sync.buckets import Bucket, BucketLayout, pack, plan_buckets
 from qurl.sync.group import WeightGroup
 
 SYNC_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
 LOAD_FORMATS = ("flattened_bucket", "per_tensor")
-FP8_BLOCK = 128
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -68,16 +66,8 @@ def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
     if fmt == "bf16" and wire_dtype is None:
         wire_dtype = torch.bfloat16
     for name, t in named:
-        if fmt == "fp8_block" and is_quantized_linear(name):
-            try:
-                codes, scale = quantize_fp8_block(t, FP8_BLOCK)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
-            out = [(name, codes), (name + "_scale_inv", scale)]
-        elif fmt in ("int8", "fp8"):
-            out = list(quantize_named([(name, t)], fmt))
-        else:
-            out = [(name, t)]
+        quantized = fmt in ("int8", "fp8", "fp8_block")
+        out = list(quantize_named([(name, t)], fmt)) if quantized else [(name, t)]
         for n, x in out:
             if (fmt != "none" and wire_dtype is not None and x.is_floating_point()
                     and x.dtype not in _CODE_DTYPES and not _is_scale(n) and x.dtype != wire_dtype):
