@@ -25,9 +25,14 @@ FAST = Timeouts(control_s=20, generate_s=30, group_s=30, launch_s=90, health_s=5
 
 
 def _model_dir(tmp: Path) -> Path:
+    """config.json (the fake reads vocab_size) + qurl's character tokenizer (the adapter's)."""
+    from qurl.models.tokenizer import build_tokenizer
+
     d = tmp / "model"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    (d / "config.json").write_text(json.dumps({"vocab_size": VOCAB, "model_type": "qwen2"}))
+    if not (d / "tokenizer.json").is_file():
+        build_tokenizer().save_pretrained(str(d))
     return d
 
 
