@@ -136,6 +136,10 @@ class StreamConfig:
 class SyncConfig:
     bucket_mb: float = 64.0
     port: int = 0  # weight-broadcast rendezvous port; 0 = random
+    # async pipeline, controller -> workers: gloo (CPU tensors; right for SGLang workers, which
+    # forward to their servers over NCCL themselves) or nccl (every worker process on a GPU of its
+    # own — NCCL refuses two ranks on one GPU — with a local engine there)
+    backend: str = "gloo"
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,7 @@ _CHOICES = {
     "optim.schedule": ("constant", "cosine"),
     "learner.backend": ("auto", "gloo", "nccl"),
     "learner.transformer_engine": ("auto", "on", "off"),
+    "sync.backend": ("gloo", "nccl"),
     "run.wandb_mode": ("offline", "online", "disabled"),
 }
 _POSITIVE = (

@@ -95,11 +95,22 @@ def set_threads(cfg: Config) -> None:
         torch.set_num_threads(cfg.run.torch_threads)
 
 
-def make_engine(cfg: Config, model_dir: str) -> Engine:
-    if cfg.rollout.engine == "local":
+def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: str = "",
+                local: bool = False) -> Engine:
+    """The rollout engine of the sync loop (slot None) or of async worker `slot` (`host`: the
+    worker's address, where SGLang servers reach its weight group). local=True: a LocalEngine
+    whatever rollout.engine says — the async controller's evaluation engine, which must not take
+    the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
+    The local engine runs on this process's current GPU when there is one."""
+    if cfg.rollout.engine == "local" or local:
+        import torch
+
         from qurl.engines.local import LocalEngine
 
-        return LocalEngine(model_dir, precision=cfg.rollout.precision, seed=cfg.run.seed)
+        precision = "fp8" if cfg.rollout.precision == "fp8_block" else cfg.rollout.precision
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
     from qurl.engines.sglang import SGLangEngine
 
-    return SGLangEngine.from_config(cfg, model_dir)
+    return SGLangEngine.from_config(cfg, model_dir, slot=slot, group_host=host)

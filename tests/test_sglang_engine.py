@@ -304,3 +304,40 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     scale = dump["model.layers.0.mlp.gate_proj.weight_scale_inv"]
     assert dump["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert scale.dtype == torch.float32 and scale.dim() == 2
+
+
+@pytest.mark.slow
+def test_async_worker_drives_its_sglang_server(tmp_path):
+    """rollout.mode=async with rollout.engine=sglang: the worker's engine is the SGLang adapter on
+    its one server; every version goes controller -> worker (pipeline weight group) -> server
+    (the adapter's group), and every prompt of the epoch is trained exactly once."""
+    from transformers import AutoConfig
+
+    from pipeline_helpers import assert_each_prompt_once, tiny_cfg, use_free_dist_port
+    from qurl.models.convert import megatron_to_hf
+    from qurl.pipeline.controller import train_async
+
+    port = free_port()
+    proc = subprocess.Popen(_fake_cmd(tmp_path, port, delay=0.0), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    use_free_dist_port()
+    try:
+        _wait_healthy(url)
+        cfg = tiny_cfg(tmp_path, "asg", 4, **{
+            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.num_workers": 1,
+            "rollout.engine": "sglang", "rollout.sglang_urls": url, "rollout.precision": "int8"})
+        final = train_async(cfg)
+        served = _get(url, "/_fake/requests")
+    finally:
+        proc.kill()
+        proc.wait()
+    run = tmp_path / "asg"
+    assert 0.0 <= final["accuracy"] <= 1.0
+    assert_each_prompt_once(cfg, run)
+    assert len(served) >= 4 * 4 * 4  # every rollout request went to the server (none for eval)
+    state = torch.load(run / "ckpt" / "step_000004" / "model_rank0.pt", weights_only=False)["model"]
+    masters = megatron_to_hf([state], AutoConfig.from_pretrained(str(run / "base_model"),
+                                                                 local_files_only=True))
+    dump = load_file(str(tmp_path / "dump" / f"port{port}_v4.safetensors"))
+    assert _same(dump, list(engine_chunks(masters.items(), "int8")))

@@ -113,6 +113,14 @@ def test_announcement_round_trip_and_validation():
         BucketAnnouncement.from_dict(ann.to_dict() | {"load_format": "zip"})
 
 
+def test_weight_group_refuses_nccl_without_cuda_before_rendezvous():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    # a ValueError, not the rendezvous timeout (RuntimeError) after waiting for the other rank
+    with pytest.raises(ValueError, match="'nccl' needs a CUDA device"):
+        WeightGroup("127.0.0.1", free_port(), rank=0, world_size=2, backend="nccl", timeout_s=30)
+
+
 # ---------------------------------------------------------------- real two-process sync
 
 def _receiver_main(model_dir, port, ann_q, out_q, syncs, out_dir):

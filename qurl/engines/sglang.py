@@ -320,21 +320,31 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- construction helpers
     @classmethod
-    def from_config(cls, cfg: Any, model_dir: str) -> "SGLangEngine":
+    def from_config(cls, cfg: Any, model_dir: str, *, slot: int | None = None,
+                    group_host: str = "") -> "SGLangEngine":
         """Attach to `cfg.rollout.sglang_urls`, or export `model_dir` as an 8-bit checkpoint
-        (UAQ-scaled) and launch `cfg.rollout.num_workers` local servers on free ports."""
+        (UAQ-scaled) and launch local servers on free ports: `cfg.rollout.num_workers` of them
+        for the sync loop (slot None), or the one server of async worker `slot` (its URL is
+        sglang_urls[slot]). group_host: the address the servers reach this process's weight
+        group on (default learner.master_addr)."""
         r = cfg.rollout
         quant, fmt = QUANTIZATION[r.precision]
         run_dir = Path(cfg.run.dir) / cfg.run.name  # qurl.runs.run_dir_for
-        if r.sglang_urls:
-            specs = [ServerSpec(u, tp=r.sglang_tp) for u in r.sglang_urls]
+        urls, count = list(r.sglang_urls), r.num_workers
+        if slot is not None:
+            if urls and len(urls) != r.num_workers:
+                raise ValueError(f"rollout.sglang_urls has {len(urls)} servers: async mode needs one "
+                                 f"per worker (rollout.num_workers={r.num_workers})")
+            urls, count = urls[slot:slot + 1], 1
+        if urls:
+            specs = [ServerSpec(u, tp=r.sglang_tp) for u in urls]
         else:
             from qurl.models.export8bit import export_8bit
 
-            ckpt = export_8bit(model_dir, run_dir / f"sglang_{fmt}", fmt,
-                               uaq_scale=cfg.algo.uaq_scale)
+            name = f"sglang_{fmt}" if slot is None else f"sglang_{fmt}_w{slot}"  # no shared writes
+            ckpt = export_8bit(model_dir, run_dir / name, fmt, uaq_scale=cfg.algo.uaq_scale)
             specs = []
-            for _ in range(r.num_workers):
+            for _ in range(count):
                 port = free_port()
                 specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=r.sglang_tp,
                                         command=server_command(str(ckpt), port=port, tp=r.sglang_tp,
@@ -344,8 +354,8 @@ class SGLangEngine:
 
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         vocab = int(AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vocab_size)
-        return cls(specs, precision=r.precision, group_host=cfg.learner.master_addr,
-                   group_port=cfg.sync.port, bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
+        return cls(specs, precision=r.precision, group_host=group_host or cfg.learner.master_addr,
+                   group_port=cfg.sync.port if slot is None else 0, bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
                    log_dir=run_dir / "logs", tokenizer=tok, vocab_size=vocab)
 
     @property

@@ -48,6 +48,7 @@ from qurl.learner.megatron import MegatronLearner
 from qurl.metrics import MetricsLogger
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats, rollout_stats
+from qurl.quant.named import dequantize_named, quantize_named
 from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, rng_state, set_rng_state
 from qurl.setup import load_datasets, make_engine
@@ -97,8 +98,6 @@ def _follow(cfg: Config, learner: MegatronLearner, ckpts: CheckpointDir, start: 
 
 def quantize_weights(named: Any, precision: str) -> tuple[list[tuple[str, torch.Tensor]], float, float]:
     """Engine chunks of one version (as qurl/weights.py makes them), plus (gather_s, quantize_s)."""
-    from qurl.quant.named import quantize_named
-
     chunks, gather, quant = [], 0.0, 0.0
     it = iter(named)
     while True:
@@ -122,7 +121,8 @@ class Controller:
         self.start = self.version = start
         self.B, self.G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         train_set, self.eval_set = load_datasets(cfg)
-        self.engine = make_engine(cfg, model_dir)  # evaluation only (rollouts are the workers')
+        # Evaluation only (rollouts are the workers'); local, so it never shares their servers.
+        self.engine = make_engine(cfg, model_dir, local=True)
         self.codec = PromptCodec(self.engine.tokenizer, cfg.data.template)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -273,7 +273,10 @@ class Controller:
 
     def _eval(self, step: int) -> dict:
         if self.engine.version != self.version or step == 0:
-            self.engine.load_weights(iter(self.chunks), self.version)
+            chunks = self.chunks
+            if self.cfg.rollout.precision == "fp8_block":  # the local engine is per-channel FP8
+                chunks = list(dequantize_named(dict(chunks)).items())
+            self.engine.load_weights(iter(chunks), self.version)
         rec = {"kind": "eval", "step": step, "version": self.version,
                **evaluate(self.engine, self.eval_set, self.codec,
                           max_new_tokens=self.cfg.rollout.eval_max_new_tokens,

@@ -211,12 +211,13 @@ class Fleet:
         host = self.cfg.stream.host
         port = self.cfg.sync.port + self.gen if self.cfg.sync.port else free_port(host)
         invite = {"op": "group", "gen": self.gen, "host": host, "port": port, "world": self.n + 1,
-                  "backend": "gloo", "name": f"qurl_weights_{self.session}_{self.gen}",
+                  "backend": self.cfg.sync.backend,
+                  "name": f"qurl_weights_{self.session}_{self.gen}",
                   "timeout_s": GROUP_TIMEOUT_S}
         for i in range(self.n):
             if not self.send_control(i, {**invite, "rank": i + 1}):
                 raise RuntimeError(f"could not invite worker slot {i} to the weight group")
-        self.group = WeightGroup(host, port, 0, self.n + 1, backend="gloo",
+        self.group = WeightGroup(host, port, 0, self.n + 1, backend=self.cfg.sync.backend,
                                  group_name=invite["name"], timeout_s=GROUP_TIMEOUT_S)
         self.sender = WeightSender(self.group, fmt="none",
                                    bucket_bytes=int(self.cfg.sync.bucket_mb * (1 << 20)))

@@ -3,7 +3,9 @@
     python -m qurl.pipeline.worker --run-dir runs/<run> --slot 0 [--host H] [--parent-pid PID]
 
 The worker reads the run's config, stream key and the controller's endpoint from the run directory
-(qurl/pipeline/session.py), builds its engine from the model dir the controller names, binds its own
+(qurl/pipeline/session.py), builds its engine from the model dir the controller names (the local
+engine, or an SGLang adapter driving this slot's one server: each weight version then goes
+controller -> worker -> its server, the second hop through the adapter's own weight group), binds its own
 inbox (prompts + control; only authenticated messages are accepted) and then:
 
 1. says hello with its inbox address (every second until the controller answers with a weight group
@@ -92,7 +94,7 @@ class RolloutWorker:
         if not 0 <= self.slot < int(info["num_workers"]):
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
-        self.engine = make_engine(self.cfg, info["model_dir"])
+        self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
         self.codec = PromptCodec(self.engine.tokenizer, self.cfg.data.template)
         self.tasks: deque[tuple[Any, dict[str, Any], float]] = deque()  # (PromptTask, extra, t_recv)
         self.inbox = self.outbox = None
@@ -212,7 +214,10 @@ class RolloutWorker:
                         meta.get("gen"), e)
             self._leave_group()
             return
-        self.weights_rx = WeightReceiver(self.group, self.engine)
+        # The local engine copies each chunk as it loads it, so receive buffers can be reused; the
+        # SGLang adapter keeps the chunks (to re-send them to a restarted server): fresh buffers.
+        self.weights_rx = WeightReceiver(self.group, self.engine,
+                                         reuse_buffers=self.cfg.rollout.engine == "local")
         self.joined = True
         log.info("slot %d: joined weight group gen %s", self.slot, meta.get("gen"))
 
@@ -339,6 +344,9 @@ class RolloutWorker:
     def close(self) -> None:
         self._leave_group()
         self._close_sockets()
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:  # SGLang: stop the servers this worker launched
+            close_engine()
 
 
 def main(argv: list[str] | None = None) -> int:

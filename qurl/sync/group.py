@@ -59,6 +59,8 @@ class WeightGroup:
                  group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 300.0) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: must be gloo or nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("weight group backend 'nccl' needs a CUDA device in this process")
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size, "
                              "world_size >= 2")
