@@ -125,9 +125,9 @@ class LearnerConfig:
 @dataclass(frozen=True)
 class StreamConfig:
     host: str = "127.0.0.1"  # address the learner binds/advertises
-    prompt_port: int = 0  # 0 = random free port
+    # the controller's inbox (trajectories + worker control); 0 = random free port. Workers bind
+    # their own prompt inbox and announce it in their (authenticated) hello.
     traj_port: int = 0
-    control_port: int = 0
     hwm: int = 1000
     key: str = ""  # shared HMAC key; empty = random per run (stored in the run dir)
 
