@@ -24,13 +24,8 @@ UAQ_KL_BOUND = 0.01  # measured ~1e-4: the scaled and unscaled 8-bit models are 
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls gain nothing from a second thread, and on a shared, oversubscribed 2-core
-    machine OpenMP barriers make 2 threads 10x+ slower; restore the setting afterwards."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+def _one_thread(one_thread):
+    """Every test here runs with one torch thread (conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")
