@@ -1,7 +1,8 @@
 """One-GPU check of qurl's GPU path (`scripts/gpu_check.sh`; budget: 8 minutes on one H200).
 
 Prints one table:
-1. Megatron learner on the GPU (NCCL, TP 1, megatron local layer spec), on the `small` Qwen2
+1. Megatron learner on the GPU (NCCL, TP 1; Transformer Engine layer spec when transformer_engine
+   imports, megatron's local spec otherwise — the table says which), on the `small` Qwen2
    preset (~104M): logits parity against `transformers` (fp32 both sides; max |diff| relative to
    max |logit|, must be < 1e-3), then a few QuRL train steps in bf16 with fp32 master weights
    (tokens/s over forward + backward + optimizer, after one warm-up step).
@@ -59,6 +60,7 @@ def check_learner(tmp: Path, preset: str = "small", batch: int = 16, seq: int = 
         want = ref(tokens.to(device)).logits.float()
         got = learner.logits(tokens).to(device)
     out["parity_rel"] = float((got - want).abs().max() / want.abs().max())
+    out["te"] = float(learner.te)
     out["params_M"] = sum(p.numel() for p in ref.parameters()) / 1e6
     del learner, ref
     if device == "cuda":
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_learner:
             r = check_learner(Path(tmp))
             ok = r["parity_rel"] < 1e-3 and r["train_finite"] == 1.0
-            rows += [(f"learner: logits parity vs transformers ({r['params_M']:.0f}M, fp32)",
+            rows += [("learner: layer spec", "Transformer Engine" if r["te"] else "megatron local"),
+                     (f"learner: logits parity vs transformers ({r['params_M']:.0f}M, fp32)",
                       f"{r['parity_rel']:.2e} max|diff|/max|logit| "
                       f"{'PASS' if r['parity_rel'] < 1e-3 else 'FAIL'}"),
                      ("learner: train step tokens/s (bf16, fp32 master)",
