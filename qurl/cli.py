@@ -90,7 +90,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from qurl.pipeline.compare import compare
 
-    compare(load_config(args.preset, args.config, args.set), out_dir=args.out)
+    arms = [a for a in args.arms.split(",") if a] if args.arms else None
+    compare(load_config(args.preset, args.config, args.set), out_dir=args.out, arms=arms)
     return 0
 
 
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="sync vs async, bf16 vs int8+ACR+UAQ, same seed and budget")
     _add_config_args(p)
     p.add_argument("--out", default="runs/compare")
+    p.add_argument("--arms", default="", help="comma-separated subset of the arms, e.g. "
+                   "sync-int8-acr-uaq,async1-int8-acr-uaq (default: all five)")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "stream", "sync"))

@@ -52,10 +52,17 @@ ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-def arm_configs(cfg: Config, out_dir: Path) -> dict[str, Config]:
+def arm_configs(cfg: Config, out_dir: Path, arms: list[str] | None = None) -> dict[str, Config]:
+    """The config of every arm (or of the named ones, in ARMS order); unknown names are errors."""
+    known = [name for name, _ in ARMS]
+    unknown = sorted(set(arms or ()) - set(known))
+    if unknown:
+        raise ValueError(f"compare arms {unknown}: unknown (known: {', '.join(known)})")
     uaq = cfg.algo.uaq_scale if cfg.algo.uaq_scale != 1.0 else 1.5
     out = {}
     for name, sets in ARMS:
+        if arms and name not in arms:
+            continue
         sets = dict(sets)
         sets.setdefault("algo.uaq_scale", uaq)
         out[name] = override(cfg, {**sets, "run.dir": str(out_dir), "run.name": name,
@@ -180,7 +187,7 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
 
     def fmt(v: Any) -> str:
         if isinstance(v, float):
-            return "—" if not math.isfinite(v) else (f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}")
+            return "—" if not math.isfinite(v) else (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}")
         return str(v)
 
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -192,13 +199,14 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
     return path
 
 
-def compare(cfg: Config, out_dir: str | Path = "runs/compare") -> Path:
-    """Run every arm (ARMS) and write the table and plots into out_dir. Returns compare.md."""
+def compare(cfg: Config, out_dir: str | Path = "runs/compare", arms: list[str] | None = None) -> Path:
+    """Run every arm (ARMS; or only `arms`) and write the table and plots into out_dir.
+    Returns compare.md."""
     from qurl.report import plot_runs
 
     out = Path(out_dir)
     rows, runs = [], {}
-    for name, arm_cfg in arm_configs(cfg, out).items():
+    for name, arm_cfg in arm_configs(cfg, out, arms).items():
         print(f"[compare] {name}: running {arm_cfg.run.steps} steps", flush=True)
         timing = run_arm(arm_cfg, out)
         records = with_wall(read_metrics(out / name / "metrics.jsonl"), timing["stamps"])
