@@ -7,7 +7,8 @@ Transformer Engine layer spec (learner.transformer_engine; CUDA only) or its loc
 torch; CPU). Those weights are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
 
 A step (`train_step`) on a batch of B right-padded sequences:
-1. prox_logp = logprobs of the current weights, once, no grad (π_prox of the whole step);
+1. prox_logp = logprobs of the current weights, once (π_prox of the whole step): a no-grad forward
+   for every mini-batch but the first, whose training forward runs at those same weights;
 2. for each of algo.epochs × algo.mini_batches mini-batches (B split in order):
    logp with grad -> `policy_loss(preset=algo.loss, …)` -> backward -> TP-correct global grad
    norm -> clip -> AdamW step (skipped, and counted, if the norm is not finite);
@@ -240,25 +241,31 @@ class MegatronLearner:
         lr = lopt.lr_at(self.optim, self.step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        mb = B // n_mb
+        # π_prox is the policy at the start of the step. The first mini-batch's forward runs at
+        # exactly those weights, so its own (detached) log-probs are its π_prox; only the other
+        # mini-batches need the no-grad forward (1/mini_batches of it saved).
         self.model.eval()
-        prox = self._dp_logprobs(self.model, tokens, temperature)
+        prox = torch.zeros(B, L, dtype=torch.float32, device=dev)  # rows [:mb]: filled below
+        if n_mb > 1:
+            prox[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature)
         ref = None if self.ref_model is None else self._dp_logprobs(self.ref_model, tokens, temperature)
 
         kw = dict(preset=self.algo.loss, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high,
                   tis_cap=self.algo.tis_cap, agg=self.algo.agg, kl_coef=self.algo.kl_coef,
                   norm_len=norm_len)
         self.model.train()
-        mb = B // n_mb
         share = mb // self.dp_size  # rows of each mini-batch this DP rank computes
         rows = self._rows_per_micro(L)
         per_mb: list[dict[str, float]] = []
         norms: list[float] = []
         skipped = 0
-        for _ in range(self.algo.epochs):
+        for epoch in range(self.algo.epochs):
             for i in range(n_mb):
                 sl = slice(i * mb, (i + 1) * mb)
                 if not bool(mask[sl].any()):
                     continue  # nothing to learn from: no optimizer step either (on every rank)
+                at_start = epoch == 0 and i == 0  # no update yet: this forward is π_prox
                 cut = lambda t: None if t is None else t[sl]  # noqa: E731
                 denom = loss_denominator(mask[sl], self.algo.agg)
                 self.optimizer.zero_grad()
@@ -267,15 +274,17 @@ class MegatronLearner:
                 for j in range(own, own + share, rows):
                     part = lambda t: None if t is None else t[j:min(j + rows, own + share)]  # noqa: E731
                     logp = self._forward_logp(self.model, part(tokens), temperature)
-                    loss, _ = policy_loss(logp, part(prox), part(behav), part(adv), part(mask),
-                                          ref_logp=part(ref), staleness=part(staleness),
-                                          denom=denom, **kw)
+                    loss, _ = policy_loss(logp, logp.detach() if at_start else part(prox),
+                                          part(behav), part(adv), part(mask), ref_logp=part(ref),
+                                          staleness=part(staleness), denom=denom, **kw)
                     loss.backward()
                     logps.append(logp.detach())
+                logp_mb = self._dp_gather(torch.cat(logps))
+                if at_start:
+                    prox[sl] = logp_mb
                 with torch.no_grad():  # stats of the whole mini-batch, from the same logp
-                    _, stats = policy_loss(self._dp_gather(torch.cat(logps)), cut(prox), cut(behav),
-                                           cut(adv), cut(mask), ref_logp=cut(ref),
-                                           staleness=cut(staleness), **kw)
+                    _, stats = policy_loss(logp_mb, cut(prox), cut(behav), cut(adv), cut(mask),
+                                           ref_logp=cut(ref), staleness=cut(staleness), **kw)
                 norm = self.optimizer.step(self.optim.grad_clip)
                 skipped += int(not math.isfinite(norm))
                 norms.append(norm)
