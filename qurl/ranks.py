@@ -1,9 +1,9 @@
 """Start the learner's ranks for a command: under torchrun, as spawned processes, or in-process.
 
-`qurl train` with learner.tp × learner.dp = N on one machine spawns N processes (gloo on CPU), each running the
-same loop; rank 0 is the controller (engine, data, run dir). Under torchrun (RANK/WORLD_SIZE set, the
-multi-node path that `qurl launch` prints) this process is already one rank. With one rank the loop
-runs in this process. Rank 0's return value is handed back to the caller.
+`qurl train` with learner.tp × learner.dp = N on one machine spawns N processes (gloo on CPU),
+each running the same loop; rank 0 is the controller (engine, data, run dir). Under torchrun
+(RANK/WORLD_SIZE set, the multi-node path that `qurl launch` prints) this process is already one
+rank. With one rank the loop runs in this process. Rank 0's return value is handed back to the caller.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ One instance per learner rank (after `init_learner_dist`; TP shards × DP replic
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
 see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel built with megatron's
 Transformer Engine layer spec (learner.transformer_engine; CUDA only) or its local spec (pure
-torch; CPU). Those weights are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
+torch; CPU). Those weights are the master weights: `named_weights()` streams them (TP-gathered,
+HF names) to the weight sync.
 
 A step (`train_step`) on a batch of B right-padded sequences:
 1. prox_logp = logprobs of the current weights, once (π_prox of the whole step): a no-grad forward
