@@ -355,8 +355,9 @@ class SGLangEngine:
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         vocab = int(AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vocab_size)
         return cls(specs, precision=r.precision, group_host=group_host or cfg.learner.master_addr,
-                   group_port=cfg.sync.port if slot is None else 0, bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
-                   log_dir=run_dir / "logs", tokenizer=tok, vocab_size=vocab)
+                   group_port=cfg.sync.port if slot is None else 0,  # workers: one group each
+                   bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)), log_dir=run_dir / "logs",
+                   tokenizer=tok, vocab_size=vocab)
 
     @property
     def version(self) -> int:

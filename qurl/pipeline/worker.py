@@ -5,8 +5,8 @@
 The worker reads the run's config, stream key and the controller's endpoint from the run directory
 (qurl/pipeline/session.py), builds its engine from the model dir the controller names (the local
 engine, or an SGLang adapter driving this slot's one server: each weight version then goes
-controller -> worker -> its server, the second hop through the adapter's own weight group), binds its own
-inbox (prompts + control; only authenticated messages are accepted) and then:
+controller -> worker -> its server, the second hop through the adapter's own weight group), binds
+its own inbox (prompts + control; only authenticated messages are accepted) and then:
 
 1. says hello with its inbox address (every second until the controller answers with a weight group
    to join); the controller connects to that inbox;
