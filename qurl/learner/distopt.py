@@ -79,7 +79,7 @@ class _Group:
         self.lo = (par.dp_rank if distributed else 0) * shard
         self.hi = self.lo + shard
         device = self.params[0].device if self.params else torch.device("cpu")
-        full = self._flatten([p.detach() for p in self.params], device)
+        full = self.flatten([p.detach() for p in self.params], device)
         self.master = torch.nn.Parameter(full[self.lo:self.hi].clone())
         # Elements of this slice that count towards the grad norm (None: all of them).
         mask = torch.zeros(self.padded, dtype=torch.bool, device=device)
@@ -88,7 +88,8 @@ class _Group:
         own = mask[self.lo:self.hi]
         self.counted = None if bool(own.all()) else own.clone()
 
-    def _flatten(self, tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    def flatten(self, tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+        """[padded] fp32: tensors[i] (one per parameter of the group, None = zeros) end to end."""
         flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
         for off, p, t in zip(self.offsets, self.params, tensors):
             if t is not None:
@@ -154,7 +155,7 @@ class DistributedAdamW:
 
     def _reduce_grads(self) -> None:
         for g in self.groups:
-            flat = g._flatten([p.grad for p in g.params], g.master.device)
+            flat = g.flatten([p.grad for p in g.params], g.master.device)
             if self.par.dp_size > 1 and self.distributed:
                 own = torch.empty(g.hi - g.lo, dtype=torch.float32, device=flat.device)
                 reduce_scatter_tensor(own, flat, op=dist.ReduceOp.SUM, group=self.par.dp_group)
