@@ -62,6 +62,13 @@ def test_slurm_style_placement_from_node_list():
     # presets set only learner.tp: nproc_per_node (default 1) follows it
     dapo = plan(load_config("paper-dapo-7b", sets=["model.path=/m"]), [], nodes=["x", "y"])
     assert "--nproc-per-node=4" in dapo[0].commands[-1].argv
+    # data parallel: tp 4 x dp 2 = the 8 GPUs of node 0; the servers go to node 1
+    dp2 = plan(load_config("paper-dapo-7b", sets=["model.path=/m", "learner.dp=2"]), [],
+               nodes=["x", "y"])
+    assert "--nproc-per-node=8" in dp2[0].commands[-1].argv
+    assert dp2[0].commands[-1].env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert not any(c.role == "sglang" for c in dp2[0].commands)
+    assert any(c.role == "sglang" for c in dp2[1].commands)
 
 
 @pytest.mark.parametrize("sets,msg", [
