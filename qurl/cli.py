@@ -83,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         from qurl.sync.bench import bench_sync
 
-        bench_sync()
+        bench_sync(shapes=args.shapes)
     return 0
 
 
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset-model", default="small")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--shapes", default="small", choices=("small", "qwen2.5-0.5b"),
+                   help="sync: synthetic weight shapes (qurl.sync.bench.SHAPES)")
     p.set_defaults(fn=cmd_bench)
     sub.add_parser("launch", help="per-node torchrun + SGLang commands (qurl launch --help)")
     args = parser.parse_args(argv)

@@ -3,8 +3,9 @@ bytes per sync for int8 vs bf16, measured side by side in one run.
 
 Setup: this process is the learner (rank 0); one spawned process is an engine-side receiver
 (rank 1) in a two-rank gloo WeightGroup on loopback. The weights are a synthetic named set with
-the shapes of the `small` Qwen2 preset (~104M parameters, fp32 master weights, random values;
-the values do not change the cost), so the bench needs no model files.
+HF Qwen2 names and the shapes of the `small` preset (~104M parameters) or of Qwen2.5-0.5B
+(`--shapes qwen2.5-0.5b`, ~494M): fp32 master weights, random values (the values do not change
+the cost), so the bench needs no model files.
 
 Measured per format (int8, bf16), after one warm-up:
 - bytes per sync (8-bit codes + fp32 scales + bf16 for what stays full precision, vs all bf16);
@@ -29,7 +30,9 @@ from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import Receiver
 from qurl.sync.sender import Sender, engine_chunks
 
-SMALL = dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384)
+# Synthetic shapes: qurl's `small` preset (~104M) and Qwen2.5-0.5B's (~494M, tied embeddings).
+SHAPES = {"small": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384),
+          "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936)}
 
 
 def synthetic_named(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -102,10 +105,13 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:9.1f}"
 
 
-def bench_sync(bucket_mb: float = 64.0, repeats: int = 3, model: dict | None = None) -> dict:
-    """Run the bench, print a table, return the numbers (seconds are the best of `repeats`,
-    after one warm-up; sync and raw runs alternate so load drift hits both alike)."""
-    named = synthetic_named(**(model or SMALL))
+def bench_sync(bucket_mb: float = 64.0, repeats: int = 3, shapes: str = "small") -> dict:
+    """Run the bench on the synthetic weights SHAPES[shapes], print a table, return the numbers
+    (seconds are the best of `repeats`, after one warm-up; sync and raw runs alternate so load
+    drift hits both alike; quantize is one pass)."""
+    if shapes not in SHAPES:
+        raise ValueError(f"shapes={shapes!r}: must be one of {', '.join(SHAPES)}")
+    named = synthetic_named(**SHAPES[shapes])
     n_params = sum(t.numel() for _, t in named)
     ctx = mp.get_context("spawn")
     ctl, ann_q, ack_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -161,7 +167,7 @@ def bench_sync(bucket_mb: float = 64.0, repeats: int = 3, model: dict | None = N
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
-    print(f"weight sync bench: {n_params / 1e6:.1f}M params (small Qwen2 shapes), gloo loopback, "
+    print(f"weight sync bench: {n_params / 1e6:.1f}M params ({shapes} shapes), gloo loopback, "
           f"bucket {bucket_mb:g} MiB, best of {repeats}")
     print(f"{'format':<6} {'MiB/sync':>9} {'buckets':>7} {'sync MiB/s':>11} {'raw MiB/s':>10} "
           f"{'sync/raw':>8} {'no-apply/raw':>12} {'quantize s':>10} {'e2e s':>7}")
