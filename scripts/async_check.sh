@@ -4,7 +4,8 @@
 # Runs on CPU even where a GPU exists (CUDA hidden), so the numbers are the "CPU default" ones:
 #   1. qurl compare, two arms (sync vs async η=1, both INT8 + ACR + UAQ), 60 steps each:
 #      steps/hour ratio and held-out accuracy;
-#   2. qurl bench sync: weight sync vs a raw gloo broadcast of the same bytes; int8 vs bf16 bytes;
+#   2. qurl bench sync (Qwen2.5-0.5B shapes): weight sync vs a raw gloo broadcast of the same
+#      bytes; int8 vs bf16 bytes;
 #   3. qurl bench stream: authenticated + validated trajectory stream GiB/s over loopback.
 # About 7 minutes on 16 cores. Usage:
 #   scripts/async_check.sh fetch   # HERE (with PyPI): wheels a bare Python 3.12 image lacks -> .whl/
@@ -38,5 +39,5 @@ mkdir -p "$OUT"
 echo "cores: $(nproc)"
 timeout 420 "$PY" -m qurl.cli compare --out "$OUT/compare" \
   --arms sync-int8-acr-uaq,async1-int8-acr-uaq "$@" 2>&1 | grep -v Warning || true
-OMP_NUM_THREADS=1 timeout 100 "$PY" -m qurl.cli bench sync 2>&1 | tail -6 || true
+OMP_NUM_THREADS=1 timeout 150 "$PY" -m qurl.cli bench sync --shapes qwen2.5-0.5b 2>&1 | tail -6 || true
 timeout 60 "$PY" -m qurl.cli bench stream 2>&1 | tail -12 || true
