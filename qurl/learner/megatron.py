@@ -14,8 +14,9 @@ A step (`train_step`) on a batch of B right-padded sequences:
    logp with grad -> `policy_loss(preset=algo.loss, …)` -> backward -> TP-correct global grad
    norm -> clip -> AdamW step (skipped, and counted, if the norm is not finite);
 3. the LR schedule advances once.
-Mini-batches are split further into micro-batches (a logits-memory budget) whose losses use the
-mini-batch's denominator, so their gradients sum to the mini-batch gradient.
+Mini-batches are split further into micro-batches (a logits-memory budget; rows sorted by length,
+each row computed only up to its last loss token) whose losses use the mini-batch's denominator,
+so their gradients sum to the mini-batch gradient.
 
 Log-probs: out[:, j] = log softmax(logits(tokens[:, :j]) / T)[tokens[:, j]], out[:, 0] = 0, from
 megatron's vocab-parallel cross entropy (logits never gathered). Padded vocab rows (the vocab is
@@ -183,17 +184,38 @@ class MegatronLearner:
     def _rows_per_micro(self, L: int) -> int:
         return max(1, LOGITS_BUDGET // max(1, L * self._local_vocab))
 
+    def _micro_batches(self, rows: torch.Tensor, ends: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
+        """Split row indices `rows` into micro-batches (idx, width): rows sorted by their end
+        (longest first), each micro-batch as many rows as the logits budget allows at its width =
+        its longest row's end. Columns at or past a row's end are never computed (right padding
+        of a short response next to a long one costs nothing)."""
+        order = torch.sort(ends[rows], descending=True, stable=True).indices
+        rows = rows[order]
+        i = 0
+        while i < len(rows):
+            width = int(ends[rows[i]])
+            n = self._rows_per_micro(width)
+            yield rows[i:i + n], width
+            i += n
+
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
+                  ends: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, L] log-probs; ends: [B], columns from ends[i] on are left 0 (default: none)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         tokens = tokens.to(self.device, torch.long)
-        if tokens.shape[1] < 2:
-            return torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
-        rows = self._rows_per_micro(tokens.shape[1])
-        return torch.cat([self._forward_logp(model, t, temperature) for t in tokens.split(rows)])
+        B, L = tokens.shape
+        out = torch.zeros(B, L, dtype=torch.float32, device=self.device)
+        if L < 2:
+            return out
+        if ends is None:
+            ends = torch.full((B,), L, dtype=torch.long, device=self.device)
+        for idx, width in self._micro_batches(torch.arange(B, device=self.device), ends):
+            out[idx, :width] = self._forward_logp(model, tokens[idx, :width], temperature)
+        return out
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -243,21 +265,25 @@ class MegatronLearner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         mb = B // n_mb
+        # Each row is computed up to its last loss token (what follows is padding, and causal
+        # attention never lets it reach earlier positions); at least 2 columns.
+        pos = torch.arange(L, device=dev)
+        ends = (torch.where(mask, pos, -1).max(dim=1).values + 1).clamp(min=min(2, L))
         # π_prox is the policy at the start of the step. The first mini-batch's forward runs at
         # exactly those weights, so its own (detached) log-probs are its π_prox; only the other
         # mini-batches need the no-grad forward (1/mini_batches of it saved).
         self.model.eval()
         prox = torch.zeros(B, L, dtype=torch.float32, device=dev)  # rows [:mb]: filled below
         if n_mb > 1:
-            prox[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature)
-        ref = None if self.ref_model is None else self._dp_logprobs(self.ref_model, tokens, temperature)
+            prox[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature, ends[mb:])
+        ref = None if self.ref_model is None else \
+            self._dp_logprobs(self.ref_model, tokens, temperature, ends)
 
         kw = dict(preset=self.algo.loss, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high,
                   tis_cap=self.algo.tis_cap, agg=self.algo.agg, kl_coef=self.algo.kl_coef,
                   norm_len=norm_len)
         self.model.train()
         share = mb // self.dp_size  # rows of each mini-batch this DP rank computes
-        rows = self._rows_per_micro(L)
         per_mb: list[dict[str, float]] = []
         norms: list[float] = []
         skipped = 0
@@ -270,17 +296,19 @@ class MegatronLearner:
                 cut = lambda t: None if t is None else t[sl]  # noqa: E731
                 denom = loss_denominator(mask[sl], self.algo.agg)
                 self.optimizer.zero_grad()
-                logps = []
                 own = i * mb + self.dp_rank * share
-                for j in range(own, own + share, rows):
-                    part = lambda t: None if t is None else t[j:min(j + rows, own + share)]  # noqa: E731
-                    logp = self._forward_logp(self.model, part(tokens), temperature)
-                    loss, _ = policy_loss(logp, logp.detach() if at_start else part(prox),
-                                          part(behav), part(adv), part(mask), ref_logp=part(ref),
-                                          staleness=part(staleness), denom=denom, **kw)
+                logp_own = torch.zeros(share, L, dtype=torch.float32, device=dev)
+                for idx, width in self._micro_batches(torch.arange(own, own + share, device=dev), ends):
+                    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+                        return None if t is None else (t[idx, :width] if t.dim() == 2 else t[idx])
+
+                    logp = self._forward_logp(self.model, take(tokens), temperature)
+                    loss, _ = policy_loss(logp, logp.detach() if at_start else take(prox),
+                                          take(behav), take(adv), take(mask), ref_logp=take(ref),
+                                          staleness=take(staleness), denom=denom, **kw)
                     loss.backward()
-                    logps.append(logp.detach())
-                logp_mb = self._dp_gather(torch.cat(logps))
+                    logp_own[idx - own, :width] = logp.detach()
+                logp_mb = self._dp_gather(logp_own)
                 if at_start:
                     prox[sl] = logp_mb
                 with torch.no_grad():  # stats of the whole mini-batch, from the same logp
@@ -307,11 +335,12 @@ class MegatronLearner:
         all_gather_tensor(out, rows.contiguous(), group=self.dp_group)
         return out
 
-    def _dp_logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[B, L] log-probs, each DP rank computing B/D rows (no grad)."""
+    def _dp_logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
+                     ends: torch.Tensor) -> torch.Tensor:
+        """[B, L] log-probs up to each row's end, each DP rank computing B/D rows (no grad)."""
         n = tokens.shape[0] // self.dp_size
-        mine = tokens[self.dp_rank * n:(self.dp_rank + 1) * n]
-        return self._dp_gather(self._logprobs(model, mine, temperature))
+        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+        return self._dp_gather(self._logprobs(model, tokens[mine], temperature, ends[mine]))
 
     # ------------------------------------------------------------------ weights out
 
