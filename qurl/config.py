@@ -136,9 +136,8 @@ class StreamConfig:
 class SyncConfig:
     bucket_mb: float = 64.0
     port: int = 0  # weight-broadcast rendezvous port; 0 = random
-    # async pipeline, controller -> workers: gloo (CPU tensors; right for SGLang workers, which
-    # forward to their servers over NCCL themselves) or nccl (every worker process on a GPU of its
-    # own — NCCL refuses two ranks on one GPU — with a local engine there)
+    # async controller -> workers: gloo (CPU tensors; right for SGLang workers, which forward to
+    # their servers themselves) or nccl (each worker on a GPU of its own, with a local engine)
     backend: str = "gloo"
 
 

@@ -127,7 +127,7 @@ def test_transformer_engine_names_fuse_the_norm_gains() -> None:
 
 
 def test_transformer_engine_choice_on_cpu() -> None:
-    from qurl.learner.megatron import use_transformer_engine
+    from qurl.learner.build import use_transformer_engine
 
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")

@@ -2,10 +2,10 @@
 
 One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
-see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel built with megatron's
-Transformer Engine layer spec (learner.transformer_engine; CUDA only) or its local spec (pure
-torch; CPU). Those weights are the master weights: `named_weights()` streams them (TP-gathered,
-HF names) to the weight sync.
+see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel (qurl/learner/build.py:
+megatron's Transformer Engine layer spec on CUDA when installed, its local spec otherwise). Those
+weights are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the
+weight sync.
 
 A step (`train_step`) on a batch of B right-padded sequences:
 1. prox_logp = logprobs of the current weights, once (π_prox of the whole step): a no-grad forward
@@ -32,7 +32,6 @@ continuation on the same TP and DP sizes.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -45,27 +44,12 @@ import torch.distributed as dist
 from qurl.algo.loss import loss_denominator, policy_loss
 from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
+from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
 from qurl.models import convert
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_BUDGET = 2**26  # fp32 logits elements per micro-batch (256 MiB, ×~3 with CE temporaries)
-_RUNTIME_FLAGS = {  # no fused CUDA kernels, no init (every weight is loaded), fp32 softmax
-    "perform_initialization": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
-    "masked_softmax_fusion": False, "apply_rope_fusion": False, "persist_layer_norm": False,
-    "gradient_accumulation_fusion": False, "attention_softmax_in_fp32": True,
-}
-
-
-def _read_hf(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
-    """(state dict, transformers config) of an HF checkpoint directory; errors name the file."""
-    from transformers import AutoConfig
-
-    from qurl.models.hf import read_state_dict
-
-    if not (Path(model_dir) / "config.json").is_file():
-        raise ValueError(f"checkpoint {model_dir}: missing config.json")
-    return read_state_dict(model_dir), AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
 class MegatronLearner:
@@ -100,7 +84,7 @@ class MegatronLearner:
         if hf_state is None or hf_config is None:
             if model_dir is None:
                 raise ValueError("MegatronLearner: pass model_dir or both hf_state and hf_config")
-            hf_state, hf_config = _read_hf(model_dir)
+            hf_state, hf_config = read_hf(model_dir)
         self.hf_config = hf_config
         hf_state = {k: v.float() if v.is_floating_point() else v for k, v in hf_state.items()}
         if algo.uaq_scale != 1.0:
@@ -112,10 +96,11 @@ class MegatronLearner:
         self.te = use_transformer_engine(learner.transformer_engine)
 
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
-        self.model = self._build(shard)
+        spec = dict(tp=self.tp_size, dtype=self.dtype, device=self.device, te=self.te)
+        self.model = build_gpt(shard, hf_config, **spec)
         self.ref_model = None
         if algo.kl_coef > 0:  # frozen initial policy for the k3 KL term
-            self.ref_model = self._build(shard).requires_grad_(False)
+            self.ref_model = build_gpt(shard, hf_config, **spec).requires_grad_(False)
         del shard, hf_state
         # Local-spec names (what convert.py maps), whichever layer spec built the model.
         self.named_params = [(convert.from_te_name(n), p) for n, p in self.model.named_parameters()]
@@ -134,31 +119,6 @@ class MegatronLearner:
         self._local_vocab = local
 
     # ------------------------------------------------------------------ model
-
-    def _build(self, shard: dict[str, torch.Tensor]) -> torch.nn.Module:
-        from megatron.core.models.gpt import gpt_layer_specs
-        from megatron.core.models.gpt.gpt_model import GPTModel
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        kwargs = convert.megatron_config_from_hf(self.hf_config, tp=self.tp_size, dtype=self.dtype)
-        known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        flags = dict(_RUNTIME_FLAGS, use_cpu_initialization=self.device.type == "cpu")
-        kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
-        config = TransformerConfig(**kwargs)
-        if self.te:
-            spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-            shard = convert.to_te_names(shard)
-        else:
-            spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
-        with torch.random.fork_rng(devices=[]):  # megatron may draw from the global RNG
-            model = GPTModel(config, spec, pre_process=True, post_process=True,
-                             **convert.gpt_model_kwargs_from_hf(self.hf_config, tp=self.tp_size))
-        model.to(self.device)
-        missing, unexpected = model.load_state_dict(shard, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"Megatron model vs converted weights: missing {missing}, unexpected {unexpected}")
-        return model
 
     def _causal_mask(self, L: int) -> torch.Tensor | None:
         """[1, 1, L, L] bool, True = hidden. The local spec needs it explicitly (megatron's default
@@ -408,23 +368,6 @@ class MegatronLearner:
                 raise FileNotFoundError(f"{d / fname}: learner checkpoint shard missing")
             parts.update(torch.load(d / fname, map_location=self.device, weights_only=False))
         self.load_state_dict(parts)
-
-
-def use_transformer_engine(choice: str) -> bool:
-    """learner.transformer_engine: 'auto' -> TE when it imports and CUDA is present; 'on' -> TE or
-    a clear error; 'off' -> megatron's local spec."""
-    if choice == "off":
-        return False
-    if choice not in ("auto", "on"):
-        raise ValueError(f"learner.transformer_engine={choice!r}: must be auto, on or off")
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-        importable, why = torch.cuda.is_available(), "it needs a CUDA device"
-    except ImportError as e:
-        importable, why = False, f"transformer_engine does not import ({e})"
-    if choice == "on" and not importable:
-        raise ValueError(f"learner.transformer_engine='on': {why}")
-    return importable
 
 
 def _combine(per_mb: list[dict[str, float]]) -> dict[str, float]:

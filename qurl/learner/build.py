@@ -1,0 +1,86 @@
+"""Building the learner's megatron-core GPTModel from an HF checkpoint.
+
+`read_hf` reads the checkpoint (state dict + transformers config); `build_gpt` makes one TP rank's
+GPTModel from the converted shard (qurl/models/convert.py) with one of megatron's two layer specs:
+
+- the **Transformer Engine** spec (`get_gpt_layer_with_transformer_engine_spec`: TE linears with the
+  RMSNorm fused into the linear that follows it, TE attention) — CUDA only;
+- the **local** spec (`get_gpt_layer_local_spec`: plain torch modules) — what runs on CPU.
+
+`use_transformer_engine(learner.transformer_engine)` picks: "auto" = TE when it imports and CUDA
+is present, "on" = TE or a clear error, "off" = local. Either way no weight is initialized (every
+one is loaded; a missing or unexpected name is an error), no fused CUDA-only kernel is asked for,
+and softmax runs in fp32.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qurl.models import convert
+
+_RUNTIME_FLAGS = {  # no fused CUDA kernels, no init (every weight is loaded), fp32 softmax
+    "perform_initialization": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False, "apply_rope_fusion": False, "persist_layer_norm": False,
+    "gradient_accumulation_fusion": False, "attention_softmax_in_fp32": True,
+}
+
+
+def read_hf(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """(state dict, transformers config) of an HF checkpoint directory; errors name the file."""
+    from transformers import AutoConfig
+
+    from qurl.models.hf import read_state_dict
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"checkpoint {model_dir}: missing config.json")
+    return read_state_dict(model_dir), AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def use_transformer_engine(choice: str) -> bool:
+    """learner.transformer_engine: 'auto' -> TE when it imports and CUDA is present; 'on' -> TE or
+    a clear error; 'off' -> megatron's local spec."""
+    if choice == "off":
+        return False
+    if choice not in ("auto", "on"):
+        raise ValueError(f"learner.transformer_engine={choice!r}: must be auto, on or off")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        importable, why = torch.cuda.is_available(), "it needs a CUDA device"
+    except ImportError as e:
+        importable, why = False, f"transformer_engine does not import ({e})"
+    if choice == "on" and not importable:
+        raise ValueError(f"learner.transformer_engine='on': {why}")
+    return importable
+
+
+def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype: torch.dtype,
+              device: torch.device, te: bool) -> torch.nn.Module:
+    """This TP rank's GPTModel holding `shard` (local-spec names, as convert.hf_to_megatron
+    makes them), parameters in `dtype` on `device`."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = convert.megatron_config_from_hf(hf_config, tp=tp, dtype=dtype)
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    flags = dict(_RUNTIME_FLAGS, use_cpu_initialization=device.type == "cpu")
+    kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
+    config = TransformerConfig(**kwargs)
+    if te:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        shard = convert.to_te_names(shard)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+    with torch.random.fork_rng(devices=[]):  # megatron may draw from the global RNG
+        model = GPTModel(config, spec, pre_process=True, post_process=True,
+                         **convert.gpt_model_kwargs_from_hf(hf_config, tp=tp))
+    model.to(device)
+    missing, unexpected = model.load_state_dict(shard, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"Megatron model vs converted weights: missing {missing}, unexpected {unexpected}")
+    return model
