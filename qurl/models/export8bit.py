@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
-from qurl.quant.formats import dequantize_fp8_block, dequantize_per_channel
-from qurl.quant.named import FP8_BLOCK, is_quantized_linear
+from qurl.quant.named import FP8_BLOCK, dequantize_named, is_quantized_linear
 from qurl.quant.uaq import apply_uaq
 from qurl.sync.sender import engine_chunks
 
@@ -102,24 +101,16 @@ def read_8bit(path: str | Path, dtype: torch.dtype = torch.float32
     config = check_checkpoint(path)
     qcfg = config.get("quantization_config")
     state = read_state_dict(path)
-    out: dict[str, torch.Tensor] = {}
+    block = (qcfg or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+    if block[0] != block[1]:
+        raise ValueError(f"{path}: weight_block_size {block} must be square")
     for name, t in state.items():
-        if name.endswith("_scale") or name.endswith("_scale_inv"):
-            continue
-        if t.dtype in (torch.int8, torch.float8_e4m3fn):
-            if not is_quantized_linear(name):
-                raise ValueError(f"{path}: {name} holds 8-bit codes but is not a decoder linear")
-            if name + "_scale" in state:
-                out[name] = dequantize_per_channel(t, state[name + "_scale"], dtype)
-            elif name + "_scale_inv" in state:
-                block = (qcfg or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
-                if block[0] != block[1]:
-                    raise ValueError(f"{path}: weight_block_size {block} must be square")
-                out[name] = dequantize_fp8_block(t, state[name + "_scale_inv"], block[0], dtype)
-            else:
-                raise ValueError(f"{path}: {name} has 8-bit codes but no _scale/_scale_inv")
-        else:
-            out[name] = t
+        if t.dtype in (torch.int8, torch.float8_e4m3fn) and not is_quantized_linear(name):
+            raise ValueError(f"{path}: {name} holds 8-bit codes but is not a decoder linear")
+    try:
+        out = dequantize_named(state, dtype, block=block[0])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return out, qcfg
 
 

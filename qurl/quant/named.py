@@ -70,7 +70,7 @@ def quantize_named(
 
 
 def dequantize_named(
-    named: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    named: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32, block: int = FP8_BLOCK
 ) -> dict[str, torch.Tensor]:
     """Inverse of `quantize_named`: fold every (codes, `_scale`) pair back into one `dtype` weight.
 
@@ -87,10 +87,10 @@ def dequantize_named(
             if name + SCALE_SUFFIX in named:
                 out[name] = dequantize_per_channel(tensor, named[name + SCALE_SUFFIX], dtype)
             elif name + BLOCK_SCALE_SUFFIX in named:
-                out[name] = dequantize_fp8_block(tensor, named[name + BLOCK_SCALE_SUFFIX], FP8_BLOCK, dtype)
+                out[name] = dequantize_fp8_block(tensor, named[name + BLOCK_SCALE_SUFFIX], block, dtype)
             else:
-                raise ValueError(f"{name}: 8-bit codes without a {name + SCALE_SUFFIX!r} or "
-                                 f"{name + BLOCK_SCALE_SUFFIX!r} scale")
+                raise ValueError(f"{name} has 8-bit codes but no {SCALE_SUFFIX}/{BLOCK_SCALE_SUFFIX} "
+                                 "(codes without a scale)")
         else:
             out[name] = tensor
     return out
