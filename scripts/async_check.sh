@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "fetch" ]; then
   grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
   for spec in pyzmq==27.3.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
-              antlr4-python3-runtime==4.13.2 megatron-core==0.16.1; do
+              antlr4-python3-runtime==4.13.2 megatron-core==0.16.1 blake3==1.0.11; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
@@ -28,7 +28,7 @@ OUT="${1:-runs/async_check}"
 [ $# -gt 0 ] && shift  # the rest (e.g. --set run.steps=30) goes to qurl compare
 PY="${PY:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
-if ! "$PY" -c "import zmq, math_verify, megatron.core" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1
+if ! "$PY" -c "import zmq, blake3, math_verify, megatron.core" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1
 then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/qurl-site .whl/*.whl

@@ -14,6 +14,7 @@ import struct
 import pytest
 import torch
 import zmq
+from blake3 import blake3
 
 from qurl.stream.channel import Receiver, Sender
 from qurl.stream.payload import (PromptTask, pack_prompt, pack_trajectories, unpack_trajectories,
@@ -128,10 +129,10 @@ def test_mac_matches_independent_reference_and_parallel_hashing():
     big = bytes(range(256)) * (CHUNK * 5 // 2 // 256)  # 2.5 chunks: pieces of 1, 1, 0.5 MiB
     frames = [memoryview(b"head"), memoryview(big), memoryview(b"")]
     ref = hmac.new(KEY, DOMAIN + struct.pack("<I", 3), hashlib.sha256)
-    ref.update(struct.pack("<Q", 4) + hashlib.sha256(b"head").digest())
+    ref.update(struct.pack("<Q", 4) + blake3(b"head").digest())
     ref.update(struct.pack("<Q", len(big)))
     for i in range(0, len(big), CHUNK):
-        ref.update(hashlib.sha256(big[i:i + CHUNK]).digest())
+        ref.update(blake3(big[i:i + CHUNK]).digest())
     ref.update(struct.pack("<Q", 0))
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(3) as pool:

@@ -13,11 +13,13 @@ so a received tensor aliases the receive buffer (zero copy). Received tensors ar
 message: consumers that want to modify one in place clone it first.
 
 MAC. Tag = HMAC-SHA256(key, DOMAIN || u32 nframes || for each frame: u64 len || digests), where the
-digests of a frame are SHA-256 of each consecutive CHUNK-byte piece of it (none for an empty frame).
-Forging a tag needs the key or a SHA-256 collision, exactly as for plain HMAC over the bytes; the
-chunk digests cost the same one SHA-256 pass over the data but can be computed by several threads
-(hashlib releases the GIL), which is what lets authentication keep up with a loopback link.
-Lengths and the frame count are inside the tag, so bytes cannot move between frames.
+digests of a frame are the 32-byte BLAKE3 hashes of each consecutive CHUNK-byte piece of it (none for
+an empty frame). Forging a tag needs the key or a BLAKE3 collision, as plain HMAC over the bytes
+needs the key or a SHA-256 collision. Why the two-level tag: the data pass is the whole cost of
+authentication, and BLAKE3 does it at ~2.5x SHA-256's speed on one core (4.5 vs 1.8 GB/s on the
+development machines), while the pieces can be hashed by several threads (blake3 releases the GIL).
+That is what lets authentication keep up with a loopback link. Lengths and the frame count are inside
+the tag, so bytes cannot move between frames.
 
 Decode order (each failure raises WireError with a reason code, see REASONS):
   size limits -> header JSON -> frame count vs header ("truncated") -> MAC ("bad_mac")
@@ -43,11 +45,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from blake3 import blake3
 
 SCHEMA_VERSION = 1
 KINDS = ("prompt", "trajectory", "control", "ack")
-DOMAIN = b"qurl-wire-mac-v1"
-CHUNK = 1 << 20  # bytes per SHA-256 piece of a frame (the unit of parallel hashing)
+DOMAIN = b"qurl-wire-mac-v2"  # v2: BLAKE3 piece digests (v1 had SHA-256)
+CHUNK = 1 << 20  # bytes per BLAKE3 piece of a frame (the unit of parallel hashing)
 MAC_BYTES = 32
 _POOL_MIN_BYTES = 64 << 10
 REASONS = (
@@ -107,26 +110,26 @@ def _digest_jobs(frames: Sequence[memoryview]) -> list[memoryview]:
     return [f[i : i + CHUNK] for f in frames for i in range(0, f.nbytes, CHUNK)]
 
 
-def _sha256(piece: memoryview) -> bytes:
-    return hashlib.sha256(piece).digest()
+def _digest(piece: memoryview) -> bytes:
+    return blake3(piece).digest()
 
 
 def start_mac(frames: Sequence[memoryview], key: bytes,
               pool: Executor | None = None) -> Callable[[], bytes]:
     """Begin the tag over `frames` (byte memoryviews, MAC frame excluded; see the module docstring)
     and return a function that finishes it. With a `pool`, the large pieces are hashed by its threads
-    (hashlib releases the GIL) while the caller does other work until it calls the finisher."""
+    (blake3 releases the GIL) while the caller does other work until it calls the finisher."""
     jobs = _digest_jobs(frames)
     if pool is not None and len(jobs) > 1:
         # Only big pieces go to the pool: a hand-off costs more than hashing a few KiB here.
-        futures = [pool.submit(_sha256, j) if j.nbytes >= _POOL_MIN_BYTES else None for j in jobs]
-        done = [_sha256(j) if f is None else None for j, f in zip(jobs, futures)]
+        futures = [pool.submit(_digest, j) if j.nbytes >= _POOL_MIN_BYTES else None for j in jobs]
+        done = [_digest(j) if f is None else None for j, f in zip(jobs, futures)]
     else:
         futures, done = [None] * len(jobs), None
 
     def finish() -> bytes:
         if done is None:
-            digests = iter(_sha256(j) for j in jobs)
+            digests = iter(_digest(j) for j in jobs)
         else:
             digests = iter([d if f is None else f.result() for d, f in zip(done, futures)])
         mac = hmac.new(key, DOMAIN + struct.pack("<I", len(frames)), hashlib.sha256)
