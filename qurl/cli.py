@@ -83,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         from qurl.sync.bench import bench_sync
 
-        bench_sync(shapes=args.shapes)
+        bench_sync(bucket_mb=args.bucket_mb, shapes=args.shapes)
     return 0
 
 
@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--shapes", default="small", choices=("small", "qwen2.5-0.5b"),
                    help="sync: synthetic weight shapes (qurl.sync.bench.SHAPES)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="sync: bucket budget in MiB (default: the config's sync.bucket_mb)")
     p.set_defaults(fn=cmd_bench)
     sub.add_parser("launch", help="per-node torchrun + SGLang commands (qurl launch --help)")
     args = parser.parse_args(argv)

@@ -146,6 +146,10 @@ def _worker(rank: int, ws: int) -> dict:
         out["from_dir_exact"] = sorted(loaded) == sorted(hf_state(hf)) and all(
             torch.equal(loaded[k], v) for k, v in hf_state(hf).items())
         bf = _learner("qwen2", ws, dtype="bfloat16")
+        bf_init = _weights(bf)  # masters before any step: the fp32 checkpoint, not its bf16 copy
+        out["bf16_masters_exact"] = sorted(bf_init) == sorted(hf_state(hf)) and all(
+            torch.equal(bf_init[k], v) for k, v in hf_state(hf).items())
+        out["bf16_model_rounded"] = any(p.dtype == torch.bfloat16 for p in bf.model.parameters())
         batch = _batch(hf, seed=6)
         with torch.no_grad():
             ref_lp = _hf_logp(hf, batch["tokens"])
@@ -258,6 +262,7 @@ def test_bf16_keeps_fp32_masters_and_kl_reference_is_frozen(runs) -> None:
     assert res["bf16_logp_diff"] < 0.15  # bf16 forward vs fp32 reference
     assert math.isfinite(res["bf16_stats"]["loss"]) and res["bf16_stats"]["skipped_updates"] == 0
     assert res["bf16_master_dtypes"] == {"torch.float32"}
+    assert res["bf16_model_rounded"] and res["bf16_masters_exact"]
     assert res["from_dir_exact"]  # learner built from a save_pretrained directory
     first, second = res["kl_stats"]
     assert first["kl_ref"] >= 0 and second["kl_ref"] > first["kl_ref"]  # policy drifts from ref

@@ -65,7 +65,7 @@ class _Group:
     """One flat buffer: which parameters, where each starts, and this rank's master slice."""
 
     def __init__(self, index: list[int], params: Sequence[torch.nn.Parameter], counted: Sequence[bool],
-                 par: Parallel, distributed: bool) -> None:
+                 par: Parallel, distributed: bool, initial: Sequence[torch.Tensor] | None) -> None:
         self.index = index  # positions of this group's params in the model's parameter list
         self.params = [params[i] for i in index]
         self.offsets, n = [], 0
@@ -79,7 +79,8 @@ class _Group:
         self.lo = (par.dp_rank if distributed else 0) * shard
         self.hi = self.lo + shard
         device = self.params[0].device if self.params else torch.device("cpu")
-        full = self.flatten([p.detach() for p in self.params], device)
+        start = self.params if initial is None else [initial[i] for i in index]
+        full = self.flatten([t.detach() for t in start], device)
         self.master = torch.nn.Parameter(full[self.lo:self.hi].clone())
         # Elements of this slice that count towards the grad norm (None: all of them).
         mask = torch.zeros(self.padded, dtype=torch.bool, device=device)
@@ -101,17 +102,23 @@ class DistributedAdamW:
     """AdamW over flat fp32 masters of `params` (this rank's model parameters, any float dtype).
 
     counted[i]: parameter i's elements count towards the grad norm on this rank (see module doc).
+    initial[i]: the full-precision value parameter i's master starts from (default: the parameter
+    itself). A bf16 model built from an fp32 checkpoint passes the checkpoint here, so the masters
+    keep the bits the bf16 copy rounded away.
     `param_groups` are torch AdamW's (the learner sets "lr" there before each step)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], counted: Sequence[bool], optim: OptimConfig,
-                 par: Parallel = Parallel(), *, distributed: bool = False) -> None:
+                 par: Parallel = Parallel(), *, distributed: bool = False,
+                 initial: Sequence[torch.Tensor] | None = None) -> None:
         if len(params) != len(counted):
             raise ValueError(f"{len(params)} params but {len(counted)} counted flags")
+        if initial is not None and [tuple(t.shape) for t in initial] != [tuple(p.shape) for p in params]:
+            raise ValueError("initial: one tensor per parameter, of the parameter's shape")
         self.params, self.par, self.distributed = list(params), par, bool(distributed)
         decay = [i for i, p in enumerate(self.params) if p.dim() >= 2]
         no_decay = [i for i, p in enumerate(self.params) if p.dim() < 2]
-        self.groups = [_Group(decay, self.params, counted, par, self.distributed),
-                       _Group(no_decay, self.params, counted, par, self.distributed)]
+        self.groups = [_Group(decay, self.params, counted, par, self.distributed, initial),
+                       _Group(no_decay, self.params, counted, par, self.distributed, initial)]
         self.opt = torch.optim.AdamW(
             [{"params": [self.groups[0].master], "weight_decay": optim.weight_decay},
              {"params": [self.groups[1].master], "weight_decay": 0.0}],

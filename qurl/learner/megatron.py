@@ -101,15 +101,19 @@ class MegatronLearner:
         self.ref_model = None
         if algo.kl_coef > 0:  # frozen initial policy for the k3 KL term
             self.ref_model = build_gpt(shard, hf_config, **spec).requires_grad_(False)
-        del shard, hf_state
+        del hf_state
         # Local-spec names (what convert.py maps), whichever layer spec built the model.
         self.named_params = [(convert.from_te_name(n), p) for n, p in self.model.named_parameters()]
+        # Masters start from the checkpoint's own precision, not from the (maybe bf16) model copy.
+        initial = [shard[n] for n, _ in self.named_params]
+        del shard
         # Norm counting: TP-split params on every rank, TP-replicated ones (norm gains) on rank 0.
         counted = [convert.partition_dim(n) is not None or self.tp_rank == 0 for n, _ in self.named_params]
         par = Parallel(self.tp_rank, self.tp_size, self.tp_group if self.tp_size > 1 else None,
                        self.dp_rank, self.dp_size, self.dp_group)
         self.optimizer = DistributedAdamW([p for _, p in self.named_params], counted, optim, par,
-                                          distributed=learner.distributed_optimizer)
+                                          distributed=learner.distributed_optimizer, initial=initial)
+        del initial
         self.step = 0
         padded = convert.padded_vocab_size(int(hf_config.vocab_size), self.tp_size)
         local = padded // self.tp_size
