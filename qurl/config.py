@@ -36,7 +36,8 @@ class RunConfig:
 class ModelConfig:
     preset: str = "tiny"  # tiny | small | path (then `path` names an HF checkpoint dir)
     path: str = ""  # HF checkpoint dir; for tiny/small: where the locally built model is cached
-    dtype: str = "float32"  # learner parameter dtype: float32 | bfloat16
+    # learner: bfloat16 (bf16 compute, fp32 masters + AdamW moments) | float32. With AVX512-BF16
+    dtype: str = "bfloat16"  # a CPU bf16 matmul is 2.6x fp32's: the tiny learner step 1.75x faster
     warmstart_steps: int = 250  # SFT steps on worked solutions before RL (tiny/small only); 0 = none
     warmstart_lr: float = 3e-3
 
@@ -180,8 +181,7 @@ _CHOICES = {
 _POSITIVE = (
     "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.num_workers",
     "algo.eps_low", "algo.eps_high", "algo.mini_batches", "algo.epochs", "optim.lr", "learner.tp",
-    "learner.dp",
-    "rollout.temperature", "algo.uaq_scale", "sync.bucket_mb", "run.steps",
+    "learner.dp", "rollout.temperature", "algo.uaq_scale", "sync.bucket_mb", "run.steps",
 )
 
 

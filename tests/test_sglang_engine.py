@@ -284,6 +284,7 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
         cfg = load_config("cpu-tiny", sets=[
             f"run.dir={tmp_path}", "run.name=sg", "run.steps=2", "run.eval_every=0",
             "run.progress=false", "model.warmstart_steps=0", "data.eval_size=4",
+            "model.dtype=float32",  # the checkpoint's model state is then the synced masters
             "rollout.engine=sglang", "rollout.precision=fp8_block", f"rollout.sglang_urls={url}",
             "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4",
             "rollout.eval_max_new_tokens=4"])
@@ -326,7 +327,8 @@ def test_async_worker_drives_its_sglang_server(tmp_path):
         _wait_healthy(url)
         cfg = tiny_cfg(tmp_path, "asg", 4, **{
             "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.num_workers": 1,
-            "rollout.engine": "sglang", "rollout.sglang_urls": url, "rollout.precision": "int8"})
+            "rollout.engine": "sglang", "rollout.sglang_urls": url, "rollout.precision": "int8",
+            "model.dtype": "float32"})  # the checkpoint's model state is then the synced masters
         final = train_async(cfg)
         served = _get(url, "/_fake/requests")
     finally:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from qurl.config import SyncConfig
 from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import Receiver
 from qurl.sync.sender import Sender, engine_chunks
@@ -105,12 +106,14 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:9.1f}"
 
 
-def bench_sync(bucket_mb: float = 64.0, repeats: int = 3, shapes: str = "small") -> dict:
+def bench_sync(bucket_mb: float | None = None, repeats: int = 3, shapes: str = "small") -> dict:
     """Run the bench on the synthetic weights SHAPES[shapes], print a table, return the numbers
     (seconds are the best of `repeats`, after one warm-up; sync and raw runs alternate so load
     drift hits both alike; quantize is one pass)."""
     if shapes not in SHAPES:
         raise ValueError(f"shapes={shapes!r}: must be one of {', '.join(SHAPES)}")
+    if bucket_mb is None:
+        bucket_mb = SyncConfig().bucket_mb
     named = synthetic_named(**SHAPES[shapes])
     n_params = sum(t.numel() for _, t in named)
     ctx = mp.get_context("spawn")
