@@ -104,8 +104,9 @@ class MegatronLearner:
         del hf_state
         # Local-spec names (what convert.py maps), whichever layer spec built the model.
         self.named_params = [(convert.from_te_name(n), p) for n, p in self.model.named_parameters()]
-        # Masters start from the checkpoint's own precision, not from the (maybe bf16) model copy.
-        initial = [shard[n] for n, _ in self.named_params]
+        # Masters start from the checkpoint's own precision, not from the (maybe bf16) model copy
+        # (a parameter the shard does not name under its local-spec name starts from the model).
+        initial = [shard.get(n, p) for n, p in self.named_params]
         del shard
         # Norm counting: TP-split params on every rank, TP-replicated ones (norm gains) on rank 0.
         counted = [convert.partition_dim(n) is not None or self.tp_rank == 0 for n, _ in self.named_params]
