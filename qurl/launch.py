@@ -66,15 +66,37 @@ def _host_port(url: str) -> tuple[str, int]:
     return u.hostname, u.port
 
 
+def learner_procs_per_node(cfg: Config) -> int:
+    """The learner's ranks on each learner node: learner.nproc_per_node, where its default 1 is
+    taken as tp * dp / nnodes (the presets only set learner.tp and learner.dp)."""
+    lc = cfg.learner
+    world = lc.tp * lc.dp
+    if lc.nproc_per_node == 1 and world > 1 and world % lc.nnodes == 0:
+        return world // lc.nnodes
+    return lc.nproc_per_node
+
+
+def worker_gpu(cfg: Config, slot: int, n_gpus: int) -> int:
+    """The GPU of async worker `slot`'s local engine on the controller's node: the learner's
+    ranks hold GPUs 0..P-1 there, workers take the next ones in slot order, wrapping around
+    (and sharing) when the node has too few — except with sync.backend=nccl, whose group of the
+    controller (GPU 0) and the workers needs a GPU per member: too few GPUs is then an error."""
+    if n_gpus < 1:
+        raise ValueError(f"n_gpus={n_gpus}: a worker GPU needs at least one GPU")
+    first = learner_procs_per_node(cfg)
+    if cfg.sync.backend == "nccl" and first + slot >= n_gpus:
+        raise ValueError(f"sync.backend='nccl': worker {slot} needs GPU {first + slot} (after the "
+                         f"learner's {first}) but this node has {n_gpus}; use sync.backend=gloo "
+                         "or fewer rollout.num_workers")
+    return (first + slot) % n_gpus
+
+
 def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
          gpus_per_node: int = 8, python: str = "python") -> list[NodePlan]:
     """Per-node commands for `cfg`. `config_args` are the `--preset/--config/--set` arguments
     that reproduce cfg; they are forwarded to the learner's `qurl train`."""
     lc, r = cfg.learner, cfg.rollout
-    nproc = lc.nproc_per_node
-    world = lc.tp * lc.dp
-    if nproc == 1 and world > 1 and world % lc.nnodes == 0:
-        nproc = world // lc.nnodes  # 1 is the default: the presets only set learner.tp and .dp
+    nproc, world = learner_procs_per_node(cfg), lc.tp * lc.dp
     if lc.nnodes * nproc != world:
         raise ValueError(f"learner.tp * learner.dp={world}: must equal learner.nnodes * "
                          f"learner.nproc_per_node = {lc.nnodes} * {nproc}")

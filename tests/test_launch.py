@@ -100,3 +100,19 @@ def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
     ])
     assert run_node(node) == 0 and mark.read_text() == "x"  # returns once the learner exits
     assert main_launch(["--set", "learner.tp=3", "--set", "learner.nnodes=2", "--dry-run"]) == 2
+
+
+def test_async_workers_take_the_gpus_after_the_learners():
+    from qurl.launch import worker_gpu
+
+    two = load_config("cpu-tiny", sets=["learner.tp=2", "rollout.num_workers=3"])
+    assert [worker_gpu(two, s, 8) for s in range(3)] == [2, 3, 4]  # learner ranks on GPUs 0, 1
+    assert [worker_gpu(two, s, 4) for s in range(3)] == [2, 3, 0]  # too few: wrap and share
+    one = load_config("cpu-tiny")
+    assert worker_gpu(one, 0, 1) == 0  # one GPU: everyone shares it
+    nccl = load_config("cpu-tiny", sets=["sync.backend=nccl", "rollout.num_workers=2"])
+    assert [worker_gpu(nccl, s, 3) for s in range(2)] == [1, 2]
+    with pytest.raises(ValueError, match="sync.backend='nccl': worker 1 needs GPU 2"):
+        worker_gpu(nccl, 1, 2)  # an NCCL group cannot hold two ranks on one GPU
+    with pytest.raises(ValueError, match="n_gpus=0"):
+        worker_gpu(one, 0, 0)

@@ -94,6 +94,10 @@ class RolloutWorker:
         if not 0 <= self.slot < int(info["num_workers"]):
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
+        if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
+            from qurl.launch import worker_gpu  # one GPU per worker, after the learner's
+
+            torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count()))
         self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
         self.codec = PromptCodec(self.engine.tokenizer, self.cfg.data.template)
         self.tasks: deque[tuple[Any, dict[str, Any], float]] = deque()  # (PromptTask, extra, t_recv)
