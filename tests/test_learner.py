@@ -117,6 +117,18 @@ def _worker(rank: int, ws: int) -> dict:
     out["resume_weights_equal"] = all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     out["resume_step"] = fresh.step
     out["resume_moved"] = any(not torch.equal(weights_a[k], weights[k]) for k in weights_a)
+    # A checkpoint written under Transformer Engine names (fused norm gains) loads into the local spec.
+    from qurl.models.convert import to_te_names
+
+    state = a.state_dict()
+    out["saved_local_names"] = not any("layer_norm_weight" in k for k in state["model"])
+    state["model"] = to_te_names(state["model"])
+    out["te_named"] = any("layer_norm_weight" in k for k in state["model"])
+    from_te = _learner("qwen2", ws, algo=replace(ALGO, uaq_scale=1.5))
+    from_te.load_state_dict(state)
+    want = a.model.state_dict()
+    out["te_checkpoint_loads"] = all(torch.equal(want[k], v) for k, v in
+                                     from_te.model.state_dict().items() if isinstance(v, torch.Tensor))
     broadcast_object(None)  # every rank has loaded before the directory goes
     if rank == 0:
         shutil.rmtree(ckpt)
@@ -247,6 +259,9 @@ def test_save_load_resume_is_bit_exact(runs, ws: int) -> None:
         res = runs[ws][rank]
         assert res["resume_stats_equal"] and res["resume_step"] == 2
     assert runs[ws][0]["resume_weights_equal"] and runs[ws][0]["resume_moved"]
+    for rank in range(ws):  # checkpoints hold local-spec names; TE-named ones load too
+        res = runs[ws][rank]
+        assert res["saved_local_names"] and res["te_named"] and res["te_checkpoint_loads"]
 
 
 @pytest.mark.slow

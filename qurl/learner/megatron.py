@@ -334,8 +334,11 @@ class MegatronLearner:
         return f"model_rank{self.tp_rank}.pt", optim
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's model shard, optimizer (fp32 masters + AdamW moments) and schedule position."""
-        model = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        """This rank's model shard, optimizer (fp32 masters + AdamW moments) and schedule position.
+        Model keys are local-spec names whichever spec built the model (TE's `_extra_state` FP8
+        metadata is not kept: the learner trains in bf16/fp32), so a run resumes with or without TE."""
+        model = {convert.from_te_name(k): v for k, v in self.model.state_dict().items()
+                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         return {"format": 2, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "step": self.step,
                 "model": model, "optimizer": self.optimizer.state_dict()}
 
@@ -345,7 +348,9 @@ class MegatronLearner:
         if (state.get("tp_rank"), state.get("tp_size")) != (self.tp_rank, self.tp_size):
             raise ValueError(f"checkpoint shard is TP rank {state.get('tp_rank')} of "
                              f"{state.get('tp_size')}, this learner is {self.tp_rank} of {self.tp_size}")
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        model = {convert.from_te_name(k): v for k, v in state["model"].items()}  # either spec's names
+        missing, unexpected = self.model.load_state_dict(
+            convert.to_te_names(model) if self.te else model, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"checkpoint model shard: missing {missing}, unexpected {unexpected}")
