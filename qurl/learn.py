@@ -63,7 +63,7 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
         if state is not None:
             cursor.load_state_dict(state["cursor"])
             set_rng_state(state["rng"])
-    sync = WeightSync(cfg.rollout.precision)
+    sync = WeightSync(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)))
     version = start
     sync.push(learner.named_weights(), engine, version)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,

@@ -14,7 +14,8 @@ import torch
 
 from qurl.engines.base import Engine
 from qurl.quant.flips import flip_fractions
-from qurl.quant.named import NAMED_FORMATS, quantize_named
+from qurl.quant.named import NAMED_FORMATS
+from qurl.sync.arena import ArenaQuantizer
 
 
 class FlipTracker:
@@ -35,24 +36,28 @@ class FlipTracker:
 
 
 class WeightSync:
-    def __init__(self, precision: str) -> None:
+    """Quantize (into wire-bucket arenas, see qurl/sync/arena.py) and load each version."""
+
+    def __init__(self, precision: str, bucket_bytes: int = 64 << 20) -> None:
         if precision not in NAMED_FORMATS:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision
+        self.quantizer = ArenaQuantizer(precision, bucket_bytes)
         self.flips = FlipTracker()
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], engine: Engine | None,
              version: int) -> dict[str, float]:
         """Quantize and load one version into `engine`. `named` must be consumed on every TP rank
-        (it is a collective); ranks without an engine pass engine=None."""
-        t0 = time.perf_counter()
-        chunks = list(quantize_named(named, self.precision))
-        t1 = time.perf_counter()
+        (it is a collective); ranks without an engine pass engine=None and quantize nothing."""
         if engine is None:
+            for _ in named:
+                pass
             return {}
+        chunks, gather_s, quant_s = self.quantizer.quantize(named)
+        t1 = time.perf_counter()
         engine.load_weights(iter(chunks), version)
-        t2 = time.perf_counter()
-        stats = {"sync/time_quantize": t1 - t0, "sync/time_load": t2 - t1,
+        stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s,
+                 "sync/time_load": time.perf_counter() - t1,
                  "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in chunks))}
         stats.update(self.flips.update(chunks))
         return stats

@@ -256,3 +256,33 @@ def test_quantize_named_bf16_passthrough_and_errors() -> None:
     del q["model.layers.0.self_attn.q_proj.weight_scale"]
     with pytest.raises(ValueError, match="without"):
         dequantize_named(q)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantize_into_out_buffers_is_bit_identical(fmt):
+    w = torch.randn(24, 40, generator=torch.Generator().manual_seed(3)) * 0.05
+    w[5] = 0.0  # an all-zero row: scale 1, codes 0
+    codes, scale = quantize_per_channel(w, fmt)
+    out = (torch.full_like(codes, 7) if fmt == "int8" else torch.zeros_like(codes),
+           torch.full((24, 1), -1.0))
+    got = quantize_per_channel(w, fmt, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(out[1], scale)
+    with pytest.raises(ValueError, match="out must be"):
+        quantize_per_channel(w, fmt, out=(torch.zeros(24, 40, dtype=torch.int16), out[1]))
+    with pytest.raises(ValueError, match="out scale"):
+        quantize_per_channel(w, fmt, out=(out[0], torch.zeros(24)))
+
+
+def test_non_finite_anywhere_in_a_row_is_refused():
+    # finiteness is checked on the row maxima: NaN and inf must reach them from any position
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = torch.randn(64, 300)
+        w[17, 211] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            quantize_per_channel(w, "int8")
+        with pytest.raises(ValueError, match="NaN or inf"):
+            quantize_fp8_block(w, 128)
+        with pytest.raises(ValueError, match="NaN or inf"):
+            quantize_per_token(w.bfloat16(), "int8")

@@ -10,8 +10,9 @@ import torch
 
 from qurl.quant.formats import dequantize_fp8_block, quantize_fp8_block
 from qurl.quant.named import quantize_named
-from qurl.sync.buckets import (BucketLayout, align_order, group_pairs, layout_of, pack,
-                               plan_buckets, unpack)
+from qurl.sync.buckets import (BucketLayout, align_order, bucket_buffer, group_pairs, layout_of,
+                               pack, plan_buckets, unpack)
+from qurl.sync.arena import ArenaQuantizer, ChunkArena
 from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.sender import BucketAnnouncement, Sender, engine_chunks
 
@@ -74,6 +75,62 @@ def test_buckets_respect_budget_and_keep_codes_with_scales():
     assert names[-1] == ["model.embed_tokens.weight"]  # oversized group: a bucket of its own
     sent = sorted(n for b in buckets for n in b.layout.names)
     assert sent == sorted(n for n, _ in chunks)
+
+
+def _qwen_like(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = [("model.embed_tokens.weight", torch.randn(40, 16, generator=g))]
+    for i in range(2):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", torch.randn(16, generator=g)),
+                (p + "self_attn.q_proj.weight", torch.randn(16, 16, generator=g)),
+                (p + "self_attn.q_proj.bias", torch.randn(16, generator=g)),
+                (p + "mlp.down_proj.weight", torch.randn(16, 48, generator=g))]
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_block", "bf16"])
+def test_arena_quantizer_matches_quantize_named_and_keeps_the_previous_version(fmt):
+    quantizer = ArenaQuantizer(fmt, budget_bytes=1200)  # several buckets
+    previous = None
+    for version in range(4):  # versions 0, 1 lay the arenas out; 2, 3 are written in place
+        weights = _qwen_like(version)
+        chunks, _, _ = quantizer.quantize(iter(weights))
+        want = list(quantize_named(weights, fmt))
+        assert [n for n, _ in chunks] == [n for n, _ in want]
+        for (n, got), (_, ref) in zip(chunks, want):  # exactly quantize_named's codes and scales
+            assert got.dtype == ref.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), n
+        # every bucket of this version is already in place: the Sender broadcasts it unpacked
+        buckets = list(plan_buckets(chunks, 1200))
+        assert len(buckets) > 2 and all(bucket_buffer(b.tensors, b.layout) is not None for b in buckets)
+        if previous is not None:  # the version before is still intact (the flip tracker reads it)
+            prev_chunks, prev_want = previous
+            for (n, got), (_, ref) in zip(prev_chunks, prev_want):
+                assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), n
+        previous = (chunks, want)
+
+
+def test_bucket_buffer_only_for_tensors_in_place_and_arena_refuses_a_new_layout():
+    weights = _qwen_like(0)
+    chunks = list(quantize_named(weights, "int8"))
+    bucket = next(plan_buckets(chunks, 3000))
+    assert bucket_buffer(bucket.tensors, bucket.layout) is None  # separate tensors: must pack
+    arena = ChunkArena(chunks, 3000)
+    placed = [(n, arena.views[n].copy_(t)) for n, t in chunks]
+    bucket = next(plan_buckets(placed, 3000))
+    buf = bucket_buffer(bucket.tensors, bucket.layout)
+    assert buf is not None and torch.equal(buf, pack(bucket.tensors, bucket.layout))
+    shifted = list(bucket.tensors)
+    shifted[0], shifted[1] = shifted[1], shifted[0]  # same tensors, not at their layout offsets
+    assert bucket_buffer(shifted, layout_of(shifted)) is None
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight"):
+        arena.fill([(n, t[:8] if "q_proj.weight" in n else t) for n, t in weights], "int8", [0.0, 0.0])
+    with pytest.raises(ValueError, match="names or order changed"):
+        arena.fill(weights[:-1], "int8", [0.0, 0.0])
+    nan = [(n, t.clone()) for n, t in weights]
+    nan[2][1][3, 5] = float("nan")
+    with pytest.raises(ValueError, match="q_proj.weight: w contains NaN"):
+        arena.fill(nan, "int8", [0.0, 0.0])
 
 
 def test_engine_chunks_formats():
@@ -156,7 +213,7 @@ def test_two_process_sync_into_local_engine(tmp_path):
     ctx = mp.get_context("spawn")
     ann_q, out_q = ctx.Queue(), ctx.Queue()
     port = free_port()
-    proc = ctx.Process(target=_receiver_main, args=(str(model_dir), port, ann_q, out_q, 4, str(tmp_path)))
+    proc = ctx.Process(target=_receiver_main, args=(str(model_dir), port, ann_q, out_q, 5, str(tmp_path)))
     proc.start()
     try:
         group = WeightGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=60)
@@ -165,12 +222,23 @@ def test_two_process_sync_into_local_engine(tmp_path):
         # unchanged), the receiver still joins every broadcast, and the next sync goes through
         bad = dict(list(learner.items())[:5] + [("model.bogus.weight", torch.ones(4))]
                    + list(learner.items())[5:])
+        # round 4: chunks quantized into wire buckets (the pipeline's path) go out unpacked
+        quantizer = ArenaQuantizer("int8", 256 << 10)
+        for k in range(3):  # the third version is the first written into a reused arena
+            arena_chunks = quantizer.quantize({n: t * (1 + k) for n, t in learner.items()}.items())[0]
+        expected4 = dict(quantize_named({n: t * 3 for n, t in learner.items()}, "int8"))
         rounds = ((1, "flattened_bucket", learner), (2, "per_tensor", learner),
-                  (3, "flattened_bucket", bad), (3, "flattened_bucket", learner))
+                  (3, "flattened_bucket", bad), (3, "flattened_bucket", learner),
+                  (4, "flattened_bucket", arena_chunks))
         for version, load_format, weights in rounds:
-            sender = Sender(group, fmt="int8", bucket_bytes=256 << 10, load_format=load_format)
-            stats = sender.send(weights.items(), version,
+            arena = version == 4
+            sender = Sender(group, fmt="none" if arena else "int8", bucket_bytes=256 << 10,
+                            load_format=load_format)
+            stats = sender.send(weights if arena else weights.items(), version,
                                 announce=lambda a: ann_q.put(a.to_dict()))
+            assert stats.packed == (0 if arena or load_format == "per_tensor" else stats.buckets)
+            if arena:
+                expected = expected4
             try:
                 status, seen, engine_version, nbuckets, path = out_q.get(timeout=120)
             except queue.Empty:

@@ -48,11 +48,12 @@ from qurl.learner.megatron import MegatronLearner
 from qurl.metrics import MetricsLogger
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats, rollout_stats
-from qurl.quant.named import dequantize_named, quantize_named
+from qurl.quant.named import dequantize_named
 from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, rng_state, set_rng_state
 from qurl.setup import load_datasets, make_engine
 from qurl.start import open_run, save_checkpoint
+from qurl.sync.arena import ArenaQuantizer
 from qurl.types import SamplingParams, Trajectory
 from qurl.weights import FlipTracker
 
@@ -96,21 +97,6 @@ def _follow(cfg: Config, learner: MegatronLearner, ckpts: CheckpointDir, start: 
     return {}
 
 
-def quantize_weights(named: Any, precision: str) -> tuple[list[tuple[str, torch.Tensor]], float, float]:
-    """Engine chunks of one version (as qurl/weights.py makes them), plus (gather_s, quantize_s)."""
-    chunks, gather, quant = [], 0.0, 0.0
-    it = iter(named)
-    while True:
-        t0 = time.perf_counter()
-        item = next(it, None)
-        t1 = time.perf_counter()
-        gather += t1 - t0
-        if item is None:
-            return chunks, gather, quant
-        chunks.extend(quantize_named([item], precision))
-        quant += time.perf_counter() - t1
-
-
 class Controller:
     def __init__(self, cfg: Config, learner: MegatronLearner, run_dir: Path, ckpts: CheckpointDir,
                  model_dir: str, start: int, state: dict | None) -> None:
@@ -146,6 +132,7 @@ class Controller:
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
         self.flips = FlipTracker()
+        self.quantizer = ArenaQuantizer(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)))
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._last_progress = time.monotonic()
 
@@ -186,8 +173,7 @@ class Controller:
 
     def _quantize(self) -> dict[str, float]:
         """Gather + quantize the current master weights (a collective with the other TP ranks)."""
-        self.chunks, gather_s, quant_s = quantize_weights(self.learner.named_weights(),
-                                                          self.cfg.rollout.precision)
+        self.chunks, gather_s, quant_s = self.quantizer.quantize(self.learner.named_weights())
         stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s}
         stats.update(self.flips.update(self.chunks))
         return stats

@@ -9,14 +9,16 @@ the cost), so the bench needs no model files.
 
 Measured per format (int8, bf16), after one warm-up:
 - bytes per sync (8-bit codes + fp32 scales + bf16 for what stays full precision, vs all bf16);
-- sync: a Sender moving the already-quantized engine chunks (what SGLangEngine.load_weights does):
-  bucket packing, announcements, broadcasts, and the receiver applying every chunk (copying it
-  into preallocated tensors, as an engine would) and acking after the last bucket;
+- sync: a Sender moving the already-quantized engine chunks, laid out in their wire buckets as the
+  pipeline's quantizer writes them (qurl/sync/arena.py: no packing copy): announcements,
+  broadcasts, and the receiver applying every chunk (copying it into preallocated tensors, as an
+  engine would) and acking after the last bucket; `packed/raw` is the same for chunks in separate
+  tensors, which the Sender first copies into a send buffer;
 - raw: pre-filled uint8 buffers of the same bucket sizes broadcast back to back, nothing else;
   `sync/raw` is the share of the raw broadcast rate the sync achieves; `no-apply/raw` the same
   when the receiver drops the chunks instead of copying them into the engine (transport only);
-- quantize: producing the chunks from fp32 master weights; e2e: a sync including quantization
-  (pipelined: the next bucket is quantized while the previous one is on the wire).
+- quantize: producing the chunks from fp32 master weights into fresh tensors; e2e: the pipeline's
+  whole sync from fp32 (ArenaQuantizer writing into the wire buckets, then the sync).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from qurl.config import SyncConfig
+from qurl.sync.arena import ArenaQuantizer, ChunkArena
 from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import Receiver
 from qurl.sync.sender import Sender, engine_chunks
@@ -147,23 +150,31 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 3, shapes: str = "
 
         for fmt in ("int8", "bf16"):
             t0 = time.perf_counter()
-            chunks = list(engine_chunks(named, fmt, wire_dtype=torch.bfloat16))
+            loose = list(engine_chunks(named, fmt, wire_dtype=torch.bfloat16))
             quant_s = time.perf_counter() - t0
-            moved = Sender(group, fmt="none", bucket_bytes=budget)  # chunks already 8-bit
-            full = Sender(group, fmt=fmt, bucket_bytes=budget, wire_dtype=torch.bfloat16)
-            sync(moved, chunks)  # warm-up; also records the bucket sizes
+            arena = ChunkArena(loose, budget)  # the same chunks, laid out in wire buckets
+            placed = [(n, arena.views[n].copy_(t)) for n, t in loose]
+            sender = Sender(group, fmt="none", bucket_bytes=budget)  # chunks already 8-bit
+            quantizer = ArenaQuantizer(fmt, budget)  # what the pipeline runs, from fp32
+            for _ in range(2):  # warm-up (builds the quantizer's two arenas)
+                sync(sender, quantizer.quantize(named)[0])
+            sync(sender, placed)  # warm-up; records the bucket sizes
             bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
             raw(bufs)
-            sync_s, bare_s, raw_s, e2e_s = [], [], [], []
+            sync_s, packed_s, bare_s, raw_s, e2e_s = [], [], [], [], []
             for _ in range(repeats):
-                sync_s.append(sync(moved, chunks))
+                sync_s.append(sync(sender, placed))
                 raw_s.append(raw(bufs))
-                bare_s.append(sync(moved, chunks, apply=False))
-                e2e_s.append(sync(full, named))
+                bare_s.append(sync(sender, placed, apply=False))
+                packed_s.append(sync(sender, loose))
+                t0 = time.perf_counter()
+                sync(sender, quantizer.quantize(named)[0])
+                e2e_s.append(time.perf_counter() - t0)
             nbytes = sum(b.numel() for b in bufs)
             results[fmt] = {"bytes": nbytes, "buckets": len(bufs), "quantize_s": quant_s,
                             "sync_s": min(sync_s), "sync_no_apply_s": min(bare_s),
-                            "raw_s": min(raw_s), "e2e_s": min(e2e_s)}
+                            "sync_packed_s": min(packed_s), "raw_s": min(raw_s),
+                            "e2e_s": min(e2e_s)}
         ctl.put(("stop",))
         group.close()
     finally:
@@ -173,15 +184,18 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 3, shapes: str = "
     print(f"weight sync bench: {n_params / 1e6:.1f}M params ({shapes} shapes), gloo loopback, "
           f"bucket {bucket_mb:g} MiB, best of {repeats}")
     print(f"{'format':<6} {'MiB/sync':>9} {'buckets':>7} {'sync MiB/s':>11} {'raw MiB/s':>10} "
-          f"{'sync/raw':>8} {'no-apply/raw':>12} {'quantize s':>10} {'e2e s':>7}")
+          f"{'sync/raw':>8} {'no-apply/raw':>12} {'packed/raw':>10} {'quantize s':>10} "
+          f"{'e2e s':>7}")
     for fmt, r in results.items():
         print(f"{fmt:<6} {_mb(r['bytes'])} {r['buckets']:7d} {_mb(r['bytes'] / r['sync_s']):>11} "
               f"{_mb(r['bytes'] / r['raw_s']):>10} {r['raw_s'] / r['sync_s']:8.2f} "
-              f"{r['raw_s'] / r['sync_no_apply_s']:12.2f} {r['quantize_s']:10.3f} "
-              f"{r['e2e_s']:7.3f}")
-    print("sync: pack + announce + broadcast + receiver applying every chunk + ack; no-apply: the "
-          "same without the receiver's copy into the engine; raw: gloo broadcast of the same "
-          "bucket sizes; e2e: sync including quantization from fp32")
+              f"{r['raw_s'] / r['sync_no_apply_s']:12.2f} {r['raw_s'] / r['sync_packed_s']:10.2f} "
+              f"{r['quantize_s']:10.3f} {r['e2e_s']:7.3f}")
+    print("sync: chunks laid out in wire buckets (qurl/sync/arena.py, as the pipeline makes them): "
+          "announce + broadcast + receiver applying every chunk + ack; no-apply: the same without "
+          "the receiver's copy into the engine; packed: chunks as separate tensors, copied into a "
+          "send buffer first; raw: gloo broadcast of the same bucket sizes; quantize: fp32 -> "
+          "chunks in fresh tensors; e2e: quantize into the arena + sync (the pipeline's path)")
     print(f"bytes per sync int8 / bf16 = {results['int8']['bytes'] / results['bf16']['bytes']:.3f}")
     return results
 

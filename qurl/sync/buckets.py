@@ -154,6 +154,27 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout,
     return buf
 
 
+def bucket_buffer(named: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout
+                  ) -> torch.Tensor | None:
+    """The uint8 [layout.nbytes] buffer that `named` already fill at their layout offsets (they
+    are views of one storage, as qurl/sync/arena.py makes them), or None when they do not; then
+    `pack` must copy them. Zero copy: the result shares the tensors' storage."""
+    if not named or len(named) != len(layout.specs):
+        return None
+    first = named[0][1]
+    storage = first.untyped_storage()
+    start = first.storage_offset() * first.element_size() - layout.specs[0].offset
+    base = first.data_ptr() - layout.specs[0].offset
+    if start < 0 or start + layout.nbytes > storage.nbytes():
+        return None
+    for (name, t), spec in zip(named, layout.specs):
+        if (name != spec.name or t.dtype != WIRE_DTYPES[spec.dtype] or tuple(t.shape) != spec.shape
+                or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.data_ptr() != base + spec.offset):
+            return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (layout.nbytes,))
+
+
 def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
     """Views into `buf` (uint8 [layout.nbytes]) with each tensor's dtype and shape. Zero copy."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != layout.nbytes:

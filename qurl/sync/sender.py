@@ -30,7 +30,8 @@ Two wire formats, both exactly what SGLang 0.5.23's receiver
 `per_tensor` (SGLang's `load_format=None`) — one broadcast per tensor, in the announced order.
 
 Timings per sync (seconds): gather (waiting on `named`, i.e. the learner's TP gather), quantize,
-pack (copy into the bucket buffer), send (broadcast), load (waiting for receivers after the
+pack (copy into the bucket buffer; none when the chunks are already laid out in one,
+see qurl/sync/arena.py), send (broadcast), load (waiting for receivers after the
 broadcast); plus bytes, buckets, tensors.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from qurl.quant.named import quantize_named
-from qurl.sync.buckets import Bucket, BucketLayout, pack, plan_buckets
+from qurl.sync.buckets import Bucket, BucketLayout, bucket_buffer, pack, plan_buckets
 from qurl.sync.group import WeightGroup
 
 SYNC_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
@@ -113,6 +114,7 @@ class BucketAnnouncement:
 class SyncStats:
     version: int
     buckets: int = 0
+    packed: int = 0  # buckets copied into a send buffer (0 when the chunks come from an arena)
     tensors: int = 0
     bytes: int = 0
     gather_s: float = 0.0
@@ -126,7 +128,8 @@ class SyncStats:
     def metrics(self, prefix: str = "sync/") -> dict[str, float]:
         out = {f"{prefix}time_{k}": getattr(self, f"{k}_s")
                for k in ("gather", "quantize", "pack", "send", "load", "total")}
-        out.update({f"{prefix}bytes": float(self.bytes), f"{prefix}buckets": float(self.buckets)})
+        out.update({f"{prefix}bytes": float(self.bytes), f"{prefix}buckets": float(self.buckets),
+                    f"{prefix}packed_buckets": float(self.packed)})
         out.update({f"{prefix}{k}": v for k, v in self.extra.items()})
         return out
 
@@ -201,7 +204,11 @@ class Sender:
             t0 = time.perf_counter()
             tensors = [(n, t.to(self.group.device)) for n, t in bucket.tensors]
             if self.load_format == "flattened_bucket":
-                payload = [pack(tensors, bucket.layout, out=self._buffer(index % 2, bucket))]
+                buf = bucket_buffer(tensors, bucket.layout)  # already in place (sync/arena.py)
+                if buf is None:
+                    buf = pack(tensors, bucket.layout, out=self._buffer(index % 2, bucket))
+                    stats.packed += 1
+                payload = [buf]
             else:
                 payload = [t.contiguous() for _, t in tensors]
             if self.group.device.type == "cuda":
