@@ -241,6 +241,30 @@ def test_8bit_pairs_are_validated(model_dir):
     assert torch.equal(eng._tensors[name], q[name]) and torch.equal(eng._tensors[name + "_scale"], q[name + "_scale"])
 
 
+def test_adopt_takes_a_whole_model_without_copying_and_copies_anything_less(model_dir):
+    sd = {k: v * 1.01 for k, v in read_state_dict(model_dir).items()}
+    chunks = list(quantize_named(sd, "int8"))
+    copied, adopting = LocalEngine(model_dir, precision="int8"), LocalEngine(model_dir, precision="int8")
+    copied.load_weights(iter(chunks), version=1)
+    adopting.load_weights(iter(chunks), version=1, adopt=True)
+    assert adopting.adopted and not copied.adopted
+    held = dict(chunks)
+    for name, t in adopting._tensors.items():  # the engine's tensors are the chunks themselves
+        src = held[name if name in held else "model.embed_tokens.weight"]  # tied lm_head
+        assert t.data_ptr() == src.data_ptr(), name
+    tied = adopting.model.get_output_embeddings().weight
+    assert tied.data_ptr() == adopting.model.get_input_embeddings().weight.data_ptr()
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    a = adopting.generate(_reqs(adopting.tokenizer, params))
+    b = copied.generate(_reqs(copied.tokenizer, params))
+    assert [r.output_ids.tolist() for r in a] == [r.output_ids.tolist() for r in b]
+    # less than the whole model: copied, so the engine holds nothing of the caller's memory
+    part = [(n, t.clone()) for n, t in chunks if "layers.0." in n]
+    adopting.load_weights(iter(part), version=2, adopt=True)
+    assert not adopting.adopted and adopting.version == 2
+    assert all(adopting._tensors[n].data_ptr() != t.data_ptr() for n, t in part)
+
+
 def test_version_committed_after_last_chunk(model_dir):
     eng = LocalEngine(model_dir, precision="int8")
     seen = []

@@ -192,11 +192,14 @@ def _receiver_main(model_dir, port, ann_q, out_q, syncs, out_dir):
             try:
                 stats = rec.receive(lambda: ann_q.get(timeout=60))
             except ValueError as e:  # the engine refused a chunk: report, stay in the group
-                out_q.put(("refused", str(e), engine.version, None, None))
+                path = f"{out_dir}/refused_v{engine.version}.pt"
+                torch.save({n: t.detach().clone() for n, t in engine._tensors.items()}, path)
+                out_q.put(("refused", str(e), engine.version, None, path))
                 continue
             path = f"{out_dir}/state_v{engine.version}.pt"  # tensors via a file, not the queue
             torch.save({n: t.detach().clone() for n, t in engine._tensors.items()}, path)
-            out_q.put(("ok", stats.versions_seen, engine.version, stats.buckets, path))
+            out_q.put(("ok", stats.versions_seen, engine.version, stats.buckets, path,
+                       engine.adopted))
         group.close()
     except Exception as e:  # report instead of dying silently: the test would wait for nothing
         out_q.put(("error", repr(e), None, None, None))
@@ -213,50 +216,52 @@ def test_two_process_sync_into_local_engine(tmp_path):
     ctx = mp.get_context("spawn")
     ann_q, out_q = ctx.Queue(), ctx.Queue()
     port = free_port()
-    proc = ctx.Process(target=_receiver_main, args=(str(model_dir), port, ann_q, out_q, 5, str(tmp_path)))
+    proc = ctx.Process(target=_receiver_main, args=(str(model_dir), port, ann_q, out_q, 6, str(tmp_path)))
     proc.start()
     try:
         group = WeightGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=60)
         expected = dict(quantize_named(learner, "int8"))
-        # an unknown tensor in the middle of the third sync: the engine refuses that sync (version
-        # unchanged), the receiver still joins every broadcast, and the next sync goes through
-        bad = dict(list(learner.items())[:5] + [("model.bogus.weight", torch.ones(4))]
-                   + list(learner.items())[5:])
-        # round 4: chunks quantized into wire buckets (the pipeline's path) go out unpacked
+        # an unknown tensor at the end of the fourth sync: the engine refuses that sync (version
+        # and weights unchanged), the receiver still joins every broadcast, and the next sync
+        # goes through. LocalEngine adopts the receive buffers (two banks): the refused sync, with
+        # other values in the same bucket layout, must land in the bank the engine does not hold.
+        bad = {**{n: t * 2 for n, t in learner.items()}, "model.bogus.weight": torch.ones(4)}
+        half = {n: t * 0.5 for n, t in learner.items()}
+        # round 6: chunks quantized into wire buckets (the pipeline's path) go out unpacked
         quantizer = ArenaQuantizer("int8", 256 << 10)
         for k in range(3):  # the third version is the first written into a reused arena
             arena_chunks = quantizer.quantize({n: t * (1 + k) for n, t in learner.items()}.items())[0]
-        expected4 = dict(quantize_named({n: t * 3 for n, t in learner.items()}, "int8"))
-        rounds = ((1, "flattened_bucket", learner), (2, "per_tensor", learner),
-                  (3, "flattened_bucket", bad), (3, "flattened_bucket", learner),
-                  (4, "flattened_bucket", arena_chunks))
-        for version, load_format, weights in rounds:
-            arena = version == 4
+        rounds = ((1, "flattened_bucket", learner, learner), (2, "per_tensor", half, half),
+                  (3, "flattened_bucket", learner, learner), (4, "flattened_bucket", bad, learner),
+                  (4, "flattened_bucket", half, half),
+                  (5, "flattened_bucket", arena_chunks, {n: t * 3 for n, t in learner.items()}))
+        for version, load_format, weights, want in rounds:
+            arena = version == 5
             sender = Sender(group, fmt="none" if arena else "int8", bucket_bytes=256 << 10,
                             load_format=load_format)
             stats = sender.send(weights if arena else weights.items(), version,
                                 announce=lambda a: ann_q.put(a.to_dict()))
             assert stats.packed == (0 if arena or load_format == "per_tensor" else stats.buckets)
-            if arena:
-                expected = expected4
+            expected = dict(quantize_named(want, "int8"))
             try:
-                status, seen, engine_version, nbuckets, path = out_q.get(timeout=120)
+                status, seen, engine_version, nbuckets, path, *adopted = out_q.get(timeout=120)
             except queue.Empty:
                 pytest.fail("receiver process did not report")
+            state = torch.load(path)
+            for name, t in expected.items():  # exact: same codes, same scales, same fp32 tensors
+                assert torch.equal(state[name].view(torch.uint8) if t.dtype == torch.float8_e4m3fn
+                                   else state[name], t), (version, name)
             if weights is bad:
                 assert status == "refused" and "model.bogus.weight" in seen
-                assert engine_version == 2
+                assert engine_version == 3
                 continue
             assert status == "ok", seen
-            state = torch.load(path)
+            assert adopted == [True]  # every sync covers the model: taken without a copy
             assert nbuckets == stats.buckets > 2
             assert stats.bytes == sum(t.numel() * t.element_size() for t in expected.values())
             # the version moves only after the last bucket
-            old = 2 if version == 3 else version - 1
+            old = 3 if version == 4 else version - 1
             assert seen == [old] * (nbuckets + 1) and engine_version == version
-            for name, t in expected.items():  # exact: same codes, same scales, same fp32 tensors
-                assert torch.equal(state[name].view(torch.uint8) if t.dtype == torch.float8_e4m3fn
-                                   else state[name], t), name
         group.close()
     finally:
         proc.join(timeout=60)

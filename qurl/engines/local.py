@@ -37,7 +37,7 @@ from torch import nn
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
-from qurl.quant.formats import quantize_per_channel
+from qurl.quant.formats import all_finite, quantize_per_channel
 from qurl.types import GenRequest, GenResult
 
 PRECISIONS = ("bf16", "int8", "fp8")
@@ -100,6 +100,7 @@ class LocalEngine:
         self.vocab_size = int(self.model.config.vocab_size)
         self._gen = torch.Generator().manual_seed(seed)
         self._version = 0
+        self.adopted = False  # whether the last load_weights took the chunks' memory as its own
         # transformers 5.2x renamed forward's `past_key_values` to `cache` (old name deprecated).
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -113,18 +114,36 @@ class LocalEngine:
         return list(self._tensors)
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stage, validate and then commit named tensors; set `version` after the last one."""
+    adopts_chunks = True  # load_weights(adopt=True) is supported: see qurl/sync/receiver.py
+
+    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                     adopt: bool = False) -> None:
+        """Stage, validate and then commit named tensors; set `version` after the last one.
+
+        adopt=True: the caller promises the chunks' memory stays untouched until the next load
+        (the weight receiver's double-banked buffers). When the chunks then cover every tensor of
+        the model with its dtype, the engine takes them as its own (`.data` swapped at commit)
+        instead of copying them; otherwise it copies, as without `adopt`. All or nothing, so the
+        engine never holds some tensors in the caller's memory and some in its own; `adopted`
+        says which happened (the receiver reuses its other bank only after an adoption)."""
         staged: dict[str, torch.Tensor] = {}
         for name, t in chunks:
-            staged[name] = self._check_chunk(name, t)
+            staged[name] = self._check_chunk(name, t, copy=not adopt)
         writes = self._resolve(staged)
+        live = {id(t): t for t in self._tensors.values()}  # tied weights appear under two names
+        take = adopt and len({id(self._tensors[n]) for n in writes}) == len(live) and all(
+            t.dtype == self._tensors[n].dtype and t.device == self._tensors[n].device
+            and t.is_contiguous() for n, t in writes.items())
         with torch.no_grad():
             for name, t in writes.items():
-                self._tensors[name].copy_(t)
+                if take:
+                    self._tensors[name].data = t
+                else:
+                    self._tensors[name].copy_(t)
+        self.adopted = take
         self._version = int(version)
 
-    def _check_chunk(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _check_chunk(self, name: str, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if name not in self._tensors:
@@ -144,9 +163,9 @@ class LocalEngine:
                     f"{name}: got {t.dtype} codes, this {self.precision} engine holds {target.dtype}")
         elif not torch.is_floating_point(t):
             raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
-        elif not bool(torch.isfinite(t).all()):
+        elif not all_finite(t):
             raise ValueError(f"{name}: contains NaN or inf")
-        return t.detach().to(self.device, copy=True)  # copy: the sender may reuse its buffers
+        return t.detach().to(self.device, copy=copy)  # copy: the sender may reuse its buffers
 
     def _resolve(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pair codes with scales and quantize full-precision linears; returns the tensors to write."""

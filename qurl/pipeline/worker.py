@@ -218,8 +218,8 @@ class RolloutWorker:
                         meta.get("gen"), e)
             self._leave_group()
             return
-        # The local engine copies each chunk as it loads it, so receive buffers can be reused; the
-        # SGLang adapter keeps the chunks (to re-send them to a restarted server): fresh buffers.
+        # The local engine adopts the receive buffers (two banks, no copy: qurl/sync/receiver.py);
+        # the SGLang adapter keeps the chunks (to re-send them to a restarted server): fresh buffers.
         self.weights_rx = WeightReceiver(self.group, self.engine,
                                          reuse_buffers=self.cfg.rollout.engine == "local")
         self.joined = True

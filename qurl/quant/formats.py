@@ -62,6 +62,18 @@ def _check_float(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be a floating-point tensor, got dtype {x.dtype}")
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or inf in floating `x`, without `isfinite(x).all()` (which costs ~2.5 ns per element
+    on CPU, more than receiving the bytes): NaN and inf propagate into a sum, so a finite fp32 sum
+    proves every element finite (one vectorized pass); a non-finite sum is either a bad element or
+    an overflow of huge finite ones, which the max and min then tell apart exactly."""
+    if x.numel() == 0:
+        return True
+    if bool(torch.isfinite(x.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(x.amax())) and bool(torch.isfinite(x.amin()))
+
+
 def _finite_absmax(x32: torch.Tensor, dim: int | tuple[int, ...], what: str) -> torch.Tensor:
     """max |x32| over `dim` (kept), refusing NaN/inf. `amax` propagates NaN and inf into the
     reduced tensor, so checking that small tensor is the same test as checking every element of

@@ -11,9 +11,10 @@ Measured per format (int8, bf16), after one warm-up:
 - bytes per sync (8-bit codes + fp32 scales + bf16 for what stays full precision, vs all bf16);
 - sync: a Sender moving the already-quantized engine chunks, laid out in their wire buckets as the
   pipeline's quantizer writes them (qurl/sync/arena.py: no packing copy): announcements,
-  broadcasts, and the receiver applying every chunk (copying it into preallocated tensors, as an
-  engine would) and acking after the last bucket; `packed/raw` is the same for chunks in separate
-  tensors, which the Sender first copies into a send buffer;
+  broadcasts, and the receiver validating every chunk and adopting it as the engine's tensor (as
+  LocalEngine does with the receiver's double-banked buffers: no copy) and acking after the last
+  bucket; `copy/raw` is the same with an engine that copies every chunk into its own tensors,
+  `packed/raw` that plus chunks in separate tensors the Sender first copies into a send buffer;
 - raw: pre-filled uint8 buffers of the same bucket sizes broadcast back to back, nothing else;
   `sync/raw` is the share of the raw broadcast rate the sync achieves; `no-apply/raw` the same
   when the receiver drops the chunks instead of copying them into the engine (transport only);
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from qurl.config import SyncConfig
+from qurl.quant.formats import all_finite
 from qurl.sync.arena import ArenaQuantizer, ChunkArena
 from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import Receiver
@@ -65,21 +67,32 @@ def synthetic_named(hidden: int, layers: int, heads: int, kv_heads: int, ffn: in
 
 
 class _SinkEngine:
-    """Engine-side stand-in for the bench: copies every chunk into a preallocated tensor."""
+    """Engine-side stand-in for the bench. apply=True: takes every chunk as an engine that adopts
+    its receive buffers does (LocalEngine: validated, then kept as its tensor, no copy); with
+    copy=True it copies every chunk into a preallocated tensor instead (an engine that cannot
+    adopt); apply=False: drops the chunks (transport only)."""
+
+    adopts_chunks = True
 
     def __init__(self) -> None:
         self.version = 0
-        self.apply = True  # False: take the chunks and drop them (transport-only measurement)
+        self.apply, self.copy, self.adopted = True, False, False
         self.tensors: dict[str, torch.Tensor] = {}
 
-    def load_weights(self, chunks, version: int) -> None:
+    def load_weights(self, chunks, version: int, adopt: bool = False) -> None:
         for name, t in chunks:
             if not self.apply:
                 continue
+            if t.is_floating_point() and t.dtype != torch.float8_e4m3fn and not all_finite(t):
+                raise ValueError(f"{name}: contains NaN or inf")
             dst = self.tensors.get(name)
+            if adopt and not self.copy:
+                self.tensors[name] = t
+                continue
             if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
                 dst = self.tensors[name] = torch.empty_like(t)
             dst.copy_(t)
+        self.adopted = adopt and self.apply and not self.copy
         self.version = version
 
 
@@ -97,7 +110,7 @@ def _receiver(port: int, ctl: Any, ann_q: Any, ack_q: Any) -> None:
                 group.broadcast(b)
             ack_q.put("raw")
         elif cmd[0] == "sync":
-            sink.apply = cmd[1]
+            sink.apply, sink.copy = cmd[1], cmd[2]
             rec.receive(lambda: ann_q.get(timeout=300))
             ack_q.put("sync")
         else:
@@ -109,7 +122,7 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:9.1f}"
 
 
-def bench_sync(bucket_mb: float | None = None, repeats: int = 3, shapes: str = "small") -> dict:
+def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "small") -> dict:
     """Run the bench on the synthetic weights SHAPES[shapes], print a table, return the numbers
     (seconds are the best of `repeats`, after one warm-up; sync and raw runs alternate so load
     drift hits both alike; quantize is one pass)."""
@@ -135,9 +148,9 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 3, shapes: str = "
             ann_q.put(a.to_dict())
             return (lambda: ack_q.get(timeout=300)) if a.last else None
 
-        def sync(sender: Sender, data, apply: bool = True) -> float:
+        def sync(sender: Sender, data, apply: bool = True, copy: bool = False) -> float:
             sizes.clear()
-            ctl.put(("sync", apply))
+            ctl.put(("sync", apply, copy))
             return sender.send(data, version=1, announce=announce).total_s
 
         def raw(bufs: list[torch.Tensor]) -> float:
@@ -161,18 +174,20 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 3, shapes: str = "
             sync(sender, placed)  # warm-up; records the bucket sizes
             bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
             raw(bufs)
-            sync_s, packed_s, bare_s, raw_s, e2e_s = [], [], [], [], []
+            sync_s, copy_s, packed_s, bare_s, raw_s, e2e_s = [], [], [], [], [], []
             for _ in range(repeats):
                 sync_s.append(sync(sender, placed))
                 raw_s.append(raw(bufs))
                 bare_s.append(sync(sender, placed, apply=False))
-                packed_s.append(sync(sender, loose))
+                copy_s.append(sync(sender, placed, copy=True))
+                packed_s.append(sync(sender, loose, copy=True))
                 t0 = time.perf_counter()
                 sync(sender, quantizer.quantize(named)[0])
                 e2e_s.append(time.perf_counter() - t0)
             nbytes = sum(b.numel() for b in bufs)
             results[fmt] = {"bytes": nbytes, "buckets": len(bufs), "quantize_s": quant_s,
                             "sync_s": min(sync_s), "sync_no_apply_s": min(bare_s),
+                            "sync_copy_s": min(copy_s),
                             "sync_packed_s": min(packed_s), "raw_s": min(raw_s),
                             "e2e_s": min(e2e_s)}
         ctl.put(("stop",))
@@ -183,19 +198,22 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 3, shapes: str = "
             proc.kill()
     print(f"weight sync bench: {n_params / 1e6:.1f}M params ({shapes} shapes), gloo loopback, "
           f"bucket {bucket_mb:g} MiB, best of {repeats}")
+    cols = (("sync", "sync_s"), ("no-apply", "sync_no_apply_s"), ("copy", "sync_copy_s"),
+            ("packed", "sync_packed_s"))
     print(f"{'format':<6} {'MiB/sync':>9} {'buckets':>7} {'sync MiB/s':>11} {'raw MiB/s':>10} "
-          f"{'sync/raw':>8} {'no-apply/raw':>12} {'packed/raw':>10} {'quantize s':>10} "
-          f"{'e2e s':>7}")
+          + " ".join(f"{c + '/raw':>12}" for c, _ in cols) + f" {'quantize s':>10} {'e2e s':>7}")
     for fmt, r in results.items():
         print(f"{fmt:<6} {_mb(r['bytes'])} {r['buckets']:7d} {_mb(r['bytes'] / r['sync_s']):>11} "
-              f"{_mb(r['bytes'] / r['raw_s']):>10} {r['raw_s'] / r['sync_s']:8.2f} "
-              f"{r['raw_s'] / r['sync_no_apply_s']:12.2f} {r['raw_s'] / r['sync_packed_s']:10.2f} "
-              f"{r['quantize_s']:10.3f} {r['e2e_s']:7.3f}")
+              f"{_mb(r['bytes'] / r['raw_s']):>10} "
+              + " ".join(f"{r['raw_s'] / r[k]:12.2f}" for _, k in cols)
+              + f" {r['quantize_s']:10.3f} {r['e2e_s']:7.3f}")
     print("sync: chunks laid out in wire buckets (qurl/sync/arena.py, as the pipeline makes them): "
-          "announce + broadcast + receiver applying every chunk + ack; no-apply: the same without "
-          "the receiver's copy into the engine; packed: chunks as separate tensors, copied into a "
-          "send buffer first; raw: gloo broadcast of the same bucket sizes; quantize: fp32 -> "
-          "chunks in fresh tensors; e2e: quantize into the arena + sync (the pipeline's path)")
+          "announce + broadcast + the receiver validating every chunk and adopting it (double-"
+          "banked receive buffers, as LocalEngine does) + ack; no-apply: the receiver drops the "
+          "chunks (transport only); copy: the receiver copies every chunk into the engine's own "
+          "tensors; packed: copy, and the chunks are separate tensors the Sender first copies into "
+          "a send buffer (the path before arenas); raw: gloo broadcast of the same bucket sizes; "
+          "quantize: fp32 -> chunks in fresh tensors; e2e: quantize into the arena + sync")
     print(f"bytes per sync int8 / bf16 = {results['int8']['bytes'] / results['bf16']['bytes']:.3f}")
     return results
 

@@ -49,10 +49,16 @@ class ReceiveStats:
 class Receiver:
     """Rank > 0 of a WeightGroup feeding `engine`.
 
-    reuse_buffers: receive flattened buckets into a ring of 3 buffers instead of fresh ones. The
-    chunks are views into them, so this is only correct for engines that copy each chunk before
-    asking for the next (LocalEngine stages copies): with one bucket of read-ahead, a buffer is
-    overwritten only after the engine has moved two buckets past it."""
+    Buffers (reuse_buffers=True). Flattened buckets are received into buffers kept across syncs:
+    - an engine that copies each chunk before asking for the next gets a ring of 3 (bucket being
+      loaded + bucket queued + bucket being received): a buffer is overwritten only after the
+      engine has moved two buckets past it;
+    - an engine that can *adopt* chunks (`engine.adopts_chunks`, e.g. LocalEngine) gets two banks
+      of one buffer per bucket: a sync is received into the bank the engine does not hold and the
+      engine takes its tensors as its own at commit (no copy). The receiver moves to the other bank
+      only when the engine says it adopted (`engine.adopted`), so memory the engine holds is never
+      received into.
+    reuse_buffers=False: a fresh buffer per bucket (the engine copies or keeps them)."""
 
     RING = 3  # bucket being loaded + bucket queued + bucket being received
 
@@ -60,16 +66,23 @@ class Receiver:
         if group.rank == 0:
             raise ValueError("Receiver cannot be rank 0 (rank 0 is the learner's Sender)")
         self.group, self.engine, self.reuse_buffers = group, engine, reuse_buffers
+        self.adopt = reuse_buffers and bool(getattr(engine, "adopts_chunks", False))
         self._ring: list[torch.Tensor | None] = [None] * self.RING
+        self._banks: list[list[torch.Tensor | None]] = [[], []]
+        self._bank = 0  # the bank the next sync is received into
 
     def _buffer(self, ann: BucketAnnouncement) -> torch.Tensor:
         n, device = ann.layout.nbytes, self.group.device
         if not self.reuse_buffers:
             return torch.empty(n, dtype=torch.uint8, device=device)
-        k = ann.index % self.RING
-        buf = self._ring[k]
+        if self.adopt:
+            slots, k = self._banks[self._bank], ann.index
+            slots.extend([None] * (k + 1 - len(slots)))
+        else:
+            slots, k = self._ring, ann.index % self.RING
+        buf = slots[k]
         if buf is None or buf.numel() < n:
-            buf = self._ring[k] = torch.empty(n, dtype=torch.uint8, device=device)
+            buf = slots[k] = torch.empty(n, dtype=torch.uint8, device=device)
         return buf[:n]
 
     def _recv_bucket(self, ann: BucketAnnouncement) -> list[tuple[str, torch.Tensor]]:
@@ -142,7 +155,12 @@ class Receiver:
                     return
 
         try:
-            self.engine.load_weights(chunks(), first.version)
+            if self.adopt:
+                self.engine.load_weights(chunks(), first.version, adopt=True)  # type: ignore[call-arg]
+                if getattr(self.engine, "adopted", False):
+                    self._bank ^= 1  # the engine holds this bank now; the next sync uses the other
+            else:
+                self.engine.load_weights(chunks(), first.version)
         finally:
             # If the engine failed, the fetch thread still joins the remaining broadcasts (the
             # sender is sending them); drain it so the group stays usable, then re-raise.
