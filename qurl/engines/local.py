@@ -65,6 +65,8 @@ def quantize_model_linears(model: nn.Module, fmt: str) -> dict[str, QuantLinear]
 class LocalEngine:
     """Engine protocol (engines/base.py) over a local HF checkpoint; see the module docstring."""
 
+    adopts_chunks = True  # load_weights(adopt=True) is supported: see qurl/sync/receiver.py
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -114,8 +116,6 @@ class LocalEngine:
         return list(self._tensors)
 
     # ------------------------------------------------------------------ weights
-    adopts_chunks = True  # load_weights(adopt=True) is supported: see qurl/sync/receiver.py
-
     def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int, *,
                      adopt: bool = False) -> None:
         """Stage, validate and then commit named tensors; set `version` after the last one.
@@ -130,8 +130,8 @@ class LocalEngine:
         for name, t in chunks:
             staged[name] = self._check_chunk(name, t, copy=not adopt)
         writes = self._resolve(staged)
-        live = {id(t): t for t in self._tensors.values()}  # tied weights appear under two names
-        take = adopt and len({id(self._tensors[n]) for n in writes}) == len(live) and all(
+        n_live = len({id(t) for t in self._tensors.values()})  # tied weights: two names, one tensor
+        take = adopt and len({id(self._tensors[n]) for n in writes}) == n_live and all(
             t.dtype == self._tensors[n].dtype and t.device == self._tensors[n].device
             and t.is_contiguous() for n, t in writes.items())
         with torch.no_grad():
