@@ -286,3 +286,20 @@ def test_non_finite_anywhere_in_a_row_is_refused():
             quantize_fp8_block(w, 128)
         with pytest.raises(ValueError, match="NaN or inf"):
             quantize_per_token(w.bfloat16(), "int8")
+
+
+def test_all_finite_against_isfinite():
+    from qurl.quant.formats import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3 << 20, generator=g)  # three sum chunks
+    cases = [base, base.bfloat16(), torch.full((9,), 3.0e38), torch.empty(0)]  # 3e38 x 9 overflows the sum
+    for pos, bad in ((5, float("nan")), ((3 << 20) - 1, float("inf")), (2 << 20, float("-inf"))):
+        x = base.clone()
+        x[pos] = bad
+        cases += [x, x.bfloat16()]
+    huge = torch.full((9,), 3.0e38)
+    huge[7] = float("inf")
+    cases.append(huge)
+    for x in cases:
+        assert all_finite(x) == bool(torch.isfinite(x).all()), (x.dtype, x.numel())

@@ -62,16 +62,23 @@ def _check_float(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be a floating-point tensor, got dtype {x.dtype}")
 
 
+_FINITE_CHUNK = 1 << 20  # elements per partial sum in all_finite
+
+
 def all_finite(x: torch.Tensor) -> bool:
-    """No NaN or inf in floating `x`, without `isfinite(x).all()` (which costs ~2.5 ns per element
-    on CPU, more than receiving the bytes): NaN and inf propagate into a sum, so a finite fp32 sum
-    proves every element finite (one vectorized pass); a non-finite sum is either a bad element or
-    an overflow of huge finite ones, which the max and min then tell apart exactly."""
-    if x.numel() == 0:
-        return True
-    if bool(torch.isfinite(x.sum(dtype=torch.float32))):
-        return True
-    return bool(torch.isfinite(x.amax())) and bool(torch.isfinite(x.amin()))
+    """No NaN or inf in floating `x`, without `isfinite(x).all()` on CPU (~2.5 ns per element
+    there, more than receiving the bytes): NaN and inf propagate into a sum, so a finite fp32 sum
+    proves every element finite; a non-finite sum is either a bad element or an overflow of huge
+    finite ones, which the max and min then tell apart exactly. Summed in chunks of 2^20 elements:
+    over a whole bf16 tensor torch first widens all of it into one fp32 temporary (a 272 MB bf16
+    embedding: 300 ms; by chunks: 34 ms)."""
+    if x.device.type != "cpu":
+        return bool(torch.isfinite(x).all())
+    for c in x.reshape(-1).split(_FINITE_CHUNK):
+        if not bool(torch.isfinite(c.sum(dtype=torch.float32))) and not (
+                bool(torch.isfinite(c.amax())) and bool(torch.isfinite(c.amin()))):
+            return False
+    return True
 
 
 def _finite_absmax(x32: torch.Tensor, dim: int | tuple[int, ...], what: str) -> torch.Tensor:
