@@ -39,5 +39,5 @@ mkdir -p "$OUT"
 echo "cores: $(nproc)"
 timeout 420 "$PY" -m qurl.cli compare --out "$OUT/compare" \
   --arms sync-int8-acr-uaq,async1-int8-acr-uaq "$@" 2>&1 | grep -v Warning || true
-OMP_NUM_THREADS=1 timeout 150 "$PY" -m qurl.cli bench sync --shapes qwen2.5-0.5b 2>&1 | tail -6 || true
+OMP_NUM_THREADS=1 timeout 300 "$PY" -m qurl.cli bench sync --shapes qwen2.5-0.5b 2>&1 | tail -6 || true
 timeout 60 "$PY" -m qurl.cli bench stream 2>&1 | tail -12 || true
