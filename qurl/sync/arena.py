@@ -11,8 +11,9 @@ bucket, and every version's chunks are written into views of those buffers at th
     version >0:  quantize_per_channel(w, out=(codes view, scale view)), view.copy_(w) otherwise
 
 The chunks handed on are those views, so a `Sender` with the same bucket budget finds each
-bucket's tensors already in place (`bucket_buffer` below) and broadcasts the buffer without
-packing. Anything that holds chunks across a version (the flip tracker keeps the previous codes,
+bucket's tensors already in place (`buckets.bucket_buffer`) and broadcasts the buffer without
+packing. (The receiving end avoids its copy the same way: qurl/sync/receiver.py receives into
+two banks of buffers and the local engine adopts them as its weights.) Anything that holds chunks across a version (the flip tracker keeps the previous codes,
 an SGLang adapter keeps the last version to resend it to a restarted server) needs them intact
 until the next version is in place, so `ArenaQuantizer` alternates two arenas: version v+1 never
 overwrites version v.
