@@ -61,7 +61,7 @@ class ChunkArena:
         the chunks (views) in the order version 0 produced them. Adds to timing = [gather_s,
         quantize_s] (gather = waiting on `named`, the learner's TP gather)."""
         out: Chunks = []
-        for name, w in _timed(named, timing):
+        for name, w in timed_items(named, timing):
             t0 = time.perf_counter()
             if fmt in FORMATS and is_quantized_linear(name):
                 codes = self._view(name, tuple(w.shape), code_dtype(fmt))  # type: ignore[arg-type]
@@ -81,8 +81,8 @@ class ChunkArena:
         return out
 
 
-def _timed(named: Iterable[tuple[str, torch.Tensor]], timing: list[float]
-           ) -> Iterator[tuple[str, torch.Tensor]]:
+def timed_items(named: Iterable[tuple[str, torch.Tensor]], timing: list[float]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """`named`, adding the time spent waiting for each item to timing[0]."""
     it = iter(named)
     while True:
@@ -108,7 +108,7 @@ class ArenaQuantizer:
         timing = [0.0, 0.0]
         if len(self._arenas) < 2:  # the first two versions: quantize, lay out, copy in once
             chunks: Chunks = []
-            for item in _timed(named, timing):
+            for item in timed_items(named, timing):
                 t0 = time.perf_counter()
                 chunks.extend(quantize_named([item], self.fmt))
                 timing[1] += time.perf_counter() - t0

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from qurl.quant.named import quantize_named
+from qurl.sync.arena import timed_items
 from qurl.sync.buckets import Bucket, BucketLayout, bucket_buffer, pack, plan_buckets
 from qurl.sync.group import WeightGroup
 
@@ -161,19 +162,14 @@ class Sender:
 
     def _timed_chunks(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-        it = iter(named)
-        while True:
+        waited = [0.0]
+        for item in timed_items(named, waited):
             t0 = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                stats.gather_s += time.perf_counter() - t0
-                return
-            t1 = time.perf_counter()
-            stats.gather_s += t1 - t0
             chunks = list(engine_chunks([item], self.fmt, self.wire_dtype))
-            stats.quantize_s += time.perf_counter() - t1
+            stats.quantize_s += time.perf_counter() - t0
+            stats.gather_s = waited[0]
             yield from chunks
+        stats.gather_s = waited[0]
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
              announce: Announce | None = None) -> SyncStats:
