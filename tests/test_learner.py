@@ -416,3 +416,19 @@ def test_flat_adamw_single_rank_matches_torch_adamw() -> None:
         p.grad = torch.full_like(p, float("nan"))
     assert math.isnan(opt.step(max_norm=1.0))
     assert all(torch.equal(a, b) for a, b in zip(opt.full_masters(), masters))
+
+
+def test_grad_norm_sum_spans_chunks() -> None:
+    """The CPU grad norm sums squares chunk by chunk through an fp64 scratch: over several chunks
+    plus a remainder it equals the float64 sum (to fp64 rounding), and inf/NaN anywhere survive."""
+    from qurl.learner import distopt
+
+    opt = distopt.DistributedAdamW([torch.nn.Parameter(torch.zeros(2, 2))], [True], OPTIM)
+    n = 2 * distopt._NORM_CHUNK + 1234
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e3
+    got = float(opt._sum_squares_f64(x))
+    assert got == pytest.approx(float(x.double().pow(2).sum()), rel=1e-13)
+    for pos, bad in ((n - 1, float("inf")), (distopt._NORM_CHUNK, float("nan"))):
+        y = x.clone()
+        y[pos] = bad
+        assert not math.isfinite(float(opt._sum_squares_f64(y)))
