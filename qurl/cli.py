@@ -4,7 +4,7 @@
     qurl train --resume runs/<run> [--set run.steps=80]
     qurl eval runs/<run>            greedy accuracy of the latest checkpoint
     qurl report runs/<run>          PNG plots from metrics.jsonl
-    qurl compare [--set ...]        sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
+    qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl bench engine|stream|sync   side-by-side throughput numbers
     qurl launch --preset P --dry-run  per-node torchrun + SGLang commands
 """
@@ -87,11 +87,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct seeds >= 0")
+    return seeds
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from qurl.pipeline.compare import compare
 
     arms = [a for a in args.arms.split(",") if a] if args.arms else None
-    compare(load_config(args.preset, args.config, args.set), out_dir=args.out, arms=arms)
+    compare(load_config(args.preset, args.config, args.set), out_dir=args.out, arms=arms,
+            seeds=args.seeds)
     return 0
 
 
@@ -122,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/compare")
     p.add_argument("--arms", default="", help="comma-separated subset of the arms, e.g. "
                    "sync-int8-acr-uaq,async1-int8-acr-uaq (default: all five)")
+    p.add_argument("--seeds", type=_seed_list, default=None, metavar="S,S,...",
+                   help="run the compare once per seed (OUT/seed<S>/) and summarise over the "
+                   "seeds in OUT/compare_seeds.md (default: run.seed only)")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "stream", "sync"))

@@ -12,7 +12,9 @@ import pytest
 from pipeline_helpers import tiny_cfg
 from qurl.config import load_config
 from qurl.metrics import read_metrics
-from qurl.pipeline.compare import ARMS, arm_configs, compare, summarize, write_table
+from qurl.pipeline import compare as compare_mod
+from qurl.pipeline.compare import (ARMS, arm_configs, compare, summarize, summarize_seeds,
+                                   write_table)
 
 
 def test_arm_configs_share_everything_but_the_arm(tmp_path):
@@ -59,6 +61,58 @@ def test_summary_counts_the_training_loop_only(tmp_path):
     assert sync["speedup_vs_sync"] == 1.0
     table = (tmp_path / "compare.md").read_text()
     assert "| async1-int8-acr-uaq | 4 | 0.5 | 0.6 | 1800 | 1.5 |" in table
+
+
+def _seed_rows(tmp_path, seed: int, sync_acc: float, async_acc: float, async_step_s: float) -> list:
+    rows = [summarize("sync-int8-acr-uaq", _records(step_s=3.0, eval_s=5.0), arm_wall_s=60.0),
+            summarize("async1-int8-acr-uaq", _records(step_s=async_step_s, eval_s=5.0), arm_wall_s=50.0)]
+    rows[0]["acc_final"], rows[1]["acc_final"] = sync_acc, async_acc
+    (tmp_path / f"seed{seed}").mkdir()
+    write_table(rows, tmp_path / f"seed{seed}")
+    return rows
+
+
+def test_seed_summary_pairs_accuracy_by_seed(tmp_path):
+    """Over two seeds (hand-worked): async - sync accuracy -0.04 and +0.02 -> mean -0.01, sd
+    0.0424; speedups 1.5 and 1.2 -> mean 1.35, min 1.2, max 1.5; sync arms have no delta."""
+    by_seed = {0: _seed_rows(tmp_path, 0, 0.60, 0.56, 2.0), 1: _seed_rows(tmp_path, 1, 0.40, 0.42, 2.5)}
+    summary = {r["arm"]: r for r in summarize_seeds(by_seed)}
+    a, s = summary["async1-int8-acr-uaq"], summary["sync-int8-acr-uaq"]
+    assert a["seeds"] == 2 and a["acc_vs_sync_mean"] == pytest.approx(-0.01)
+    assert a["acc_vs_sync_sd"] == pytest.approx(math.sqrt(2 * 0.03 ** 2))
+    assert a["acc_final_mean"] == pytest.approx(0.49) and a["acc_final_sd"] == pytest.approx(0.14 / math.sqrt(2))
+    assert (a["speedup_mean"], a["speedup_min"], a["speedup_max"]) == pytest.approx((1.35, 1.2, 1.5))
+    assert a["steps_per_hour_mean"] == pytest.approx((1800 + 1440) / 2)
+    assert math.isnan(s["acc_vs_sync_mean"]) and s["speedup_mean"] == 1.0
+    path = compare_mod.write_seed_table(summarize_seeds(by_seed), by_seed, tmp_path)
+    assert a["reward_last5_mean"] == pytest.approx(0.25) and a["reward_vs_sync_mean"] == pytest.approx(0)
+    assert "| async1-int8-acr-uaq | 2 | 0.49 | 0.099 | -0.01 | 0.0424 | 0.25 | 0 | 1620 | 1.35 | 1.2 | 1.5 |" \
+        in path.read_text()
+
+
+def test_compare_over_seeds_runs_one_compare_per_seed(tmp_path, monkeypatch):
+    """--seeds: each seed's compare runs with that run.seed into OUT/seed<S>/, then the summary."""
+    calls = []
+
+    def fake(cfg, out, arms):
+        calls.append((cfg.run.seed, out.name, arms))
+        return out / "compare.md", _seed_rows(tmp_path, cfg.run.seed, 0.5, 0.5, 2.0)
+
+    monkeypatch.setattr(compare_mod, "_compare_seed", fake)
+    path = compare(load_config(sets=["run.seed=9"]), tmp_path, arms=["sync-int8-acr-uaq"], seeds=[3, 1])
+    assert calls == [(3, "seed3", ["sync-int8-acr-uaq"]), (1, "seed1", ["sync-int8-acr-uaq"])]
+    assert path == tmp_path / "compare_seeds.md" and "Seeds 3, 1" in path.read_text()
+    with pytest.raises(ValueError, match="each seed once"):
+        compare(load_config(), tmp_path, seeds=[2, 2])
+
+
+@pytest.mark.parametrize("seeds", ["1,1", "a,b", "", "-1"])
+def test_cli_refuses_bad_seed_lists(seeds, capsys):
+    from qurl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--seeds", seeds])
+    assert e.value.code == 2 and "--seeds" in capsys.readouterr().err
 
 
 @pytest.mark.slow

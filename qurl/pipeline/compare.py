@@ -21,6 +21,14 @@ the moment it appeared (seconds since the arm's process started). Then `<out>/co
 - mean mismatch KL(behav‖prox) over the steps, its stale-token part (`/s1`) for async arms, and the
   mean flip fraction of the 8-bit codes;
 and `compare_step.png` / `compare_wall.png` plot every arm's metrics against step and wall time.
+
+Several seeds (`--seeds 0,1,2,3`): one such compare per seed under `<out>/seed<S>/`, then
+`<out>/compare_seeds.md` / `.csv` summarise each arm over the seeds — mean and standard deviation of
+the final accuracy, the accuracy difference to its sync counterpart paired by seed, the same for the
+training reward of the last 5 steps, steps/hour and the speedup (mean, min, max). One seed's
+accuracy is a greedy score on `data.eval_size` prompts (200 by default, and the default task's
+eval split has only 230: a binomial standard error of ~3.5 points near 50%) after one RL
+trajectory, so a difference of a couple of points between two arms is only meaningful over seeds.
 """
 from __future__ import annotations
 
@@ -171,6 +179,17 @@ def summarize(name: str, records: list[dict], arm_wall_s: float) -> dict[str, An
     }
 
 
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "—" if not math.isfinite(v) else (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}")
+    return str(v)
+
+
+def _md_table(rows: list[dict[str, Any]], cols: list[str]) -> list[str]:
+    return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            + ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows])
+
+
 def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
     by = {r["arm"]: r for r in rows}
     for r in rows:
@@ -185,13 +204,7 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
         w.writeheader()
         w.writerows({c: r[c] for c in cols} for r in rows)
 
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return "—" if not math.isfinite(v) else (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}")
-        return str(v)
-
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    md = _md_table(rows, cols)
     path = out_dir / "compare.md"
     path.write_text("# qurl compare\n\nSame seed, data and step budget for every arm; "
                     "steps/hour counts the training loop only (see qurl/pipeline/compare.py).\n\n"
@@ -199,12 +212,90 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
     return path
 
 
-def compare(cfg: Config, out_dir: str | Path = "runs/compare", arms: list[str] | None = None) -> Path:
-    """Run every arm (ARMS; or only `arms`) and write the table and plots into out_dir.
-    Returns compare.md."""
+def _sd(vals: list[float]) -> float:
+    """Sample standard deviation (n - 1); NaN for fewer than two values."""
+    vals = [v for v in vals if math.isfinite(v)]
+    if len(vals) < 2:
+        return float("nan")
+    m = sum(vals) / len(vals)
+    return math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+
+
+def summarize_seeds(rows_by_seed: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per arm over the seeds, from each seed's table rows (after `write_table`, which adds
+    speedup_vs_sync). `*_vs_sync` is the arm's final accuracy (mean training reward of the last 5
+    steps) minus its sync counterpart's in the same seed (seeds where both ran), NaN for the sync
+    arms themselves."""
+    names = list(dict.fromkeys(r["arm"] for rows in rows_by_seed.values() for r in rows))
+    by = {s: {r["arm"]: r for r in rows} for s, rows in rows_by_seed.items()}
+    out = []
+    for arm in names:
+        ref = arm.replace("async1-", "sync-")
+        mine = [b[arm] for b in by.values() if arm in b]
+        paired = [b for b in by.values() if arm != ref and arm in b and ref in b]
+
+        def delta(key: str) -> list[float]:
+            return [b[arm][key] - b[ref][key] for b in paired]
+
+        speed = [r["speedup_vs_sync"] for r in mine if math.isfinite(r["speedup_vs_sync"])]
+        acc = [r["acc_final"] for r in mine]
+        out.append({
+            "arm": arm, "seeds": len(mine),
+            "acc_final_mean": _mean(acc), "acc_final_sd": _sd(acc),
+            "acc_vs_sync_mean": _mean(delta("acc_final")), "acc_vs_sync_sd": _sd(delta("acc_final")),
+            "reward_last5_mean": _mean([r["reward_last5"] for r in mine]),
+            "reward_vs_sync_mean": _mean(delta("reward_last5")),
+            "steps_per_hour_mean": _mean([r["steps_per_hour"] for r in mine]),
+            "speedup_mean": _mean(speed),
+            "speedup_min": min(speed) if speed else float("nan"),
+            "speedup_max": max(speed) if speed else float("nan"),
+        })
+    return out
+
+
+def write_seed_table(summary: list[dict[str, Any]], rows_by_seed: dict[int, list[dict[str, Any]]],
+                     out_dir: Path) -> Path:
+    """compare_seeds.csv (the summary) and compare_seeds.md (summary + every seed's rows)."""
+    cols = list(summary[0])
+    with (out_dir / "compare_seeds.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(summary)
+    per_seed = [{"seed": s, **r} for s, rows in rows_by_seed.items() for r in rows]
+    md = (["# qurl compare over seeds", "",
+           f"Seeds {', '.join(map(str, rows_by_seed))}; per arm: final accuracy (mean, sd), its "
+           "difference to the sync arm of the same precision paired by seed (mean, sd), the mean "
+           "training reward of the last 5 steps and its paired difference, steps/hour and speedup "
+           "vs sync (see qurl/pipeline/compare.py).", ""]
+          + _md_table(summary, cols) + ["", "## Every seed", ""]
+          + _md_table(per_seed, ["seed", "arm", "acc_initial", "acc_final", "steps_per_hour",
+                                 "speedup_vs_sync"]))
+    path = out_dir / "compare_seeds.md"
+    path.write_text("\n".join(md) + "\n")
+    return path
+
+
+def compare(cfg: Config, out_dir: str | Path = "runs/compare", arms: list[str] | None = None,
+            seeds: list[int] | None = None) -> Path:
+    """Run every arm (ARMS; or only `arms`) and write the table and plots into out_dir; with
+    `seeds`, one compare per seed in out_dir/seed<S>/ and the summary over them. Returns
+    compare.md (compare_seeds.md with seeds)."""
+    if not seeds:
+        return _compare_seed(cfg, Path(out_dir), arms)[0]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"compare seeds {seeds}: each seed once")
+    out = Path(out_dir)
+    rows_by_seed = {s: _compare_seed(override(cfg, {"run.seed": s}), out / f"seed{s}", arms)[1]
+                    for s in seeds}
+    path = write_seed_table(summarize_seeds(rows_by_seed), rows_by_seed, out)
+    print(path.read_text(), flush=True)
+    return path
+
+
+def _compare_seed(cfg: Config, out: Path, arms: list[str] | None) -> tuple[Path, list[dict]]:
+    """One compare at cfg's seed: (compare.md, its rows)."""
     from qurl.report import plot_runs
 
-    out = Path(out_dir)
     rows, runs = [], {}
     for name, arm_cfg in arm_configs(cfg, out, arms).items():
         print(f"[compare] {name}: running {arm_cfg.run.steps} steps", flush=True)
@@ -219,4 +310,4 @@ def compare(cfg: Config, out_dir: str | Path = "runs/compare", arms: list[str] |
     plot_runs(runs, out / "compare_step.png", x="step")
     plot_runs(runs, out / "compare_wall.png", x="wall")
     print(path.read_text(), flush=True)
-    return path
+    return path, rows
