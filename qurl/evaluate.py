@@ -14,7 +14,7 @@ from qurl.learner.megatron import MegatronLearner
 from qurl.ranks import launch
 from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, read_config, run_dir_for
-from qurl.setup import load_datasets, make_engine, set_threads
+from qurl.setup import engine_wire_dtype, load_datasets, make_engine, set_threads
 from qurl.weights import WeightSync
 
 
@@ -27,7 +27,8 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
                               total_steps=cfg.run.steps, seed=cfg.run.seed)
     learner.load(Path(ckpt))
     engine = make_engine(cfg, model_dir) if is_main_rank() else None
-    WeightSync(cfg.rollout.precision).push(learner.named_weights(), engine, version=0)
+    WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
+        learner.named_weights(), engine, version=0)
     if not is_main_rank():
         return {}
     _, eval_set = load_datasets(cfg)

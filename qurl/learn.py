@@ -25,7 +25,7 @@ from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
 from qurl.rollout import PromptCodec, evaluate, rollout
 from qurl.runs import rng_state, set_rng_state
-from qurl.setup import load_datasets, make_engine
+from qurl.setup import engine_wire_dtype, load_datasets, make_engine
 from qurl.start import open_run, save_checkpoint
 from qurl.types import SamplingParams
 from qurl.weights import WeightSync
@@ -63,7 +63,8 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
         if state is not None:
             cursor.load_state_dict(state["cursor"])
             set_rng_state(state["rng"])
-    sync = WeightSync(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)))
+    sync = WeightSync(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)),
+                      engine_wire_dtype(cfg, model_dir))
     version = start
     sync.push(learner.named_weights(), engine, version)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,

@@ -38,11 +38,13 @@ class FlipTracker:
 class WeightSync:
     """Quantize (into wire-bucket arenas, see qurl/sync/arena.py) and load each version."""
 
-    def __init__(self, precision: str, bucket_bytes: int = 64 << 20) -> None:
+    def __init__(self, precision: str, bucket_bytes: int = 64 << 20,
+                 wire_dtype: torch.dtype | None = None) -> None:
+        """wire_dtype: the dtype the engine holds full-precision tensors in (None: the masters')."""
         if precision not in NAMED_FORMATS:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision
-        self.quantizer = ArenaQuantizer(precision, bucket_bytes)
+        self.quantizer = ArenaQuantizer(precision, bucket_bytes, wire_dtype)
         self.flips = FlipTracker()
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], engine: Engine | None,

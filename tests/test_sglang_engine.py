@@ -300,8 +300,10 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     state = torch.load(run / "ckpt" / "step_000002" / "model_rank0.pt", weights_only=False)["model"]
     hf_cfg = AutoConfig.from_pretrained(str(run / "base_model"), local_files_only=True)
     masters = megatron_to_hf([state], hf_cfg)  # fp32 model: the masters the learner synced
-    expected = list(engine_chunks(masters.items(), "fp8_block"))
-    assert _same(dump, expected)
+    # what passes through travels in the server's dtype: SGLang's auto rule serves the fp32
+    # tiny checkpoint in fp16 (qurl.setup.engine_wire_dtype), half the bytes of the masters
+    expected = list(engine_chunks(masters.items(), "fp8_block", wire_dtype=torch.float16))
+    assert _same(dump, expected) and dump["model.embed_tokens.weight"].dtype == torch.float16
     scale = dump["model.layers.0.mlp.gate_proj.weight_scale_inv"]
     assert dump["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert scale.dtype == torch.float32 and scale.dim() == 2
@@ -342,4 +344,5 @@ def test_async_worker_drives_its_sglang_server(tmp_path):
     masters = megatron_to_hf([state], AutoConfig.from_pretrained(str(run / "base_model"),
                                                                  local_files_only=True))
     dump = load_file(str(tmp_path / "dump" / f"port{port}_v4.safetensors"))
-    assert _same(dump, list(engine_chunks(masters.items(), "int8")))
+    assert _same(dump, list(engine_chunks(masters.items(), "int8", wire_dtype=torch.float16)))
+    assert dump["model.norm.weight"].dtype == torch.float16  # the workers' servers' dtype

@@ -89,14 +89,21 @@ def _qwen_like(seed: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_block", "bf16"])
-def test_arena_quantizer_matches_quantize_named_and_keeps_the_previous_version(fmt):
-    quantizer = ArenaQuantizer(fmt, budget_bytes=1200)  # several buckets
+@pytest.mark.parametrize("fmt,wire", [("int8", None), ("fp8", None), ("fp8_block", None),
+                                      ("bf16", None), ("int8", torch.bfloat16),
+                                      ("fp8_block", torch.float16), ("bf16", torch.bfloat16)])
+def test_arena_quantizer_matches_quantize_named_and_keeps_the_previous_version(fmt, wire):
+    """Exactly quantize_named's chunks (wire=None) or engine_chunks' with that wire dtype: what
+    passes through cast (one rounding from fp32), codes and fp32 scales untouched."""
+    quantizer = ArenaQuantizer(fmt, budget_bytes=1200, wire_dtype=wire)  # several buckets
     previous = None
     for version in range(4):  # versions 0, 1 lay the arenas out; 2, 3 are written in place
         weights = _qwen_like(version)
         chunks, _, _ = quantizer.quantize(iter(weights))
-        want = list(quantize_named(weights, fmt))
+        want = list(quantize_named(weights, fmt)) if wire is None else \
+            list(engine_chunks(weights, fmt, wire_dtype=wire))
+        if wire is not None:
+            assert {t.dtype for n, t in want if "embed" in n or "norm" in n} == {wire}
         assert [n for n, _ in chunks] == [n for n, _ in want]
         for (n, got), (_, ref) in zip(chunks, want):  # exactly quantize_named's codes and scales
             assert got.dtype == ref.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), n
@@ -156,6 +163,33 @@ def test_engine_chunks_formats():
     assert wire["model.layers.0.mlp.gate_proj.weight_scale"].dtype == torch.float32  # never cast
     with pytest.raises(ValueError, match="fmt"):
         list(engine_chunks(named, "int4"))
+
+
+def test_engine_wire_dtype_follows_the_engine(tmp_path):
+    """Local engine: the masters' fp32 (None). SGLang: --dtype from sglang_args, else SGLang's
+    auto rule on the checkpoint (its dtype; fp32 -> fp16, bf16 for Gemma); bad values refused."""
+    import json
+    from dataclasses import replace
+
+    from qurl.config import load_config
+    from qurl.setup import engine_wire_dtype
+
+    def wire(meta: dict, *args: str):
+        (tmp_path / "config.json").write_text(json.dumps(meta))
+        cfg = load_config(sets=["rollout.engine=sglang", "rollout.sglang_urls=http://h:1"])
+        cfg = replace(cfg, rollout=replace(cfg.rollout, sglang_args=tuple(args)))
+        return engine_wire_dtype(cfg, tmp_path)
+
+    assert engine_wire_dtype(load_config(), tmp_path / "absent") is None  # local: never reads
+    assert wire({"dtype": "bfloat16"}) == torch.bfloat16
+    assert wire({"torch_dtype": "float16"}) == torch.float16
+    assert wire({"dtype": "float32", "model_type": "qwen2"}) == torch.float16
+    assert wire({"model_type": "gemma2"}) == torch.bfloat16
+    assert wire({"dtype": "float32"}, "--tp", "2", "--dtype", "bfloat16") == torch.bfloat16
+    assert wire({"dtype": "bfloat16"}, "--dtype=half") == torch.float16
+    assert wire({"dtype": "bfloat16"}, "--dtype", "float32") == torch.float32
+    with pytest.raises(ValueError, match="--dtype 'int4'"):
+        wire({}, "--dtype", "int4")
 
 
 def test_announcement_round_trip_and_validation():

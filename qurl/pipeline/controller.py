@@ -51,7 +51,7 @@ from qurl.pipeline.records import TrainedLog, ack_stats, rollout_stats
 from qurl.quant.named import dequantize_named
 from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, rng_state, set_rng_state
-from qurl.setup import load_datasets, make_engine
+from qurl.setup import engine_wire_dtype, load_datasets, make_engine
 from qurl.start import open_run, save_checkpoint
 from qurl.sync.arena import ArenaQuantizer
 from qurl.types import SamplingParams, Trajectory
@@ -132,7 +132,10 @@ class Controller:
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
         self.flips = FlipTracker()
-        self.quantizer = ArenaQuantizer(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)))
+        # What passes through is sent in the workers' engines' dtype (bf16/fp16 for SGLang); the
+        # evaluation engine loads the same chunks, so it scores the actor the workers run.
+        self.quantizer = ArenaQuantizer(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)),
+                                        engine_wire_dtype(cfg, model_dir))
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._last_progress = time.monotonic()
 

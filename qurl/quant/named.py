@@ -69,6 +69,17 @@ def quantize_named(
             yield name, tensor
 
 
+def travels_as(name: str, t: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype engine chunk `name` is sent in. 8-bit codes, their scales (always fp32) and
+    non-floating tensors keep theirs; the full-precision pass-throughs (embeddings, lm_head, norms,
+    biases; every weight with fmt "bf16") travel as `wire_dtype`, the dtype the engine holds them
+    in (SGLang servers: bf16, half the bytes of fp32 masters), or as they are when it is None."""
+    if (wire_dtype is None or not t.is_floating_point()
+            or t.dtype in (torch.int8, torch.float8_e4m3fn) or _scale_owner(name) is not None):
+        return t.dtype
+    return wire_dtype
+
+
 def dequantize_named(
     named: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32, block: int = FP8_BLOCK
 ) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ bucket, and every version's chunks are written into views of those buffers at th
 
     version 0:   chunks = quantize_named(named)     (fresh tensors; layout = plan_buckets(chunks))
     version >0:  quantize_per_channel(w, out=(codes view, scale view)), view.copy_(w) otherwise
+                 (the view in the engines' dtype for full-precision tensors: bf16 for SGLang)
 
 The chunks handed on are those views, so a `Sender` with the same bucket budget finds each
 bucket's tensors already in place (`buckets.bucket_buffer`) and broadcasts the buffer without
@@ -29,7 +30,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from qurl.quant.formats import FORMATS, code_dtype, quantize_per_channel
-from qurl.quant.named import SCALE_SUFFIX, is_quantized_linear, quantize_named
+from qurl.quant.named import SCALE_SUFFIX, is_quantized_linear, quantize_named, travels_as
 from qurl.sync.buckets import plan_buckets, unpack
 
 Chunks = list[tuple[str, torch.Tensor]]
@@ -56,10 +57,12 @@ class ChunkArena:
                              "under that name (weights keep their names, shapes and dtypes)")
         return v
 
-    def fill(self, named: Iterable[tuple[str, torch.Tensor]], fmt: str, timing: list[float]) -> Chunks:
-        """Quantize `named` (HF names, full precision) in format `fmt` into the views; returns
-        the chunks (views) in the order version 0 produced them. Adds to timing = [gather_s,
-        quantize_s] (gather = waiting on `named`, the learner's TP gather)."""
+    def fill(self, named: Iterable[tuple[str, torch.Tensor]], fmt: str, timing: list[float],
+             wire_dtype: torch.dtype | None = None) -> Chunks:
+        """Quantize `named` (HF names, full precision) in format `fmt` into the views (what
+        passes through cast to `wire_dtype`, see `travels_as`); returns the chunks (views) in the
+        order version 0 produced them. Adds to timing = [gather_s, quantize_s] (gather = waiting
+        on `named`, the learner's TP gather)."""
         out: Chunks = []
         for name, w in timed_items(named, timing):
             t0 = time.perf_counter()
@@ -71,8 +74,8 @@ class ChunkArena:
                 except ValueError as err:
                     raise ValueError(f"{name}: {err}") from err
                 out += [(name, codes), (name + SCALE_SUFFIX, scale)]
-            else:  # passes through (fp8_block: quantized, then copied in)
-                out += [(n, self._view(n, tuple(x.shape), x.dtype).copy_(x))
+            else:  # passes through (fp8_block: quantized, then copied in; copy_ casts)
+                out += [(n, self._view(n, tuple(x.shape), travels_as(n, x, wire_dtype)).copy_(x))
                         for n, x in quantize_named([(name, w)], fmt)]
             timing[1] += time.perf_counter() - t0
         if [(n, t.dtype, tuple(t.shape)) for n, t in out] != self.order:
@@ -96,10 +99,11 @@ def timed_items(named: Iterable[tuple[str, torch.Tensor]], timing: list[float]
 
 class ArenaQuantizer:
     """`quantize(named)` -> this version's engine chunks, laid out in wire buckets of
-    `budget_bytes` (give the Sender's bucket budget). Alternates two arenas (module docstring)."""
+    `budget_bytes` (give the Sender's bucket budget). Alternates two arenas (module docstring).
+    wire_dtype: the dtype the engines hold full-precision tensors in (None: as given)."""
 
-    def __init__(self, fmt: str, budget_bytes: int) -> None:
-        self.fmt, self.budget_bytes = fmt, int(budget_bytes)
+    def __init__(self, fmt: str, budget_bytes: int, wire_dtype: torch.dtype | None = None) -> None:
+        self.fmt, self.budget_bytes, self.wire_dtype = fmt, int(budget_bytes), wire_dtype
         self._arenas: list[ChunkArena] = []
         self._next = 0
 
@@ -110,7 +114,8 @@ class ArenaQuantizer:
             chunks: Chunks = []
             for item in timed_items(named, timing):
                 t0 = time.perf_counter()
-                chunks.extend(quantize_named([item], self.fmt))
+                chunks.extend((n, x.to(travels_as(n, x, self.wire_dtype)))
+                              for n, x in quantize_named([item], self.fmt))
                 timing[1] += time.perf_counter() - t0
             if not chunks:
                 raise ValueError("weight sync: no weights to quantize")
@@ -120,6 +125,6 @@ class ArenaQuantizer:
             self._arenas.append(arena)
             timing[1] += time.perf_counter() - t0
         else:
-            out = self._arenas[self._next].fill(named, self.fmt, timing)
+            out = self._arenas[self._next].fill(named, self.fmt, timing, self.wire_dtype)
         self._next = (self._next + 1) % 2
         return out, timing[0], timing[1]

@@ -99,10 +99,8 @@ class _SinkEngine:
 def _receiver(port: int, ctl: Any, ann_q: Any, ack_q: Any) -> None:
 
     group = WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=300)
-    # One engine + receiver per bucket layout (the bench's chunks; the quantizer's, which keeps
-    # fp32 for what passes through), each with its own receive buffers, as in a run (one layout).
-    sinks = [_SinkEngine(), _SinkEngine()]
-    recs = [Receiver(group, sink) for sink in sinks]  # type: ignore[arg-type]
+    sink = _SinkEngine()
+    rec = Receiver(group, sink)  # type: ignore[arg-type]
     raw_bufs: dict[tuple[int, ...], list[torch.Tensor]] = {}
     while True:
         cmd = ctl.get()
@@ -113,8 +111,8 @@ def _receiver(port: int, ctl: Any, ann_q: Any, ack_q: Any) -> None:
                 group.broadcast(b)
             ack_q.put("raw")
         elif cmd[0] == "sync":
-            sinks[cmd[3]].apply, sinks[cmd[3]].copy = cmd[1], cmd[2]
-            recs[cmd[3]].receive(lambda: ann_q.get(timeout=300))
+            sink.apply, sink.copy = cmd[1], cmd[2]
+            rec.receive(lambda: ann_q.get(timeout=300))
             ack_q.put("sync")
         else:
             group.close()
@@ -151,10 +149,9 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
             ann_q.put(a.to_dict())
             return (lambda: ack_q.get(timeout=300)) if a.last else None
 
-        def sync(sender: Sender, data, apply: bool = True, copy: bool = False,
-                 layout: int = 0) -> float:
+        def sync(sender: Sender, data, apply: bool = True, copy: bool = False) -> float:
             sizes.clear()
-            ctl.put(("sync", apply, copy, layout))
+            ctl.put(("sync", apply, copy))
             return sender.send(data, version=1, announce=announce).total_s
 
         def raw(bufs: list[torch.Tensor]) -> float:
@@ -172,9 +169,10 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
             arena = ChunkArena(loose, budget)  # the same chunks, laid out in wire buckets
             placed = [(n, arena.views[n].copy_(t)) for n, t in loose]
             sender = Sender(group, fmt="none", bucket_bytes=budget)  # chunks already 8-bit
-            quantizer = ArenaQuantizer(fmt, budget)  # what the pipeline runs, from fp32
+            # what the pipeline runs for SGLang engines, from fp32 (the same chunks and layout)
+            quantizer = ArenaQuantizer(fmt, budget, wire_dtype=torch.bfloat16)
             for _ in range(2):  # warm-up (builds the quantizer's two arenas)
-                sync(sender, quantizer.quantize(named)[0], layout=1)
+                sync(sender, quantizer.quantize(named)[0])
             sync(sender, placed)  # warm-up; records the bucket sizes
             bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
             raw(bufs)
@@ -186,7 +184,7 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
                 copy_s.append(sync(sender, placed, copy=True))
                 packed_s.append(sync(sender, loose, copy=True))
                 t0 = time.perf_counter()
-                sync(sender, quantizer.quantize(named)[0], layout=1)
+                sync(sender, quantizer.quantize(named)[0])
                 e2e_s.append(time.perf_counter() - t0)
             nbytes = sum(b.numel() for b in bufs)
             results[fmt] = {"bytes": nbytes, "buckets": len(bufs), "quantize_s": quant_s,

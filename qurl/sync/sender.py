@@ -42,18 +42,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from qurl.quant.named import quantize_named
+from qurl.quant.named import quantize_named, travels_as
 from qurl.sync.arena import timed_items
 from qurl.sync.buckets import Bucket, BucketLayout, bucket_buffer, pack, plan_buckets
 from qurl.sync.group import WeightGroup
 
 SYNC_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
 LOAD_FORMATS = ("flattened_bucket", "per_tensor")
-_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-
-
-def _is_scale(name: str) -> bool:
-    return name.endswith("_scale") or name.endswith("_scale_inv")
 
 
 def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
@@ -61,7 +56,7 @@ def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
     """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time.
 
     Scales are always fp32 and 8-bit codes keep their dtype; every other floating tensor is cast
-    to `wire_dtype` when given (bf16 for fmt "bf16" by default).
+    to `wire_dtype` when given (bf16 for fmt "bf16" by default); see `quant.named.travels_as`.
     """
     if fmt not in SYNC_FORMATS:
         raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(SYNC_FORMATS)}")
@@ -71,10 +66,8 @@ def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
         quantized = fmt in ("int8", "fp8", "fp8_block")
         out = list(quantize_named([(name, t)], fmt)) if quantized else [(name, t)]
         for n, x in out:
-            if (fmt != "none" and wire_dtype is not None and x.is_floating_point()
-                    and x.dtype not in _CODE_DTYPES and not _is_scale(n) and x.dtype != wire_dtype):
-                x = x.to(wire_dtype)
-            yield n, x
+            dtype = x.dtype if fmt == "none" else travels_as(n, x, wire_dtype)
+            yield n, x if x.dtype == dtype else x.to(dtype)
 
 
 @dataclass(frozen=True)
