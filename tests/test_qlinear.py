@@ -73,6 +73,11 @@ def test_load_codes_validates_and_refreshes_fp8_cache():
         a.load_codes(b.weight, b.weight_scale.t())
     with pytest.raises(ValueError, match="finite and > 0"):
         a.load_codes(b.weight, -b.weight_scale)
+    nan = b.weight.detach().clone()
+    nan.view(torch.uint8)[3, 7] = 0xFF  # -NaN in E4M3FN
+    with pytest.raises(ValueError, match="fp8 codes contain NaN"):
+        a.load_codes(nan, b.weight_scale)
+    assert torch.equal(a(x), b(x))  # refused: nothing written
     with pytest.raises(ValueError, match="fmt must be one of"):
         from_linear(_linear(), "int4")
 

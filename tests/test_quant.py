@@ -307,3 +307,21 @@ def test_all_finite_against_isfinite():
     cases += [half, half_nan]
     for x in cases:
         assert all_finite(x) == bool(torch.isfinite(x).all()), (x.dtype, x.numel())
+
+
+def test_fp8_has_nan_on_every_code_pattern():
+    """All 256 E4M3FN bit patterns, one at a time and mixed into finite codes: fp8_has_nan agrees
+    with widening to fp32 (only 0x7F and 0xFF are NaN; the format has no inf)."""
+    from qurl.quant.formats import fp8_has_nan
+
+    patterns = torch.arange(256, dtype=torch.uint8)
+    finite = torch.full((1000,), 0x38, dtype=torch.uint8)  # 1.0
+    for p in patterns:
+        one = p.reshape(1).view(torch.float8_e4m3fn)
+        want = bool(torch.isnan(one.float()).any())
+        assert fp8_has_nan(one) == want, int(p)
+        mixed = finite.clone()
+        mixed[517] = p
+        assert fp8_has_nan(mixed.view(torch.float8_e4m3fn)) == want, int(p)
+    assert sum(fp8_has_nan(p.reshape(1).view(torch.float8_e4m3fn)) for p in patterns) == 2
+    assert not fp8_has_nan(torch.empty(0, dtype=torch.float8_e4m3fn))

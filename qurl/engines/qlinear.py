@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qurl.quant.formats import code_dtype, quantize_per_channel, quantize_per_token
+from qurl.quant.formats import code_dtype, fp8_has_nan, quantize_per_channel, quantize_per_token
 
 
 def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -123,7 +123,7 @@ class QuantLinear(nn.Module):
             )
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise ValueError(f"{name}_scale: scales must be finite and > 0")
-        if self.fmt == "fp8" and not bool(torch.isfinite(codes.float()).all()):
+        if self.fmt == "fp8" and fp8_has_nan(codes):
             raise ValueError(f"{name}: fp8 codes contain NaN")
 
     @torch.no_grad()
