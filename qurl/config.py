@@ -27,9 +27,9 @@ class RunConfig:
     wandb: bool = False
     wandb_mode: str = "offline"  # offline | online | disabled
     progress: bool = True
-    # torch CPU threads per process; 0 = torch's default. 1 by default: on small CPU machines two
-    # threads that share a core with anything else spin in OpenMP barriers (measured 25x slower).
-    torch_threads: int = 1
+    # torch CPU threads per process; 0 = auto: the node's cores shared by the processes computing
+    # at once (qurl.setup.set_threads; OpenMP threads sharing a core spin in barriers: 25x slower)
+    torch_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,7 @@ IMMUTABLE_ON_RESUME = (
 )
 
 _CHOICES = {
+    "model.preset": ("tiny", "small", "path"),
     "model.dtype": ("float32", "bfloat16"),
     "data.format": ("auto", "gsm8k", "math", "deepscaler", "dapo", "custom"),
     "data.template": ("plain", "boxed", "chat"),
@@ -205,8 +206,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"algo.tis_cap={cfg.algo.tis_cap}: must be >= 1")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: must be in (0, 1]")
-    if cfg.rollout.max_staleness < 0:
-        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness}: must be >= 0")
+    for key in ("rollout.max_staleness", "run.torch_threads"):
+        if get_field(cfg, key) < 0:
+            raise ConfigError(f"{key}={get_field(cfg, key)}: must be >= 0")
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if batch % cfg.algo.mini_batches:
         raise ConfigError(
@@ -218,8 +220,6 @@ def validate(cfg: Config) -> Config:
     if cfg.rollout.precision == "fp8_block" and cfg.rollout.engine != "sglang":
         raise ConfigError("rollout.precision='fp8_block': SGLang's block-scaled FP8 needs "
                           "rollout.engine='sglang' (the local engine runs int8/fp8 per channel)")
-    if cfg.model.preset not in ("tiny", "small", "path"):
-        raise ConfigError(f"model.preset={cfg.model.preset!r}: must be tiny, small or path")
     if cfg.model.preset == "path" and not cfg.model.path:
         raise ConfigError("model.path: required when model.preset='path'")
     return cfg

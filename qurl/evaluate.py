@@ -14,13 +14,14 @@ from qurl.learner.megatron import MegatronLearner
 from qurl.ranks import launch
 from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, read_config, run_dir_for
-from qurl.setup import engine_wire_dtype, load_datasets, make_engine, set_threads
+from qurl.setup import (busy_processes, engine_wire_dtype, load_datasets, make_engine,
+                        set_threads)
 from qurl.weights import WeightSync
 
 
 def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
                 world_size: int) -> dict:
-    set_threads(cfg)
+    set_threads(cfg, busy_processes(cfg, world_size, workers=False))
     init_learner_dist(cfg.learner, rank, world_size)
     model_dir = str(run_dir_for(cfg) / "base_model") if cfg.model.preset != "path" else cfg.model.path
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
+import torch
+
 from qurl.batching import build_batch
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
@@ -40,6 +42,7 @@ def _train_record(step: int, version: int, rstats: dict, bstats: dict, tstats: d
     rec.update(sstats)
     rec["time/train"] = t_train
     rec["train_tokens_per_s"] = batch_tokens / max(t_train, 1e-9)
+    rec["threads/learner"] = float(torch.get_num_threads())  # generation runs on the same ones
     return rec
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -87,12 +88,33 @@ def prepare_base_model(cfg: Config, run_dir: Path) -> str:
     return str(target)
 
 
-def set_threads(cfg: Config) -> None:
-    """Pin torch's CPU threads for this process (run.torch_threads; 0 keeps torch's default)."""
+def busy_processes(cfg: Config, world_size: int, *, workers: bool = True) -> int:
+    """qurl processes computing at the same time on this node: the learner's ranks here
+    (nproc_per_node across nodes), plus the local rollout workers when their generation overlaps
+    training (async with η ≥ 1 or several workers, on CPU; not with workers=False)."""
     import torch
 
-    if cfg.run.torch_threads > 0:
-        torch.set_num_threads(cfg.run.torch_threads)
+    r = cfg.rollout
+    ranks = cfg.learner.nproc_per_node if cfg.learner.nnodes > 1 else world_size
+    overlap = (workers and r.mode == "async" and r.workers == "local"
+               and not torch.cuda.is_available() and (r.max_staleness > 0 or r.num_workers > 1))
+    return ranks + (r.num_workers if overlap else 0)
+
+
+def set_threads(cfg: Config, busy: int = 1) -> int:
+    """Pin torch's CPU threads for this process and return the count: run.torch_threads when set,
+    else (auto) this node's cores divided among the `busy` processes computing at once
+    (`busy_processes`). So the sync loop runs generation and training each on every core, and an
+    async run splits the cores between learner and workers: `qurl compare` gives every arm the
+    same machine."""
+    import torch
+
+    n = cfg.run.torch_threads
+    if n <= 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        n = max(1, (cores or 1) // max(1, busy))
+    torch.set_num_threads(n)
+    return n
 
 
 def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: str = "",

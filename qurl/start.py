@@ -17,7 +17,7 @@ from qurl.config import Config, ConfigError
 from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.runs import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
-from qurl.setup import prepare_base_model, set_threads
+from qurl.setup import busy_processes, prepare_base_model, set_threads
 
 
 @dataclass
@@ -34,7 +34,7 @@ class OpenedRun:
 def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> OpenedRun:
     run_dir = run_dir_for(cfg)
     ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
-    set_threads(cfg)
+    set_threads(cfg, busy_processes(cfg, world_size))
     init_learner_dist(cfg.learner, rank, world_size)
     main = is_main_rank()
     if main:

@@ -33,14 +33,14 @@ def test_arm_configs_share_everything_but_the_arm(tmp_path):
         arm_configs(cfg, tmp_path, ["sync-fp4"])
 
 
-def _records(step_s: float, eval_s: float) -> list[dict]:
+def _records(step_s: float, eval_s: float, threads: dict | None = None) -> list[dict]:
     """eval 0 ends at 10 s; 4 train steps of step_s each, an eval (eval_s) after step 2."""
     recs = [{"kind": "eval", "step": 0, "accuracy": 0.5, "wall": 10.0}]
     t = 10.0
     for step in range(1, 5):
         t += step_s
         recs.append({"kind": "train", "step": step, "reward": 0.1 * step, "kl_behav_prox": 1e-3,
-                     "flip_frac": 0.02, "wall": t})
+                     "flip_frac": 0.02, "wall": t, **(threads or {"threads/learner": 2.0})})
         if step == 2:
             t += eval_s
             recs.append({"kind": "eval", "step": 2, "accuracy": 0.55, "time/eval": eval_s,
@@ -51,7 +51,8 @@ def _records(step_s: float, eval_s: float) -> list[dict]:
 
 def test_summary_counts_the_training_loop_only(tmp_path):
     sync = summarize("sync-int8-acr-uaq", _records(step_s=3.0, eval_s=5.0), arm_wall_s=60.0)
-    fast = summarize("async1-int8-acr-uaq", _records(step_s=2.0, eval_s=5.0), arm_wall_s=50.0)
+    fast = summarize("async1-int8-acr-uaq", _records(step_s=2.0, eval_s=5.0, threads={
+        "threads/learner": 1.0, "threads/workers": 1.0}), arm_wall_s=50.0)
     assert sync["loop_wall_s"] == pytest.approx(12.0)  # 4 x 3 s; the mid-run eval is not counted
     assert sync["steps_per_hour"] == pytest.approx(4 / 12 * 3600)
     assert (sync["acc_initial"], sync["acc_final"]) == (0.5, 0.6)
@@ -60,7 +61,8 @@ def test_summary_counts_the_training_loop_only(tmp_path):
     assert fast["speedup_vs_sync"] == pytest.approx(1.5)  # 2 s vs 3 s per step
     assert sync["speedup_vs_sync"] == 1.0
     table = (tmp_path / "compare.md").read_text()
-    assert "| async1-int8-acr-uaq | 4 | 0.5 | 0.6 | 1800 | 1.5 |" in table
+    assert (sync["threads"], fast["threads"]) == ("2", "1+1")  # learner(+workers) threads
+    assert "| async1-int8-acr-uaq | 1+1 | 4 | 0.5 | 0.6 | 1800 | 1.5 |" in table
 
 
 def _seed_rows(tmp_path, seed: int, sync_acc: float, async_acc: float, async_step_s: float) -> list:
@@ -122,11 +124,11 @@ def test_two_arm_compare_runs_real_processes(tmp_path):
     cfg = tiny_cfg(tmp_path, "unused", 2, **{"run.torch_threads": 1})
     path = compare(cfg, tmp_path / "cmp", arms=["sync-int8-acr-uaq", "async1-int8-acr-uaq"])
     text = path.read_text()
-    for arm in ("sync-int8-acr-uaq", "async1-int8-acr-uaq"):
+    for arm, threads in (("sync-int8-acr-uaq", "1"), ("async1-int8-acr-uaq", "1+1")):
         recs = read_metrics(tmp_path / "cmp" / arm / "metrics.jsonl")
         assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
-        assert f"| {arm} | 2 |" in text
+        assert f"| {arm} | {threads} | 2 |" in text  # run.torch_threads=1: one per process
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| async1")]
-    assert float(rows[0][5]) > 0 and math.isfinite(float(rows[0][6]))  # steps/h, speedup
+    assert float(rows[0][6]) > 0 and math.isfinite(float(rows[0][7]))  # steps/h, speedup
     assert (tmp_path / "cmp" / "compare_step.png").stat().st_size > 0
     assert (tmp_path / "cmp" / "compare_wall.png").stat().st_size > 0

@@ -50,3 +50,36 @@ def test_immutable_changes_named():
     c = override(a, {"learner.dp": 2, "learner.distributed_optimizer": True})
     assert [x.split(":")[0] for x in immutable_changes(a, c)] == ["learner.dp",
                                                                  "learner.distributed_optimizer"]
+
+
+def test_auto_threads_give_every_run_the_whole_node(monkeypatch):
+    """run.torch_threads=0 (the default): the node's cores divided among the processes that
+    compute at once. Sync: the learner ranks only. Async with η ≥ 1 (or several workers) on CPU:
+    learner ranks + local workers. η = 0 and one worker alternate, so each may use every core."""
+    import torch
+
+    from qurl.setup import busy_processes, set_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    before = torch.get_num_threads()
+    try:
+        sync = load_config()
+        assert sync.run.torch_threads == 0
+        assert busy_processes(sync, 1) == 1 and set_threads(sync, 1) == 8 == torch.get_num_threads()
+        assert set_threads(sync, busy_processes(sync, 2)) == 4  # TP=2 on this node
+        multi = load_config(sets=["learner.nnodes=2", "learner.nproc_per_node=2", "learner.tp=4"])
+        assert busy_processes(multi, 4) == 2  # only this node's ranks share its cores
+        a = ["rollout.mode=async", "rollout.max_staleness=1", "rollout.num_workers=3"]
+        if not torch.cuda.is_available():
+            assert busy_processes(load_config(sets=a), 1) == 4  # learner + 3 workers
+            assert set_threads(load_config(sets=a), 4) == 2
+        assert busy_processes(load_config(sets=a), 1, workers=False) == 1  # evaluation only
+        eta0 = load_config(sets=["rollout.mode=async", "rollout.max_staleness=0"])
+        assert busy_processes(eta0, 1) == 1
+        remote = load_config(sets=a + ["rollout.workers=external"])
+        assert busy_processes(remote, 1) == 1  # workers on other machines
+        assert set_threads(load_config(sets=["run.torch_threads=3"]), 4) == 3  # explicit wins
+        with pytest.raises(ConfigError, match="run.torch_threads=-1"):
+            load_config(sets=["run.torch_threads=-1"])
+    finally:
+        torch.set_num_threads(before)

@@ -18,6 +18,11 @@ the moment it appeared (seconds since the arm's process started). Then `<out>/co
   the last train record, minus intermediate evaluations), so process start-up and evaluation do not
   count, and the ratio of each arm to its sync counterpart;
 - the arm's whole wall time (process included);
+- the torch CPU threads it ran on (`threads`: learner, or learner+workers). By default
+  (run.torch_threads = 0, see qurl.setup.set_threads) every arm gets the whole machine: the sync
+  loop generates and trains on every core, an async run splits the cores between its learner and
+  its workers. (One thread per process instead would leave the sync arm's other cores idle and
+  flatter async.)
 - mean mismatch KL(behav‖prox) over the steps, its stale-token part (`/s1`) for async arms, and the
   mean flip fraction of the 8-bit codes;
 and `compare_step.png` / `compare_wall.png` plot every arm's metrics against step and wall time.
@@ -167,8 +172,11 @@ def summarize(name: str, records: list[dict], arm_wall_s: float) -> dict[str, An
     start = next((r["wall"] for r in evals if r["step"] == 0), 0.0)
     mid_eval = sum(r.get("time/eval", 0.0) for r in evals if 0 < r["step"] < train[-1]["step"])
     loop_s = train[-1]["wall"] - start - mid_eval
+    threads = [train[0].get(k) for k in ("threads/learner", "threads/workers")]
     return {
         "arm": name, "steps": len(train),
+        "threads": "+".join(str(int(t)) for t in threads if isinstance(t, (int, float))
+                            and math.isfinite(t)) or "?",
         "acc_initial": evals[0]["accuracy"], "acc_final": evals[-1]["accuracy"],
         "steps_per_hour": len(train) / loop_s * 3600 if loop_s > 0 else float("nan"),
         "loop_wall_s": loop_s, "arm_wall_s": arm_wall_s,
@@ -196,7 +204,7 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
         ref = by.get(r["arm"].replace("async1-", "sync-"))
         r["speedup_vs_sync"] = (r["steps_per_hour"] / ref["steps_per_hour"]
                                 if ref is not None and ref["steps_per_hour"] > 0 else float("nan"))
-    cols = ["arm", "steps", "acc_initial", "acc_final", "steps_per_hour", "speedup_vs_sync",
+    cols = ["arm", "threads", "steps", "acc_initial", "acc_final", "steps_per_hour", "speedup_vs_sync",
             "loop_wall_s", "arm_wall_s", "kl_mean", "kl_stale_mean", "flip_frac_mean",
             "reward_last5"]
     with (out_dir / "compare.csv").open("w", newline="") as f:
@@ -268,8 +276,8 @@ def write_seed_table(summary: list[dict[str, Any]], rows_by_seed: dict[int, list
            "training reward of the last 5 steps and its paired difference, steps/hour and speedup "
            "vs sync (see qurl/pipeline/compare.py).", ""]
           + _md_table(summary, cols) + ["", "## Every seed", ""]
-          + _md_table(per_seed, ["seed", "arm", "acc_initial", "acc_final", "steps_per_hour",
-                                 "speedup_vs_sync"]))
+          + _md_table(per_seed, ["seed", "arm", "threads", "acc_initial", "acc_final",
+                                 "steps_per_hour", "speedup_vs_sync"]))
     path = out_dir / "compare_seeds.md"
     path.write_text("\n".join(md) + "\n")
     return path

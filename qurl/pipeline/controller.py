@@ -32,7 +32,6 @@ same cached chunks the workers received (greedy accuracy of exactly the 8-bit ac
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -128,7 +127,9 @@ class Controller:
         key = load_or_create_key(self.run_dir, cfg.stream.key)
         self.fleet = Fleet(cfg, self.run_dir, key, model_dir, vocab_size=self.engine.vocab_size,
                            spawn=cfg.rollout.workers == "local",
-                           worker_threads=self._split_cores())
+                           # each local worker gets the learner's share of the node's cores
+                           # (qurl.setup.set_threads, called by open_run)
+                           worker_threads=torch.get_num_threads())
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
         self.flips = FlipTracker()
@@ -138,21 +139,6 @@ class Controller:
                                         engine_wire_dtype(cfg, model_dir))
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._last_progress = time.monotonic()
-
-    def _split_cores(self) -> int:
-        """torch CPU threads of each worker: run.torch_threads when set (every process gets that
-        many, as in the sync loop). With torch's default (0) and generation overlapping training
-        (η ≥ 1 or several workers), the learner and each worker get an equal share of the cores
-        instead of each spinning up one thread per core (oversubscribed OpenMP threads spin in
-        barriers and slow everyone down). 0 = torch's default."""
-        n = self.cfg.rollout.num_workers
-        if self.cfg.run.torch_threads > 0:
-            return self.cfg.run.torch_threads
-        if torch.cuda.is_available() or (self.cfg.rollout.max_staleness == 0 and n == 1):
-            return 0
-        threads = max(1, (os.cpu_count() or 1) // (n + 1))
-        torch.set_num_threads(threads)
-        return threads
 
     # ------------------------------------------------------------------ state
 
@@ -297,6 +283,9 @@ class Controller:
                     "async/in_flight": float(w.ledger.num_in_flight),
                     "async/buffer_stale": float(w.buffer.stats.get("stale", 0)),
                     "time/train": t_train, "train_tokens_per_s": n_tokens / max(t_train, 1e-9),
+                    "threads/learner": float(torch.get_num_threads()),
+                    "threads/workers": float(self.fleet.procs.threads * self.fleet.n)
+                    if self.fleet.procs is not None else float("nan"),  # local workers
                     "wall": self.wall()})
         self._since.clear()
         self.logger.log(rec)

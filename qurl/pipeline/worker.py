@@ -83,13 +83,14 @@ class RolloutWorker:
         from qurl.pipeline.session import read_key
         from qurl.rollout import PromptCodec
         from qurl.runs import read_config
-        from qurl.setup import make_engine, set_threads
+        from qurl.setup import busy_processes, make_engine, set_threads
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
         info = _wait_for_session(self.run_dir)  # written after the config and the key
         self.cfg = read_config(self.run_dir)
-        set_threads(self.cfg)  # run.torch_threads, as every qurl process (--threads overrides)
+        # run.torch_threads or this node's share (the controller passes its own count as --threads)
+        set_threads(self.cfg, busy_processes(self.cfg, 1))
         self.key = read_key(self.run_dir)
         if not 0 <= self.slot < int(info["num_workers"]):
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
