@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pulling a multi-GB CUDA build. On GPU images set TORCH_SPEC to the image's torch (or "").
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-sglang bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,5 +25,15 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
+# The real SGLang 0.5.23 server on this CPU (no CUDA packages; tests/sglang_cpu/README.md), in its
+# own venv, and the tests that drive it with qurl's adapter (skipped by `make test` without it).
+SGL_VENV := .venv-sglang
+$(SGL_VENV)/.installed: tests/sglang_cpu/requirements.txt tests/sglang_cpu/setup_venv.sh
+	PY=$(PY) bash tests/sglang_cpu/setup_venv.sh $(SGL_VENV)
+
+test-sglang: setup $(SGL_VENV)/.installed
+	QURL_REQUIRE_SGLANG=1 QURL_SGLANG_PYTHON=$(abspath $(SGL_VENV))/bin/python \
+		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SGL_VENV)

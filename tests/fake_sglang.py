@@ -19,6 +19,24 @@ full context `ids` (prompt + generated so far), with log-prob -1 / (version + 2)
 `--token-delay` seconds, so a pause can interrupt a request mid-way. Finish reasons, per-token
 `output_token_logprobs` as [logprob, token_id, text] and `weight_versions` spans follow SGLang.
 
+Behaviours checked against the real server (tests/test_sglang_real.py, `make test-sglang`) and
+imitated here: `/health` is a generation, so it waits while paused and answers 503 after
+`--health-pause-timeout` (20 s in SGLang); `/model_info` answers while paused; W8A8 servers
+(`w8a8_int8`, `w8a8_fp8`) refuse updates of linear weights with SGLang's `'Parameter' object has no
+attribute 'weight_loader'` message unless qurl's restore loader ran in the session
+(`/update_weights_from_tensor` with a load_format named in `--custom-weight-loader`), and an
+`/end_weight_update` without it transposes the linears again; generation stops on the config's
+`eos_token_id` unless `ignore_eos`; aborted requests finish with `{"type": "abort", "message":
+"Aborted", "status_code": null, "err_type": null}`; `/flush_cache` answers 400 while requests run.
+
+Still different from the real server (the real tests cover these instead): generation is the
+closed form below, so `sampling_seed` and temperature change nothing (real 0.5.23 servers ignore
+the seed unless started with --enable-deterministic-inference, which needs a GPU attention
+backend); one TP rank only; no vocabulary padding of embed_tokens (real: to a multiple of 128
+rows); received weights are stored as sent (the real server fuses q/k/v and gate/up and keeps
+W8A8 weights transposed); `/weights_checker` and `/get_weights_by_name` are not served;
+`/update_weights_from_tensor` takes no tensors (only qurl's no-data restore).
+
 Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
 `/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses;
 `/_fake/requests` lists the /generate bodies received; `--die-once-at-bucket-2 FILE` makes the
@@ -48,6 +66,13 @@ SAMPLING_KEYS = {"max_new_tokens": int, "temperature": (int, float), "top_p": (i
 GENERATE_KEYS = {"rid": str, "input_ids": list, "sampling_params": dict, "return_logprob": bool,
                  "logprob_start_len": int, "top_logprobs_num": int, "stream": bool,
                  "return_text_in_logprobs": bool, "text": str}
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _is_linear(name: str) -> bool:
+    return any(f".{k}.weight" in name for k in LINEARS)
 
 
 class BadRequest(Exception):
@@ -84,6 +109,14 @@ class FakeSGLang:
         self.fault: str | None = None
         self.buckets_seen = 0
         self.ready_at = time.time() + args.startup_delay
+        self.eos = None
+        if cfg.is_file():
+            self.eos = json.loads(cfg.read_text()).get("eos_token_id")
+        # W8A8 servers repack linears after loading (drop their weight loaders, transpose) and
+        # 0.5.23's begin_weight_update does not undo it: only qurl's restore loader does
+        self.repacks = args.quantization in ("w8a8_int8", "w8a8_fp8")
+        self.restored = False
+        self.transposed_twice = False  # an end_weight_update without a restore happened
 
     # ---------------------------------------------------------------- generation
     def generate(self, body: dict) -> tuple[int, object]:
@@ -114,7 +147,8 @@ class FakeSGLang:
                     while self.paused and self.pause_mode == "in_place" and not state["abort"]:
                         self.cond.wait()
                     if state["abort"]:
-                        finish = {"type": "abort", "message": "Abort in waiting queue"}
+                        finish = {"type": "abort", "message": "Aborted", "status_code": None,
+                                  "err_type": None}
                         break
                     version = self.version
                 ctx = ids + out
@@ -125,7 +159,7 @@ class FakeSGLang:
                     spans[-1]["end"] += 1
                 else:
                     spans.append({"version": version, "start": len(out) - 1, "end": len(out)})
-                if tok in stops:
+                if tok in stops or (tok == self.eos and not sp.get("ignore_eos")):
                     finish = {"type": "stop", "matched": tok}
                     break
         finally:
@@ -224,6 +258,12 @@ class FakeSGLang:
             return 400, {"success": False, "message": "no weight-update session is open; call "
                                                       "begin_weight_update() first"}
         self.session = False
+        if self.repacks and not self.restored:  # SGLang re-runs the repacking: transposes again
+            self.transposed_twice = True
+            for n, t in list(self.weights.items()):
+                if _is_linear(n) and t.dim() == 2:
+                    self.weights[n] = t.t().contiguous()
+        self.restored = False
         if self.args.dump_dir:
             from safetensors.torch import save_file
 
@@ -276,6 +316,11 @@ class FakeSGLang:
                     h.wait()
         except Exception as e:
             return 400, {"success": False, "message": f"Failed to receive weights: {e}"}
+        if self.repacks and not self.restored and any(_is_linear(n) for n, _ in got):
+            return 400, {"success": False, "message": "Failed to update parameter online: "
+                         "'Parameter' object has no attribute 'weight_loader'. The full weights "
+                         "of the ModelRunner are partially updated. Please discard the whole "
+                         "weights."}
         self.weights.update(got)
         if body.get("weight_version") is not None:
             self.version = body["weight_version"]
@@ -285,6 +330,24 @@ class FakeSGLang:
                 return 400, {"success": False, "message": "Weights were updated, but the cache "
                              "was not flushed because requests are still running or queued."}
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def update_tensor(self, body: dict) -> tuple[int, object]:
+        """Only the no-data custom loaders qurl uses: the restore (a list of empty payloads)."""
+        check_body(body, {"serialized_named_tensors": list, "load_format": str,
+                          "flush_cache": bool, "abort_all_requests": bool, "weight_version": str,
+                          "selector": str, "torch_empty_cache": bool, "rid": str},
+                   ("serialized_named_tensors",))
+        if not self.session:
+            return 400, {"success": False, "message": "update_weights_from_tensor must run "
+                         "between begin_weight_update() and end_weight_update()"}
+        fmt = body.get("load_format")
+        if fmt not in self.args.custom_weight_loader:
+            return 400, {"success": False, "message": f"Unknown load_format={fmt}"}
+        if len(body["serialized_named_tensors"]) != self.args.tp_size:
+            return 400, {"success": False, "message": "one serialized payload per TP rank"}
+        if fmt == "qurl.engines.sglang_loader.restore_w8a8":
+            self.restored = True
+        return 200, {"success": True, "message": "Success"}
 
     def update_disk(self, body: dict) -> tuple[int, object]:
         from safetensors.torch import load_file
@@ -323,8 +386,13 @@ def make_handler(app: FakeSGLang):
 
         def do_GET(self):
             path = urlparse(self.path).path
-            if path in ("/health", "/health_generate"):
-                self._send(200 if time.time() >= app.ready_at else 503, b"")
+            if path in ("/health", "/health_generate"):  # a one-token generation in SGLang
+                deadline = time.time() + app.args.health_pause_timeout
+                with app.cond:
+                    while app.paused and time.time() < deadline:
+                        app.cond.wait(deadline - time.time())
+                    ok = not app.paused and time.time() >= app.ready_at
+                self._send(200 if ok else 503, b"")
             elif path == "/model_info":
                 self._send(200, {"model_path": app.args.model_path, "weight_version": app.version,
                                  "is_generation": True})
@@ -349,6 +417,7 @@ def make_handler(app: FakeSGLang):
                           "/destroy_weights_update_group": app.destroy_group,
                           "/begin_weight_update": app.begin, "/end_weight_update": app.end,
                           "/update_weights_from_distributed": app.update_distributed,
+                          "/update_weights_from_tensor": app.update_tensor,
                           "/update_weights_from_disk": app.update_disk}
                 if path == "/flush_cache":
                     self._send(*app.flush_cache())
@@ -391,6 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--startup-delay", type=float, default=0.0)
     p.add_argument("--group-timeout", type=float, default=60.0)
     p.add_argument("--die-once-at-bucket-2", default="", metavar="MARKER_FILE")
+    p.add_argument("--custom-weight-loader", nargs="*", default=[])
+    p.add_argument("--health-pause-timeout", type=float, default=20.0)
     args = p.parse_args(argv)
     if args.tp_size != 1:
         sys.exit("fake_sglang: only --tp-size 1")

@@ -36,9 +36,10 @@ def _model_dir(tmp: Path) -> Path:
     return d
 
 
-def _fake_cmd(tmp: Path, port: int, delay: float = 0.002, extra: tuple[str, ...] = ()) -> list[str]:
+def _fake_cmd(tmp: Path, port: int, delay: float = 0.002, extra: tuple[str, ...] = (),
+              quantization: str = "w8a8_int8") -> list[str]:
     # the adapter's own launch flags, with the fake in place of `-m sglang.launch_server`
-    flags = server_command(str(_model_dir(tmp)), port=port, quantization="w8a8_int8")[3:]
+    flags = server_command(str(_model_dir(tmp)), port=port, quantization=quantization)[3:]
     dump = tmp / "dump"
     dump.mkdir(exist_ok=True)
     return [sys.executable, FAKE, *flags, "--dump-dir", str(dump), "--token-delay", str(delay),
@@ -112,7 +113,20 @@ def test_server_command_flags():
                          extra=("--mem-fraction-static", "0.7"), python="python")
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/ckpt", "--tp-size",
                    "2", "--host", "0.0.0.0", "--port", "30001", "--weight-version", "0",
-                   "--quantization", "w8a8_fp8", "--mem-fraction-static", "0.7"]
+                   "--quantization", "w8a8_fp8",
+                   "--custom-weight-loader", "qurl.engines.sglang_loader.restore_w8a8",
+                   "--mem-fraction-static", "0.7"]
+    # bf16 and block fp8 keep their loaders after loading: no restore, no flag
+    for q in (None, "fp8"):
+        assert "--custom-weight-loader" not in server_command("/c", port=1, quantization=q)
+    # a user's own custom loaders are merged into the one flag (argparse nargs="*": the last
+    # occurrence would replace the first)
+    cmd = server_command("/c", port=1, quantization="w8a8_int8",
+                         extra=("--custom-weight-loader", "a.b", "--dtype", "bfloat16"))
+    i = cmd.index("--custom-weight-loader")
+    assert cmd.count("--custom-weight-loader") == 1
+    assert cmd[i + 1:i + 3] == ["qurl.engines.sglang_loader.restore_w8a8", "a.b"]
+    assert cmd[-2:] == ["--dtype", "bfloat16"]
 
 
 @pytest.mark.slow
@@ -276,8 +290,8 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     from qurl.models.convert import megatron_to_hf
 
     port = free_port()
-    proc = subprocess.Popen(_fake_cmd(tmp_path, port, delay=0.0), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_fake_cmd(tmp_path, port, delay=0.0, quantization="fp8"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url)

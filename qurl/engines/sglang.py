@@ -61,10 +61,12 @@ the project keeps every line that talks to SGLang in this one module.
 """
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -79,6 +81,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.sender import BucketAnnouncement, Sender, SyncStats
 from qurl.types import GenRequest, GenResult
@@ -86,6 +89,10 @@ from qurl.types import GenRequest, GenResult
 # precision (+ fp8 scaling) -> (SGLang --quantization, qurl sync format)
 QUANTIZATION = {"int8": ("w8a8_int8", "int8"), "fp8": ("w8a8_fp8", "fp8"),
                 "fp8_block": ("fp8", "fp8_block"), "bf16": (None, "bf16")}
+# --quantization methods that repack weights after loading without a restore (sglang_loader.py)
+RESTORE_QUANTIZATIONS = ("w8a8_int8", "w8a8_fp8")
+# an empty named-tensor list, as SGLang's MultiprocessingSerializer reads it (pickle, base64)
+_NO_TENSORS = base64.b64encode(pickle.dumps([])).decode()
 
 
 class SGLangError(RuntimeError):
@@ -98,14 +105,28 @@ class SGLangUnavailable(SGLangError):
 
 def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
                    quantization: str | None = None, weight_version: int = 0,
-                   extra: Iterable[str] = (), python: str = sys.executable) -> list[str]:
-    """argv of one `sglang.launch_server` process."""
+                   extra: Iterable[str] = (), python: str | None = None) -> list[str]:
+    """argv of one `sglang.launch_server` process. W8A8 servers also get
+    `--custom-weight-loader` naming qurl's restore (qurl/engines/sglang_loader.py), without which
+    they refuse online 8-bit updates. `python`: the interpreter that has sglang (default:
+    $QURL_SGLANG_PYTHON, else this one)."""
+    python = python or os.environ.get("QURL_SGLANG_PYTHON") or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--tp-size", str(tp), "--host", host, "--port", str(port),
            "--weight-version", str(weight_version)]
     if quantization:
         cmd += ["--quantization", quantization]
-    return cmd + list(extra)
+    extra = list(extra)
+    loaders = [RESTORE_LOAD_FORMAT] if quantization in RESTORE_QUANTIZATIONS else []
+    if "--custom-weight-loader" in extra:  # nargs="*": merge, or the last flag would win
+        i = j = extra.index("--custom-weight-loader")
+        while j + 1 < len(extra) and not extra[j + 1].startswith("--"):
+            j += 1
+        loaders += [x for x in extra[i + 1:j + 1] if x not in loaders]
+        del extra[i:j + 1]
+    if loaders:
+        cmd += ["--custom-weight-loader", *loaders]
+    return cmd + extra
 
 
 @dataclass
@@ -125,8 +146,9 @@ class Timeouts:
 
 
 class _Server:
-    def __init__(self, spec: ServerSpec, log_dir: Path | None) -> None:
+    def __init__(self, spec: ServerSpec, log_dir: Path | None, ready_probe: str = "/health") -> None:
         u = urlparse(spec.url)
+        self.ready_probe = ready_probe
         if u.scheme != "http" or not u.hostname or not u.port:
             raise ValueError(f"sglang url {spec.url!r}: expected http://host:port")
         self.spec, self.host, self.port = spec, u.hostname, u.port
@@ -167,8 +189,19 @@ class _Server:
         return reply
 
     def healthy(self, timeout: float) -> bool:
+        """Ready: by default /health, a one-token generation (so it waits, then answers 503 after
+        20 s, while the server is paused: `alive` tells paused from dead)."""
         try:
-            return self.call("GET", "/health", None, timeout)[0] == 200
+            return self.call("GET", self.ready_probe, None, timeout)[0] == 200
+        except SGLangUnavailable:
+            return False
+
+    def alive(self, timeout: float) -> bool:
+        """The process answers: /model_info is served without the scheduler, paused or not."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        try:
+            return self.call("GET", "/model_info", None, timeout)[0] == 200
         except SGLangUnavailable:
             return False
 
@@ -274,9 +307,12 @@ class SGLangEngine:
                  bucket_bytes: int = 64 << 20, load_format: str = "flattened_bucket",
                  timeouts: Timeouts | None = None, log_dir: str | Path | None = None,
                  max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
-                 tokenizer: Any = None, vocab_size: int = 0) -> None:
+                 tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health") -> None:
         """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
-        validate token ids against it); from_config reads both from the model directory."""
+        validate token ids against it); from_config reads both from the model directory.
+        `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
+        one-token generation) or "/model_info" (model loaded; for servers that cannot generate,
+        such as 8-bit SGLang on a CPU)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         if precision not in QUANTIZATION:
@@ -291,7 +327,7 @@ class SGLangEngine:
         log = Path(log_dir) if log_dir else None
         if log:
             log.mkdir(parents=True, exist_ok=True)
-        self.servers = [_Server(s, log) for s in servers]
+        self.servers = [_Server(s, log, ready_probe) for s in servers]
         self._lock = threading.RLock()  # syncs and recoveries, one at a time
         self._pick_lock = threading.Lock()  # request routing counters only
         self._resume = threading.Event()  # cleared while weights change: no new submissions
@@ -466,6 +502,8 @@ class SGLangEngine:
             self._each(lambda s: s.post_json("/pause_generation", {"mode": "abort"}, c), 2 * c)
             sessions = self._each(lambda s: s.post_json("/begin_weight_update", {}, c, ok_404=True),
                                   2 * c)
+            if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS:
+                self._each(self._restore_w8a8, 2 * c)
             t1 = time.perf_counter()
             try:
                 stats = self._sender.send(chunks, version, announce=self._announce(version))
@@ -480,6 +518,21 @@ class SGLangEngine:
             self._each(lambda s: s.post_json("/continue_generation", {}, c), 2 * c)
         stats.extra.update({"pause_s": t1 - t0, "finish_s": time.perf_counter() - t2})
         return stats
+
+    def _restore_w8a8(self, s: _Server) -> None:
+        """Undo the W8A8 post-load repacking on every TP rank of `s` (qurl/engines/sglang_loader.py)
+        so the 8-bit broadcasts that follow can load; needs the server's --custom-weight-loader."""
+        body = {"serialized_named_tensors": [_NO_TENSORS] * s.spec.tp,
+                "load_format": RESTORE_LOAD_FORMAT, "flush_cache": False,
+                "abort_all_requests": False}
+        try:
+            s.post_json("/update_weights_from_tensor", body, self.timeouts.control_s)
+        except SGLangUnavailable:
+            raise
+        except SGLangError as e:
+            raise SGLangError(f"{e}\n(8-bit updates of a {QUANTIZATION[self.precision][0]} server "
+                              f"need it launched with --custom-weight-loader "
+                              f"{RESTORE_LOAD_FORMAT} and qurl importable by its Python)") from e
 
     def _flush(self, s: _Server) -> None:
         status, raw = s.call("POST", "/flush_cache", None, self.timeouts.control_s)
@@ -502,10 +555,14 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- recovery
     def _recover(self, cause: Exception, resend: bool = True) -> None:
-        """Restart every server that does not answer, form a new group, resend the weights."""
+        """Restart every server that does not answer, form a new group, resend the weights.
+
+        Dead means the process does not answer /model_info (or has exited): a server paused by a
+        sync that failed half-way is alive, and must not be judged by /health, which waits
+        behind the pause (see `_Server.healthy`)."""
         with self._hold():
             self._recoveries += 1
-            dead = [s for s in self.servers if not s.healthy(self.timeouts.health_s)]
+            dead = [s for s in self.servers if not s.alive(self.timeouts.health_s)]
             for s in dead:
                 if s.spec.command is None:
                     raise SGLangError(f"server {s.spec.url} stopped answering and was attached, "

@@ -80,6 +80,12 @@ def export_8bit(src: str | Path, out: str | Path, fmt: str, *, uaq_scale: float 
     config = dict(config)
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
     config.pop("dtype", None)  # transformers 5 writes `dtype`; one key, no conflict
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        # transformers 5 keeps the RoPE base in rope_parameters only; SGLang 0.5.23 reads it there
+        # (get_rope_config), but readers of the v4 layout (older SGLang / transformers 4) fall back
+        # to a default base without the legacy key, silently changing RoPE
+        config["rope_theta"] = rope["rope_theta"]
     if fmt == "bf16":
         config.pop("quantization_config", None)
     else:

@@ -1,0 +1,123 @@
+"""Helpers for the tests that run the REAL SGLang 0.5.23 server on CPU (tests/test_sglang_real*.py).
+
+The server runs from `.venv-sglang` (built by `make test-sglang`, see tests/sglang_cpu/) through
+SGLang's generic CPU path: `--device cpu --attention-backend torch_native --sampling-backend
+pytorch` (../README: "Real SGLang on CPU"). bf16 servers generate; 8-bit servers load, take
+updates and read back, but cannot generate on CPU (their first forward calls Triton kernels), so
+they are started with `--skip-server-warmup` and probed with /model_info instead of /health.
+
+Parameters are read back with the test-only custom loader tests/sglang_cpu/qurl_sglang_dump.py,
+always inside a begin / restore / dump / end session (qurl's restore first, so the session's
+closing post-processing never transposes a W8A8 weight twice).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from qurl.engines.sglang import SGLangEngine, ServerSpec, Timeouts, server_command
+from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
+from qurl.sync.group import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SGL_PY = Path(os.environ.get("QURL_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
+SHIMS = REPO / "tests" / "sglang_cpu"
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
+             "pytorch", "--mem-fraction-static", "0.05")
+DUMP = "qurl_sglang_dump.dump_params"
+TIMEOUTS = Timeouts(control_s=60, generate_s=120, group_s=120, launch_s=300, health_s=10)
+
+needs_sglang = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(not SGL_PY.is_file() and not os.environ.get("QURL_REQUIRE_SGLANG"), reason=f"no real SGLang at {SGL_PY}: "
+                       "`make test-sglang` builds .venv-sglang and runs these tests"),
+]
+
+
+def server_env(dump_dir: Path) -> dict[str, str]:
+    """What a real server needs in its environment here (set on os.environ: servers inherit it)."""
+    path = os.pathsep.join([str(SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": path.rstrip(os.pathsep), "HF_HUB_OFFLINE": "1",
+            "QURL_SGLANG_DUMP_DIR": str(dump_dir), "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
+
+
+def cpu_server_args(generates: bool) -> tuple[str, ...]:
+    return CPU_FLAGS + ("--custom-weight-loader", DUMP) + (() if generates else
+                                                           ("--skip-server-warmup",))
+
+
+def launch(model_dir: Path, quantization: str | None, log_dir: Path, *, precision: str,
+           generates: bool, tokenizer=None, vocab_size: int = 0) -> SGLangEngine:
+    """One qurl-launched real server on a free port, driven by qurl's SGLangEngine (gloo group)."""
+    port = free_port()
+    cmd = server_command(str(model_dir), port=port, quantization=quantization,
+                         extra=cpu_server_args(generates), python=str(SGL_PY))
+    return SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", command=cmd)], precision=precision,
+                        backend="gloo", timeouts=TIMEOUTS, log_dir=log_dir, tokenizer=tokenizer,
+                        vocab_size=vocab_size, ready_probe="/health" if generates else "/model_info")
+
+
+def _no_tensors(tp: int = 1) -> list[str]:
+    return [base64.b64encode(pickle.dumps([])).decode()] * tp
+
+
+def read_back(engine: SGLangEngine, dump_dir: Path) -> dict[str, torch.Tensor]:
+    """Every parameter the (single) server holds, in its loading-time layout ([out, in] weights)."""
+    s = engine.servers[0]
+    before = set(dump_dir.glob("tp0_*.pt"))
+    s.post_json("/begin_weight_update", {}, 30)
+    try:
+        s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": _no_tensors(),
+                                                    "load_format": RESTORE, "flush_cache": False}, 30)
+        s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": _no_tensors(),
+                                                    "load_format": DUMP, "flush_cache": False}, 60)
+    finally:
+        s.post_json("/end_weight_update", {}, 30)
+    (new,) = set(dump_dir.glob("tp0_*.pt")) - before
+    return torch.load(new)
+
+
+def checksums(engine: SGLangEngine) -> dict[str, str]:
+    """/weights_checker checksums (SHA of each dequantized parameter), as the server computes them."""
+    s = engine.servers[0]
+    status, raw = s.call("POST", "/weights_checker", {"action": "checksum"}, 60)
+    assert status == 200, raw[:300]
+    (rank,) = json.loads(raw)["ranks"]  # {"success", "message", "ranks": [per TP rank]}
+    return dict(rank["checksums"])
+
+
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def held_like(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """The part of a held parameter that corresponds to qurl's tensor: SGLang pads the vocabulary
+    of embed_tokens / lm_head to a multiple of its padding size (100 rows -> 128)."""
+    if got.shape != want.shape and got.dim() == 2 and got.shape[1:] == want.shape[1:]:
+        return got[: want.shape[0]]
+    return got
+
+
+def fuse_like_sglang(chunks: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """qurl's per-linear HF chunks -> SGLang's fused parameters (q|k|v -> qkv_proj, gate|up ->
+    gate_up_proj, concatenated along the output dim, codes and per-channel scales alike)."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in chunks:
+        pieces = name.split(".")
+        hit = next((i for i, p in enumerate(pieces) if p in FUSED), None)
+        if hit is None:
+            out[name] = t
+            continue
+        fused, idx = FUSED[pieces[hit]]
+        key = ".".join(pieces[:hit] + [fused] + pieces[hit + 1:])
+        parts.setdefault(key, {})[idx] = t
+    for key, by_idx in parts.items():
+        out[key] = torch.cat([by_idx[i] for i in sorted(by_idx)], dim=0)
+    return out
