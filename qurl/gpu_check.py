@@ -9,6 +9,12 @@ Prints one table:
 2. Local engine on a ~1B-parameter random Qwen2 config (hidden 2048, 16 layers, FFN 8192), bf16
    activations: generated tokens/s for bf16 weights vs W8A8 FP8 (torch._scaled_mm, per-token x
    per-channel scales) vs W8A8 INT8 (torch._int_mm), same prompts, same batch.
+3. Real SGLang servers (only where `import sglang` works, e.g. the Docker image; skipped and
+   said so otherwise): for each of int8 (`w8a8_int8`), fp8 (`w8a8_fp8`) and fp8_block (`fp8`), a
+   3-step `qurl train` with rollout.engine=sglang on the `small` preset: qurl exports the 8-bit
+   checkpoint, launches the server with the flags it plans (`--custom-weight-loader` for W8A8),
+   and every step syncs the learner's 8-bit codes over NCCL. Per precision: the engine-vs-learner
+   mismatch KL(behav||prox) and max pi_prox/pi_behav over the steps, the flip fraction, and s/step.
 Nothing here is a test assertion: it measures and reports; the exit code is 1 only when parity
 fails or CUDA is missing. Run it, paste the table; never quote numbers that were not measured.
 """
@@ -121,11 +127,44 @@ def check_engine(tmp: Path, overrides: dict | None = None, batch: int = 64, prom
     return out
 
 
+def check_sglang(tmp: Path, precisions: tuple[str, ...] = ("int8", "fp8", "fp8_block"),
+                 steps: int = 3) -> dict[str, dict[str, float]]:
+    """Per precision: mismatch and timing of a short `qurl train` against real SGLang servers."""
+    import json
+    import subprocess
+    import sys
+
+    out: dict[str, dict[str, float]] = {}
+    for precision in precisions:
+        name = f"sglang-{precision}"
+        sets = [f"run.dir={tmp}", f"run.name={name}", f"run.steps={steps}", "run.eval_every=0",
+                "run.ckpt_every=0", "run.progress=false", "model.preset=small",
+                "model.warmstart_steps=0", "data.eval_size=32", "rollout.engine=sglang",
+                f"rollout.precision={precision}", "rollout.prompts_per_step=16",
+                "rollout.sglang_args=--mem-fraction-static,0.3"]
+        argv = [sys.executable, "-m", "qurl.cli", "train"] + [a for kv in sets for a in ("--set", kv)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=420)
+        if proc.returncode != 0:
+            out[precision] = {"failed": 1.0}
+            print(f"[sglang {precision}] failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            continue
+        recs = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in recs if r.get("kind") == "train"]
+        out[precision] = {
+            "kl": max(r["kl_behav_prox"] for r in train),
+            "ratio_max": max(r["is_ratio_max"] for r in train),
+            "flip": sum(r.get("flip_frac", 0.0) for r in train) / len(train),
+            "s_per_step": (time.perf_counter() - t0) / steps}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qurl.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-learner", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-sglang", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing measured")
@@ -152,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
                      ("engine: int8 tokens/s (torch._int_mm)", f"{r['int8_tok_s']:,.0f}"),
                      ("engine: fp8 / bf16", f"{r['fp8_tok_s'] / r['bf16_tok_s']:.2f}x"),
                      ("engine: int8 / bf16", f"{r['int8_tok_s'] / r['bf16_tok_s']:.2f}x")]
+        if not args.skip_sglang:
+            import importlib.util
+
+            if importlib.util.find_spec("sglang") is None:
+                rows.append(("sglang", "not installed here: real-server check skipped"))
+            else:
+                for prec, r in check_sglang(Path(tmp)).items():
+                    rows.append((f"sglang {prec}: KL(behav||prox) max / ratio max / flip / s/step",
+                                 "FAILED (log above)" if "failed" in r else
+                                 f"{r['kl']:.2e} / {r['ratio_max']:.3f} / {r['flip']:.2%} / "
+                                 f"{r['s_per_step']:.1f}"))
     rows.append(("wall time", f"{time.perf_counter() - t_start:.0f} s"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))

@@ -39,7 +39,7 @@ W8A8 weights transposed); `/weights_checker` and `/get_weights_by_name` are not 
 
 Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
 `/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses;
-`/_fake/requests` lists the /generate bodies received; `--die-once-at-bucket-2 FILE` makes the
+`/_fake/requests` lists the /generate bodies received; `/_fake/state` the session flags; `--die-once-at-bucket-2 FILE` makes the
 process exit in the middle of its first sync (when FILE does not exist yet; it creates it).
 """
 from __future__ import annotations
@@ -400,6 +400,9 @@ def make_handler(app: FakeSGLang):
                 self._send(*app.flush_cache())
             elif path == "/_fake/requests":
                 self._send(200, app.requests)
+            elif path == "/_fake/state":
+                self._send(200, {"session": app.session, "restored": app.restored,
+                                 "transposed_twice": app.transposed_twice, "paused": app.paused})
             else:
                 self._send(404, {"detail": "Not Found"})
 

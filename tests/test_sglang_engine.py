@@ -170,13 +170,15 @@ def test_launch_generate_sync_partial_rollout_and_disk(tmp_path):
         assert calls[-1]["input_ids"] == prompt + toks[:k]  # prompt + generated prefix
         assert calls[-1]["sampling_params"]["max_new_tokens"] == 40 - k
 
-        # fallback: weights from disk
+        # no disk fallback for W8A8 servers: real SGLang 0.5.23 reloads them through the loaders
+        # that refuse online updates (the bf16 disk reload is checked on the real server)
         disk = tmp_path / "disk"
         disk.mkdir()
         save_file({n: t.contiguous() for n, t in _named(3)}, str(disk / "model.safetensors"))
-        eng.update_weights_from_disk(str(disk), 3)
+        with pytest.raises(SGLangError, match="cannot reload from disk"):
+            eng.update_weights_from_disk(str(disk), 3)
         (c,) = eng.generate([GenRequest("c", prompt, SamplingParams(max_new_tokens=2))])
-        assert eng.version == 3 and c.versions.tolist() == [3, 3]
+        assert eng.version == 2 and c.versions.tolist() == [2, 2]
     finally:
         eng.close()
     assert eng.servers[0].proc.poll() is not None  # launched servers are stopped
@@ -360,3 +362,23 @@ def test_async_worker_drives_its_sglang_server(tmp_path):
     dump = load_file(str(tmp_path / "dump" / f"port{port}_v4.safetensors"))
     assert _same(dump, list(engine_chunks(masters.items(), "int8", wire_dtype=torch.float16)))
     assert dump["model.norm.weight"].dtype == torch.float16  # the workers' servers' dtype
+
+
+def test_recovery_closes_an_open_w8a8_session_without_repacking_twice(tmp_path):
+    """A sync that died between begin_weight_update and qurl's restore leaves a W8A8 server in a
+    session with repacked layers; closing it as is would repack them again (the fake imitates
+    real SGLang here). Recovery restores first, then closes, and continues the paused server."""
+    port = free_port()
+    eng = SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", command=_fake_cmd(tmp_path, port))],
+                       precision="int8", timeouts=FAST, log_dir=tmp_path / "logs")
+    try:
+        url = eng.servers[0].spec.url
+        eng.servers[0].post_json("/pause_generation", {"mode": "abort"}, 5)
+        eng.servers[0].post_json("/begin_weight_update", {}, 5)
+        eng._recover(RuntimeError("sync died"), resend=False)
+        state = _get(url, "/_fake/state")
+        assert state == {"session": False, "restored": False, "transposed_twice": False,
+                         "paused": False}
+        assert eng.restarts == 0
+    finally:
+        eng.close()

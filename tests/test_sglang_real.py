@@ -27,7 +27,8 @@ from qurl.weights import WeightSync
 from tests.sglang_real import (checksums, fuse_like_sglang, held_like, launch, needs_sglang,
                                read_back, server_env)
 
-pytestmark = needs_sglang
+# a real server takes ~20 s to start on a quiet 2-core machine, minutes on a loaded one
+pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
 
 # bf16 server (bf16 weights and activations) vs the local engine computing in fp32 on the same
 # bf16-rounded weights: measured max |Δ logprob| ~0.02 on this model; the bound leaves 2.5x room
@@ -202,6 +203,13 @@ def test_bf16_update_over_gloo_changes_generation(bf16_server, models):
     for a, b in zip(before, again):
         assert a.output_ids.tolist() == b.output_ids.tolist()
         assert torch.equal(a.logprobs, b.logprobs)
+    # the disk fallback reaches the same weights as the broadcast
+    eng.update_weights_from_disk(str(v1_dir), version=3)
+    disk = eng.generate(reqs)
+    for a, b in zip(after, disk):
+        assert a.output_ids.tolist() == b.output_ids.tolist()
+        assert torch.equal(a.logprobs, b.logprobs)
+        assert int(b.versions[0]) == 3
 
 
 # ------------------------------------------------------------------------------- 8-bit updates

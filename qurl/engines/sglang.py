@@ -540,7 +540,13 @@ class SGLangEngine:
             raise SGLangError(f"POST /flush_cache on {s.spec.url}: HTTP {status}: {raw[:200]!r}")
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        """Fallback sync: every server reloads an (8-bit) checkpoint directory from disk."""
+        """Fallback sync: every server reloads a checkpoint directory from disk (bf16 or block
+        fp8: SGLang 0.5.23 reloads W8A8 checkpoints through the same loaders that refuse online
+        updates, outside any session in which qurl's restore could run)."""
+        quant = QUANTIZATION[self.precision][0]
+        if quant in RESTORE_QUANTIZATIONS:
+            raise SGLangError(f"update_weights_from_disk: {quant} servers cannot reload from disk "
+                              "online (SGLang 0.5.23); use load_weights")
         c = self.timeouts.control_s
         with self._hold():
             self._pauses += 1
@@ -574,7 +580,13 @@ class SGLangEngine:
                 self.restarts += 1
             for s in dead:
                 s.wait_healthy(self.timeouts.launch_s, self.timeouts.health_s)
+            w8a8 = QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS
             for s in self.servers:  # a sync may have died inside a session: close it
+                try:  # restore first (idempotent), or closing would repack W8A8 layers twice
+                    if w8a8:
+                        self._restore_w8a8(s)
+                except SGLangError:
+                    pass  # no session open: nothing to close
                 try:
                     s.post_json("/end_weight_update", {}, self.timeouts.control_s, ok_404=True)
                 except SGLangError:
