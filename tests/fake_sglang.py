@@ -341,8 +341,9 @@ class FakeSGLang:
             return 400, {"success": False, "message": "update_weights_from_tensor must run "
                          "between begin_weight_update() and end_weight_update()"}
         fmt = body.get("load_format")
-        if fmt not in self.args.custom_weight_loader:
-            return 400, {"success": False, "message": f"Unknown load_format={fmt}"}
+        if fmt not in self.args.custom_weight_loader:  # NotImplementedError in SGLang's scheduler
+            print(f"Scheduler hit an exception: Unknown load_format={fmt}", file=sys.stderr)
+            os._exit(1)
         if len(body["serialized_named_tensors"]) != self.args.tp_size:
             return 400, {"success": False, "message": "one serialized payload per TP rank"}
         if fmt == "qurl.engines.sglang_loader.restore_w8a8":
@@ -398,6 +399,10 @@ def make_handler(app: FakeSGLang):
                                  "is_generation": True})
             elif path == "/flush_cache":
                 self._send(*app.flush_cache())
+            elif path == "/server_info":
+                self._send(200, {"quantization": app.args.quantization,
+                                 "custom_weight_loader": app.args.custom_weight_loader,
+                                 "tp_size": app.args.tp_size, "version": "0.5.23"})
             elif path == "/_fake/requests":
                 self._send(200, app.requests)
             elif path == "/_fake/state":

@@ -382,3 +382,20 @@ def test_recovery_closes_an_open_w8a8_session_without_repacking_twice(tmp_path):
         assert eng.restarts == 0
     finally:
         eng.close()
+
+
+def test_w8a8_engine_refuses_a_server_without_the_restore_loader(tmp_path):
+    """The fake answers /server_info like SGLang; a w8a8 server without qurl's loader is refused
+    before any update (asking it for the restore would kill it)."""
+    port = free_port()
+    cmd = _fake_cmd(tmp_path, port, quantization="fp8")  # block fp8: no restore flag planned
+    cmd[cmd.index("--quantization") + 1] = "w8a8_int8"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+        with pytest.raises(SGLangError, match="without --custom-weight-loader"):
+            SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}")], precision="int8", timeouts=FAST)
+        assert proc.poll() is None  # refused before anything could kill it
+    finally:
+        proc.kill()
+        proc.wait()

@@ -12,20 +12,22 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from qurl.engines.local import LocalEngine
-from qurl.engines.sglang import QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError
+from qurl.engines.sglang import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangEngine, SGLangError,
+                                 ServerSpec)
 from qurl.models.export8bit import export_8bit
 from qurl.models.hf import build_model, read_state_dict
 from qurl.sync.sender import engine_chunks
 from qurl.types import GenRequest, SamplingParams
 from qurl.weights import WeightSync
-from tests.sglang_real import (checksums, fuse_like_sglang, held_like, launch, needs_sglang,
-                               read_back, server_env)
+from tests.sglang_real import (TIMEOUTS, checksums, fuse_like_sglang, held_like, launch,
+                               needs_sglang, read_back, server_env)
 
 # a real server takes ~20 s to start on a quiet 2-core machine, minutes on a loaded one
 pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
@@ -212,6 +214,17 @@ def test_bf16_update_over_gloo_changes_generation(bf16_server, models):
         assert int(b.versions[0]) == 3
 
 
+def test_w8a8_engine_refuses_a_server_without_the_restore_loader(bf16_server):
+    """Attaching an int8 engine to a server launched without qurl's --custom-weight-loader fails
+    at once with the flag to add (asking such a server for the restore would kill it), read
+    from the real /server_info."""
+    eng, _ = bf16_server
+    with pytest.raises(SGLangError, match="without --custom-weight-loader"):
+        SGLangEngine([ServerSpec(eng.servers[0].spec.url)], precision="int8", backend="gloo",
+                     timeouts=TIMEOUTS)
+    assert eng.servers[0].alive(5.0)
+
+
 # ------------------------------------------------------------------------------- 8-bit updates
 @pytest.mark.parametrize("precision", ["int8", "fp8", "fp8_block"])
 def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_factory):
@@ -225,15 +238,29 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
     root, src, v0, v1 = models
     logs = tmp_path_factory.mktemp(f"logs_{precision}")
     ckpt0 = export_8bit(src, root / f"{fmt}_v0", fmt)
-    eng = launch(ckpt0, quant, logs, precision=precision, generates=False)
+    ckpt1 = export_8bit(_write(root, src, v1, "fp32_v1"), root / f"{fmt}_v1", fmt)
+    with ThreadPoolExecutor(2) as ex:  # both servers start at once: startup is most of the time
+        futs = [ex.submit(launch, c, quant, logs, precision=precision, generates=False)
+                for c in (ckpt0, ckpt1)]
+        engines = [f.result() for f in futs]
+    eng, fresh = engines
     try:
         held0 = read_back(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)  # several buckets
         sync.push(iter(v1.items()), eng, version=1)
-        held1 = read_back(eng, env)
-        sums1 = checksums(eng)
+        held1, sums1 = read_back(eng, env), checksums(eng)
+        held_fresh, sums_fresh = read_back(fresh, env), checksums(fresh)
+        if quant in RESTORE_QUANTIZATIONS:
+            # why qurl's restore exists: without it the same update is refused by the real server
+            # (post-load repacking dropped the weight loaders)
+            fresh.max_restarts = 0
+            fresh._restore_w8a8 = lambda s: None
+            with pytest.raises(SGLangError, match="weight_loader"):
+                fresh.load_weights(engine_chunks(v0.items(), fmt, wire_dtype=torch.bfloat16), 2)
     finally:
-        eng.close()
+        for e in engines:
+            e.close()
+    # (a) the learner's codes and scales, byte for byte
     expected = fuse_like_sglang(list(engine_chunks(v1.items(), fmt, wire_dtype=torch.bfloat16)))
     assert set(expected) <= set(held1), sorted(set(expected) - set(held1))
     changed = 0
@@ -244,22 +271,7 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
         changed += not torch.equal(held_like(held0[name], want).view(torch.uint8),
                                    got.view(torch.uint8))
     assert changed == len(expected)  # every tensor really moved from v0
-
-    v1_src = _write(root, src, v1, "fp32_v1")
-    ckpt1 = export_8bit(v1_src, root / f"{fmt}_v1", fmt)
-    fresh = launch(ckpt1, quant, logs, precision=precision, generates=False)
-    try:
-        held_fresh = read_back(fresh, env)
-        sums_fresh = checksums(fresh)
-        if quant in RESTORE_QUANTIZATIONS:
-            # why qurl's restore exists: without it the same update is refused by the real server
-            # (post-load repacking dropped the weight loaders)
-            fresh.max_restarts = 0
-            fresh._restore_w8a8 = lambda s: None
-            with pytest.raises(SGLangError, match="weight_loader"):
-                fresh.load_weights(engine_chunks(v0.items(), fmt, wire_dtype=torch.bfloat16), 2)
-    finally:
-        fresh.close()
+    # (b) a server started from the v1 checkpoint: every parameter, and the server's checksums
     assert set(held_fresh) == set(held1)
     for name, t in held_fresh.items():
         assert torch.equal(t.view(torch.uint8), held1[name].view(torch.uint8)), name

@@ -348,6 +348,8 @@ class SGLangEngine:
                     s.launch()
             for s in self.servers:
                 s.wait_healthy(self.timeouts.launch_s, self.timeouts.health_s)
+            if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS:
+                self._each(self._check_restore_loader, self.timeouts.control_s * 2)
             self._set_version_all(0)
             self._form_group()
         except BaseException:
@@ -518,6 +520,20 @@ class SGLangEngine:
             self._each(lambda s: s.post_json("/continue_generation", {}, c), 2 * c)
         stats.extra.update({"pause_s": t1 - t0, "finish_s": time.perf_counter() - t2})
         return stats
+
+    def _check_restore_loader(self, s: _Server) -> None:
+        """Refuse a W8A8 server that cannot run qurl's restore: asking it for an unknown
+        load_format kills its scheduler (SGLang 0.5.23 raises NotImplementedError there)."""
+        status, raw = s.call("GET", "/server_info", None, self.timeouts.control_s)
+        try:
+            loaders = json.loads(raw).get("custom_weight_loader") if status == 200 else None
+        except (json.JSONDecodeError, AttributeError):
+            loaders = None
+        if loaders is not None and RESTORE_LOAD_FORMAT not in loaders:
+            raise SGLangError(f"server {s.spec.url} serves {QUANTIZATION[self.precision][0]} "
+                              f"without --custom-weight-loader {RESTORE_LOAD_FORMAT} (it has "
+                              f"{loaders}): it would refuse 8-bit updates; relaunch it with that "
+                              "flag and qurl importable by its Python")
 
     def _restore_w8a8(self, s: _Server) -> None:
         """Undo the W8A8 post-load repacking on every TP rank of `s` (qurl/engines/sglang_loader.py)

@@ -6,7 +6,7 @@ same extension point qurl's restore uses: `POST /update_weights_from_tensor {"lo
 "qurl_sglang_dump.dump_params"}` on a server launched with `--custom-weight-loader
 qurl_sglang_dump.dump_params` and this directory on PYTHONPATH. Each call saves
 {SGLang parameter name: tensor} (raw bytes and dtype, in the layout the server holds them) to
-`$QURL_SGLANG_DUMP_DIR/tp<rank>_<n>.pt`, n counting calls in this process.
+`$QURL_SGLANG_DUMP_DIR/tp<rank>_<pid>_<n>.pt`, n counting calls in this process.
 """
 import itertools
 import os
@@ -19,6 +19,7 @@ _calls = itertools.count()
 def dump_params(model: torch.nn.Module, named_tensors: list) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     state = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    out = os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], f"tp{rank}_{next(_calls)}.pt")
+    name = f"tp{rank}_{os.getpid()}_{next(_calls)}.pt"
+    out = os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], name)
     torch.save(state, out + ".tmp")
     os.replace(out + ".tmp", out)
