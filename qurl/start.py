@@ -1,4 +1,4 @@
-"""Opening a run, shared by the synchronous loop (learn.py) and the async controller (pipeline/).
+"""Opening a run, for the training loop of every mode (qurl/loop.py).
 
 On every learner rank: pin CPU threads, join the process groups, make or find the base model
 (rank 0), build the Megatron learner (UAQ applied to its master weights) and, on resume, load the
