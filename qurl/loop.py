@@ -36,12 +36,13 @@ import torch
 from qurl.batching import build_batch
 from qurl.config import Config
 from qurl.data.datasets import Example
+from qurl.data.splits import load_datasets
 from qurl.engines.base import Engine
 from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
 from qurl.rollout import PromptCodec, evaluate, group_stats
 from qurl.runs import rng_state, set_rng_state
-from qurl.setup import load_datasets, make_engine
+from qurl.setup import make_engine
 from qurl.start import OpenedRun, open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory
 

@@ -1,4 +1,4 @@
-"""Build what a run starts from, out of its config: the base model, the data splits, the engine.
+"""Build what a run starts from, out of its config: the base model and the engine.
 
 The CPU default has no hub to download from, so its base model is made here: a tiny Qwen2 with a
 character tokenizer, warm-started by a short supervised fine-tune on worked solutions of the
@@ -15,36 +15,9 @@ import shutil
 from pathlib import Path
 
 from qurl.config import Config
-from qurl.data.datasets import Example, load_dataset
 from qurl.data.synthetic import arithmetic_task, worked_solution
 from qurl.data.templates import render_prompt
 from qurl.engines.base import Engine
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def _resolve_data_path(path: str) -> Path:
-    p = Path(path)
-    if p.exists():
-        return p
-    if (SHARED_DATA / path).exists():
-        return SHARED_DATA / path
-    raise FileNotFoundError(f"data file {path!r} not found (also looked in {SHARED_DATA})")
-
-
-def load_datasets(cfg: Config) -> tuple[list[Example], list[Example]]:
-    d = cfg.data
-
-    def one(source: str, split: str, n: int) -> list[Example]:
-        if source == "synthetic":
-            return arithmetic_task(n, seed=cfg.run.seed, split=split, digits=d.digits,
-                                   n_operands=d.operands)
-        return load_dataset(_resolve_data_path(source), d.format,
-                            question_field=d.question_field or None,
-                            answer_field=d.answer_field or None,
-                            limit=n if split == "eval" else None)
-
-    return one(d.train, "train", d.train_size), one(d.eval, "eval", d.eval_size)
 
 
 def _base_key(cfg: Config) -> str:
