@@ -1,8 +1,9 @@
-"""The synchronous QuRL step's batch source: rollouts generated in this process, one version per step.
+"""The synchronous loop's batch source: rollouts generated in this process, one version per step.
 
     sync v0 to the 8-bit engine (UAQ already on the learner's master weights)
     each step: prompts <- data cursor; G samples each from the engine at the current version,
-               scored by the verifiable reward; after training, re-quantize -> engine (flips measured)
+               scored by the verifiable reward; after training, re-quantize -> engine (flip
+               fraction measured)
 
 The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/loop.py, shared with
 the async pipeline (qurl/pipeline/controller.py), whose η = 0 reduces to this source.
@@ -38,7 +39,8 @@ class InProcessRollout:
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         return self.sync.push(named, self.engine, version)
 
-    def next_groups(self, step: int, version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
+    def next_groups(self, step: int,
+                    version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
         cfg = self.z.cfg
         examples = [self.z.train_set[i] for i in self.cursor.take(cfg.rollout.prompts_per_step)]
         return rollout(self.engine, examples, self.z.codec, self.z.params,

@@ -1,4 +1,4 @@
-"""The training loop of every mode: ask a batch source for groups, train on them, hand it the weights.
+"""The training loop of every mode: ask a batch source for groups, train, hand it the new weights.
 
     open the run (qurl/start.py); rank 0 loads the data and builds an engine and the batch source
     source.publish(v0)                      the UAQ-scaled master weights, quantized, to the actor
@@ -67,7 +67,8 @@ class BatchSource(Protocol):
         """Quantize the learner's weights of `version` and deliver them to the actor. `named` is a
         collective (the other ranks drain theirs); returns sync statistics for the train record."""
 
-    def next_groups(self, step: int, version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
+    def next_groups(self, step: int,
+                    version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
         """B complete groups to train at `version` (step = version + 1 of the sync loop), with the
         source's timing statistics."""
 
@@ -131,7 +132,8 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
                           reward_timeout_s=cfg.data.reward_timeout_s),
                **source.clock()}
         logger.log(rec)
-        logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} on {int(rec['n'])}")
+        logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} "
+                     f"on {int(rec['n'])}")
         return rec
 
     try:

@@ -16,10 +16,10 @@ responses may span versions (partial rollout) and the learner sees per-token sta
 
 Nothing is lost or trained twice (qurl/pipeline/dispatch.py, ledger.py): every dataset index taken
 from the cursor is in flight at one worker, buffered, trained, or put back. A dead worker's prompts
-are put back and re-dispatched; a group that became too stale is dropped and its prompt put back; late output of a
-replaced worker is dropped. The checkpoint holds the cursor, the buffer (trajectories received but
-not trained), the staleness counters and the ledger; on resume the prompts that were in flight go
-back to the cursor. `trained.jsonl` lists the prompt uids of every step (truncated on resume like
+are put back and re-dispatched; a group that became too stale is dropped and its prompt put back;
+late output of a replaced worker is dropped. The checkpoint holds the cursor, the buffer
+(trajectories received but not trained), the staleness counters and the ledger; on resume the
+prompts that were in flight go back to the cursor. `trained.jsonl` lists the prompt uids of every step (truncated on resume like
 metrics.jsonl), so exactly-once can be checked.
 
 Re-broadcasts to replaced workers use the chunks cached on rank 0, so they need no collective of the
@@ -172,7 +172,8 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop's hooks
 
-    def next_groups(self, step: int, version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
+    def next_groups(self, step: int,
+                    version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
         groups, self._trained, wait_s = self._collect()
         return groups, {"time/wait": wait_s,
                         "dispatch_lag_mean": sum(version - d.version for d in self._trained)
