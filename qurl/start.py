@@ -16,8 +16,9 @@ import torch
 from qurl.config import Config, ConfigError
 from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
+from qurl.models.base import prepare_base_model
 from qurl.runs import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
-from qurl.setup import busy_processes, prepare_base_model, set_threads
+from qurl.setup import busy_processes, set_threads
 
 
 @dataclass
