@@ -17,9 +17,9 @@ import torch
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
 from qurl.engines.base import Engine
+from qurl.engines.factory import engine_wire_dtype
 from qurl.loop import RankZero, train_loop
 from qurl.rollout import rollout
-from qurl.setup import engine_wire_dtype
 from qurl.types import Trajectory
 from qurl.weights import WeightSync
 

@@ -38,11 +38,11 @@ from qurl.config import Config
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
 from qurl.engines.base import Engine
+from qurl.engines.factory import make_engine
 from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
 from qurl.rollout import PromptCodec, evaluate, group_stats
 from qurl.runs import rng_state, set_rng_state
-from qurl.setup import make_engine
 from qurl.start import OpenedRun, open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory
 

@@ -38,11 +38,11 @@ import torch
 
 from qurl.config import Config
 from qurl.engines.base import Engine
+from qurl.engines.factory import engine_wire_dtype
 from qurl.loop import RankZero, train_loop
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.quant.named import dequantize_named
-from qurl.setup import engine_wire_dtype
 from qurl.types import Trajectory
 from qurl.weights import WeightSync
 

@@ -80,10 +80,11 @@ class _Abort(Exception):
 class RolloutWorker:
     def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0,
                  host: str = "", reconnect_s: float = RECONNECT_S) -> None:
+        from qurl.engines.factory import make_engine
         from qurl.pipeline.session import read_key
         from qurl.rollout import PromptCodec
         from qurl.runs import read_config
-        from qurl.setup import busy_processes, make_engine, set_threads
+        from qurl.setup import busy_processes, set_threads
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
