@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from qurl.config import Config, override
+from qurl.data.splits import load_datasets
+from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.ranks import launch
 from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, read_config, run_dir_for
-from qurl.setup import (busy_processes, engine_wire_dtype, load_datasets, make_engine,
-                        set_threads)
+from qurl.setup import busy_processes, set_threads
 from qurl.weights import WeightSync
 
 

@@ -1,121 +1,68 @@
-"""The learner loop: QuRL's synchronous RLVR step, one version per step.
+"""The synchronous loop's batch source: rollouts generated in this process, one version per step.
 
-    UAQ once (inside the learner, on the master weights); sync v0 to the 8-bit engine
-    for step in 1..N:
-        prompts   <- data cursor
-        groups    <- rollout with the 8-bit engine (behav_logp, version per token) + verifiable reward
-        batch     <- group advantages (GRPO / Dr.GRPO), padded
-        train     <- prox_logp recomputed once; ≥2 mini-batches of the decoupled/ACR surrogate
-        version  += 1; re-quantize master weights -> engine (flip fraction measured)
-        log, evaluate, checkpoint (atomic) as configured
+    sync v0 to the 8-bit engine (UAQ already on the learner's master weights)
+    each step: prompts <- data cursor; G samples each from the engine at the current version,
+               scored by the verifiable reward; after training, re-quantize -> engine (flip
+               fraction measured)
 
-Every TP rank runs this loop; rank 0 alone owns the engine, the data and the run directory and
-broadcasts each batch to the other ranks. The async pipeline (qurl/pipeline/) replaces the rollout
-line with a staleness-bounded stream of trajectories; η=0 reduces it to this loop.
+The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/loop.py, shared with
+the async pipeline (qurl/pipeline/controller.py), whose η = 0 reduces to this source.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import asdict
+from typing import Any, Iterable
 
 import torch
 
-from qurl.batching import build_batch
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
-from qurl.learner.dist import broadcast_object
-from qurl.metrics import MetricsLogger
-from qurl.rollout import PromptCodec, evaluate, rollout
-from qurl.runs import rng_state, set_rng_state
-from qurl.setup import engine_wire_dtype, load_datasets, make_engine
-from qurl.start import open_run, save_checkpoint
-from qurl.types import SamplingParams
+from qurl.engines.base import Engine
+from qurl.engines.factory import engine_wire_dtype
+from qurl.loop import RankZero, train_loop
+from qurl.rollout import rollout
+from qurl.types import Trajectory
 from qurl.weights import WeightSync
 
 
-def _train_record(step: int, version: int, rstats: dict, bstats: dict, tstats: dict, sstats: dict,
-                  t_train: float, batch_tokens: int) -> dict:
-    rec = {"kind": "train", "step": step, "version": version}
-    rec.update(rstats)
-    rec.update(bstats)
-    rec.update(tstats)
-    rec.update(sstats)
-    rec["time/train"] = t_train
-    rec["train_tokens_per_s"] = batch_tokens / max(t_train, 1e-9)
-    rec["threads/learner"] = float(torch.get_num_threads())  # generation runs on the same ones
-    return rec
+class InProcessRollout:
+    """Batch source of the synchronous loop: the engine in this process generates every batch."""
+
+    def __init__(self, z: RankZero) -> None:
+        cfg = z.cfg
+        self.z, self.engine = z, z.engine
+        self.cursor = DataCursor(len(z.train_set), seed=cfg.run.seed)
+        if z.run.state is not None:
+            self.cursor.load_state_dict(z.run.state["cursor"])
+        self.sync = WeightSync(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)),
+                               engine_wire_dtype(cfg, z.run.model_dir))
+
+    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        return self.sync.push(named, self.engine, version)
+
+    def next_groups(self, step: int,
+                    version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
+        cfg = self.z.cfg
+        examples = [self.z.train_set[i] for i in self.cursor.take(cfg.rollout.prompts_per_step)]
+        return rollout(self.engine, examples, self.z.codec, self.z.params,
+                       group_size=cfg.rollout.group_size, run_seed=cfg.run.seed, step=step,
+                       reward_timeout_s=cfg.data.reward_timeout_s)
+
+    def step_stats(self, step: int) -> dict[str, float]:
+        return {}
+
+    def eval_engine(self, version: int) -> Engine:
+        return self.engine  # loaded with every version as it is published
+
+    def clock(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor.state_dict()}
+
+    def close(self) -> None:
+        pass
 
 
 def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
     """Run (or resume) the synchronous loop. Returns the final eval record on rank 0."""
-    run = open_run(cfg, resume=resume, rank=rank, world_size=world_size)
-    run_dir, ckpts, learner, start, state, main = (run.run_dir, run.ckpts, run.learner, run.start,
-                                                   run.state, run.main)
-    model_dir = run.model_dir
-
-    engine = logger = cursor = codec = None
-    train_set = eval_set = []
-    if main:
-        train_set, eval_set = load_datasets(cfg)
-        cursor = DataCursor(len(train_set), seed=cfg.run.seed)
-        engine = make_engine(cfg, model_dir)
-        codec = PromptCodec(engine.tokenizer, cfg.data.template)
-        logger = MetricsLogger(run_dir, total_steps=cfg.run.steps, start_step=start,
-                               wandb=cfg.run.wandb, wandb_mode=cfg.run.wandb_mode,
-                               run_name=cfg.run.name, config=asdict(cfg), progress=cfg.run.progress)
-        if state is not None:
-            cursor.load_state_dict(state["cursor"])
-            set_rng_state(state["rng"])
-    sync = WeightSync(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)),
-                      engine_wire_dtype(cfg, model_dir))
-    version = start
-    sync.push(learner.named_weights(), engine, version)
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            stop_token_ids=(engine.tokenizer.eos_token_id,) if main else ())
-
-    def run_eval(step: int) -> dict | None:
-        if not main:
-            return None
-        rec = {"kind": "eval", "step": step, "version": version,
-               **evaluate(engine, eval_set, codec, max_new_tokens=cfg.rollout.eval_max_new_tokens,
-                          reward_timeout_s=cfg.data.reward_timeout_s)}
-        logger.log(rec)
-        logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} on {int(rec['n'])}")
-        return rec
-
-    last_eval = run_eval(0) if start == 0 else None
-    for step in range(start + 1, cfg.run.steps + 1):
-        if main:
-            examples = [train_set[i] for i in cursor.take(cfg.rollout.prompts_per_step)]
-            groups, rstats = rollout(engine, examples, codec, params,
-                                     group_size=cfg.rollout.group_size, run_seed=cfg.run.seed,
-                                     step=step, reward_timeout_s=cfg.data.reward_timeout_s)
-            batch, bstats = build_batch(
-                groups, version=version, pad_id=engine.tokenizer.pad_token_id,
-                advantage=cfg.algo.advantage, dynamic_sampling=cfg.algo.dynamic_sampling,
-                overlong_buffer=cfg.algo.overlong_buffer,
-                overlong_penalty_value=cfg.algo.overlong_penalty,
-                max_new_tokens=cfg.rollout.max_new_tokens)
-        batch = broadcast_object(batch if main else None)
-        t0 = time.perf_counter()
-        tstats = {} if batch is None else learner.train_step(
-            batch.tokens, batch.loss_mask, batch.behav_logp, batch.adv, staleness=batch.staleness,
-            temperature=cfg.rollout.temperature)
-        t_train = time.perf_counter() - t0
-        version += 1
-        sstats = sync.push(learner.named_weights(), engine, version)
-        if main:
-            logger.log(_train_record(step, version, rstats, bstats, tstats, sstats, t_train,
-                                     batch.num_tokens if batch is not None else 0))
-        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
-            last_eval = run_eval(step)
-        if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
-            save_checkpoint(ckpts, learner, step, {
-                "step": step, "version": version, "rng": rng_state(),
-                "cursor": cursor.state_dict() if main else None})
-    if start < cfg.run.steps or last_eval is None:
-        last_eval = run_eval(cfg.run.steps)
-    if main:
-        logger.close()
-    return last_eval or {}
+    return train_loop(cfg, InProcessRollout, resume=resume, rank=rank, world_size=world_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,14 +41,20 @@ class PromptCodec:
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
 
-def make_requests(examples: list[Example], codec: PromptCodec, params: SamplingParams, *,
-                  group_size: int, run_seed: int, step: int) -> list[GenRequest]:
+def make_requests(examples: Sequence[Example], prompt_ids: Sequence[list[int]],
+                  params: SamplingParams, *, group_size: int, run_seed: int, step: int,
+                  keys: Sequence[str] | None = None) -> list[GenRequest]:
+    """G requests per example (prompt_ids[i]: its encoded prompt), ids `<key>#<j>`.
+
+    key is the example's uid, or what the caller names its responses by (`keys[i]`: the async
+    dispatch key `uid@did`). The seed of sample j is request_seed(run_seed, step, uid, j) with the
+    dataset uid, so a prompt trained at a step samples the same responses in every mode."""
+    keys = [ex.uid for ex in examples] if keys is None else keys
     reqs = []
-    for ex in examples:
-        ids = codec.encode(ex.prompt)
+    for ex, ids, key in zip(examples, prompt_ids, keys, strict=True):
         for j in range(group_size):
             seeded = replace(params, seed=request_seed(run_seed, step, ex.uid, j))
-            reqs.append(GenRequest(rid=f"{ex.uid}#{j}", prompt_ids=ids, params=seeded))
+            reqs.append(GenRequest(rid=f"{key}#{j}", prompt_ids=ids, params=seeded))
     return reqs
 
 
@@ -71,27 +77,49 @@ def to_trajectories(results: list[GenResult], examples: list[Example], codec: Pr
     return [groups[ex.uid] for ex in examples if ex.uid in groups]
 
 
+def generate_groups(engine: Engine, requests: list[GenRequest], examples: list[Example],
+                    codec: PromptCodec, *, reward_timeout_s: float,
+                    between_steps: Callable[[], None] | None = None,
+                    ) -> tuple[list[list[Trajectory]], dict[str, float]]:
+    """Generate `requests` (as make_requests made them for `examples`, whose uids are the request
+    keys) and score them. Returns (groups, {"time/generate", "time/reward", "new_tokens"})."""
+    t0 = time.perf_counter()
+    results = engine.generate(requests, between_steps=between_steps)
+    t1 = time.perf_counter()
+    groups = to_trajectories(results, examples, codec, reward_timeout_s=reward_timeout_s)
+    return groups, {"time/generate": t1 - t0, "time/reward": time.perf_counter() - t1,
+                    "new_tokens": float(sum(len(r.output_ids) for r in results))}
+
+
 def rollout(engine: Engine, examples: list[Example], codec: PromptCodec, params: SamplingParams, *,
             group_size: int, run_seed: int, step: int, reward_timeout_s: float,
             between_steps: Callable[[], None] | None = None) -> tuple[list[list[Trajectory]], dict]:
-    """Sample G responses per prompt and score them. Returns (groups, timing/throughput stats)."""
-    t0 = time.perf_counter()
-    reqs = make_requests(examples, codec, params, group_size=group_size, run_seed=run_seed, step=step)
-    results = engine.generate(reqs, between_steps=between_steps)
-    t1 = time.perf_counter()
-    groups = to_trajectories(results, examples, codec, reward_timeout_s=reward_timeout_s)
-    t2 = time.perf_counter()
-    new_tokens = sum(len(r.output_ids) for r in results)
+    """Sample G responses per prompt and score them. Returns (groups, timing/throughput stats);
+    the statistics of the groups themselves are `group_stats`."""
+    reqs = make_requests(examples, [codec.encode(ex.prompt) for ex in examples], params,
+                         group_size=group_size, run_seed=run_seed, step=step)
+    groups, gen = generate_groups(engine, reqs, examples, codec, reward_timeout_s=reward_timeout_s,
+                                  between_steps=between_steps)
+    return groups, {"time/generate": gen["time/generate"], "time/reward": gen["time/reward"],
+                    "rollout_tokens_per_s": gen["new_tokens"] / max(gen["time/generate"], 1e-9)}
+
+
+def group_stats(groups: list[list[Trajectory]], trained_version: int) -> dict[str, float]:
+    """Reward / length / truncation of a batch's responses and per-token staleness relative to
+    the version that trains them (staleness = trained_version − version that sampled the token)."""
     trajs = [t for g in groups for t in g]
-    stats = {
-        "time/generate": t1 - t0, "time/reward": t2 - t1,
-        "rollout_tokens_per_s": new_tokens / max(t1 - t0, 1e-9),
-        "reward": sum(t.reward for t in trajs) / len(trajs),
-        "response_len": new_tokens / len(results),
-        "truncated_frac": sum(r.finish_reason == "length" for r in results) / len(results),
-        "reward_timeouts": float(sum(t.reward_timed_out for t in trajs)),
-    }
-    return groups, stats
+    if not trajs:
+        raise ValueError("group_stats: empty batch")
+    n_new = sum(len(t.response_ids) for t in trajs)
+    out = {"reward": sum(t.reward for t in trajs) / len(trajs),
+           "response_len": n_new / len(trajs),
+           "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+           "reward_timeouts": float(sum(t.reward_timed_out for t in trajs))}
+    if n_new:
+        stale = torch.cat([trained_version - t.versions for t in trajs])
+        out["staleness_mean"] = float(stale.float().mean())
+        out["staleness_max"] = float(stale.max())
+    return out
 
 
 def evaluate(engine: Engine, examples: list[Example], codec: PromptCodec, *, max_new_tokens: int,

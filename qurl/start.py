@@ -1,4 +1,4 @@
-"""Opening a run, shared by the synchronous loop (learn.py) and the async controller (pipeline/).
+"""Opening a run, for the training loop of every mode (qurl/loop.py).
 
 On every learner rank: pin CPU threads, join the process groups, make or find the base model
 (rank 0), build the Megatron learner (UAQ applied to its master weights) and, on resume, load the
@@ -16,8 +16,9 @@ import torch
 from qurl.config import Config, ConfigError
 from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
+from qurl.models.base import prepare_base_model
 from qurl.runs import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
-from qurl.setup import busy_processes, prepare_base_model, set_threads
+from qurl.setup import busy_processes, set_threads
 
 
 @dataclass

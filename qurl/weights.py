@@ -47,6 +47,15 @@ class WeightSync:
         self.quantizer = ArenaQuantizer(precision, bucket_bytes, wire_dtype)
         self.flips = FlipTracker()
 
+    def quantize(self, named: Iterable[tuple[str, torch.Tensor]],
+                 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
+        """Gather (a collective on every TP rank) and quantize one version into wire chunks;
+        stats: gather / quantize seconds and the flip fraction since the previous version."""
+        chunks, gather_s, quant_s = self.quantizer.quantize(named)
+        stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s}
+        stats.update(self.flips.update(chunks))
+        return chunks, stats
+
     def push(self, named: Iterable[tuple[str, torch.Tensor]], engine: Engine | None,
              version: int) -> dict[str, float]:
         """Quantize and load one version into `engine`. `named` must be consumed on every TP rank
@@ -55,11 +64,9 @@ class WeightSync:
             for _ in named:
                 pass
             return {}
-        chunks, gather_s, quant_s = self.quantizer.quantize(named)
+        chunks, stats = self.quantize(named)
         t1 = time.perf_counter()
         engine.load_weights(iter(chunks), version)
-        stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s,
-                 "sync/time_load": time.perf_counter() - t1,
-                 "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in chunks))}
-        stats.update(self.flips.update(chunks))
+        stats.update({"sync/time_load": time.perf_counter() - t1,
+                      "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in chunks))})
         return stats

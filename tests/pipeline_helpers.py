@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from qurl.config import Config, load_config
-from qurl.setup import load_datasets
+from qurl.data.splits import load_datasets
 
 TIMING = ("time/", "tokens_per_s", "sync/time", "wall")
 

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from qurl.stream.buffer import StalenessController, TrajectoryBuffer
+from qurl.pipeline.staleness import StalenessController, TrajectoryBuffer
 from qurl.types import Trajectory
 
 

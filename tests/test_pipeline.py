@@ -189,7 +189,7 @@ def _trained_rows(run_dir):
     """The sync loop's per-step prompt order: the data cursor's, reproduced from the config."""
     from qurl.data.cursor import DataCursor
     from qurl.runs import read_config
-    from qurl.setup import load_datasets
+    from qurl.data.splits import load_datasets
 
     cfg = read_config(run_dir)
     train_set, _ = load_datasets(cfg)

@@ -317,7 +317,7 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     hf_cfg = AutoConfig.from_pretrained(str(run / "base_model"), local_files_only=True)
     masters = megatron_to_hf([state], hf_cfg)  # fp32 model: the masters the learner synced
     # what passes through travels in the server's dtype: SGLang's auto rule serves the fp32
-    # tiny checkpoint in fp16 (qurl.setup.engine_wire_dtype), half the bytes of the masters
+    # tiny checkpoint in fp16 (qurl.engines.factory.engine_wire_dtype), half the bytes of the masters
     expected = list(engine_chunks(masters.items(), "fp8_block", wire_dtype=torch.float16))
     assert _same(dump, expected) and dump["model.embed_tokens.weight"].dtype == torch.float16
     scale = dump["model.layers.0.mlp.gate_proj.weight_scale_inv"]

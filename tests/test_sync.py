@@ -172,7 +172,7 @@ def test_engine_wire_dtype_follows_the_engine(tmp_path):
     from dataclasses import replace
 
     from qurl.config import load_config
-    from qurl.setup import engine_wire_dtype
+    from qurl.engines.factory import engine_wire_dtype
 
     def wire(meta: dict, *args: str):
         (tmp_path / "config.json").write_text(json.dumps(meta))

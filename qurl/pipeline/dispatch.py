@@ -30,7 +30,7 @@ import torch
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
 from qurl.pipeline.ledger import Dispatch, Ledger
-from qurl.stream.buffer import StalenessController, TrajectoryBuffer
+from qurl.pipeline.staleness import StalenessController, TrajectoryBuffer
 from qurl.stream.payload import PromptTask, pack_prompt
 from qurl.types import SamplingParams, Trajectory
 

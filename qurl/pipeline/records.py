@@ -1,5 +1,5 @@
-"""What the async loop writes per step besides the learner's stats: rollout statistics of the trained
-batch, weight-sync acks of the workers, and `trained.jsonl` (the prompts each step trained on).
+"""What the async loop writes per step besides the shared train record (qurl/loop.py): weight-sync
+acks of the workers, and `trained.jsonl` (the prompts each step trained on).
 
 `trained.jsonl` has one line per step: {"step", "uids" (dataset prompt uids, in batch order),
 "keys" (dispatch keys `uid@did`), "dispatch_versions"}. Like metrics.jsonl it is truncated to the
@@ -13,28 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
-
 from qurl.metrics import read_metrics
-from qurl.types import Trajectory
-
-
-def rollout_stats(groups: list[list[Trajectory]], trained_version: int) -> dict[str, float]:
-    """Reward / length / truncation of the batch's responses and per-token staleness relative to
-    the version the step trained (staleness = trained_version − version that sampled the token)."""
-    trajs = [t for g in groups for t in g]
-    if not trajs:
-        raise ValueError("rollout_stats: empty batch")
-    n_new = sum(len(t.response_ids) for t in trajs)
-    out = {"reward": sum(t.reward for t in trajs) / len(trajs),
-           "response_len": n_new / len(trajs),
-           "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
-           "reward_timeouts": float(sum(t.reward_timed_out for t in trajs))}
-    if n_new:
-        stale = torch.cat([trained_version - t.versions for t in trajs])
-        out["staleness_mean"] = float(stale.float().mean())
-        out["staleness_max"] = float(stale.max())
-    return out
 
 
 def ack_stats(acks: Iterable[dict[str, Any]]) -> dict[str, float]:

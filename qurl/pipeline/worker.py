@@ -14,9 +14,10 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
-   last prompt of a burst), samples G responses per prompt with the request seeds of the sync loop
-   (`rollout.request_seed(run seed, dispatch version + 1, uid, j)`), scores them, and sends the whole
-   batch back as one trajectory message whose prompt_uids are the dispatch keys (`uid@did`).
+   last prompt of a burst), builds G requests per prompt with the sync loop's `rollout.make_requests`
+   (seeded by run seed, dispatch version + 1, dataset uid, sample index), generates and scores them
+   (`rollout.generate_groups`), and sends the whole batch back as one trajectory message whose
+   prompt_uids are the dispatch keys (`uid@did`).
 
 Prompts and control share one ordered channel per slot, so a weight update announced before a prompt
 is always seen before it. Between decode steps the worker polls that channel: a weight update that
@@ -35,7 +36,6 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +80,11 @@ class _Abort(Exception):
 class RolloutWorker:
     def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0,
                  host: str = "", reconnect_s: float = RECONNECT_S) -> None:
+        from qurl.engines.factory import make_engine
         from qurl.pipeline.session import read_key
         from qurl.rollout import PromptCodec
         from qurl.runs import read_config
-        from qurl.setup import busy_processes, make_engine, set_threads
+        from qurl.setup import busy_processes, set_threads
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
@@ -291,31 +292,26 @@ class RolloutWorker:
     def _rollout(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
         from qurl.data.datasets import Example
         from qurl.pipeline.ledger import split_key
-        from qurl.rollout import request_seed, to_trajectories
+        from qurl.rollout import generate_groups, make_requests
         from qurl.stream.payload import pack_trajectories
-        from qurl.types import GenRequest
 
         requests, examples = [], []
-        for task, meta, _ in batch:
-            key = meta["key"]
-            uid, _did = split_key(key)
-            ids = task.prompt_ids.tolist()
-            examples.append(Example(uid=key, prompt="", answer=meta["answer"]))
-            for j in range(task.group_size):
-                seed = request_seed(self.cfg.run.seed, task.version + 1, uid, j)
-                requests.append(GenRequest(rid=f"{key}#{j}", prompt_ids=ids,
-                                           params=replace(task.params, seed=seed)))
+        for task, meta, _ in batch:  # each prompt trains at step = its dispatch version + 1
+            uid, _did = split_key(meta["key"])
+            requests += make_requests([Example(uid=uid, prompt="", answer=meta["answer"])],
+                                      [task.prompt_ids.tolist()], task.params,
+                                      group_size=task.group_size, run_seed=self.cfg.run.seed,
+                                      step=task.version + 1, keys=[meta["key"]])
+            examples.append(Example(uid=meta["key"], prompt="", answer=meta["answer"]))
         v_start = int(self.engine.version)
-        t0 = time.perf_counter()
-        results = self.engine.generate(requests, between_steps=self._between_steps)
-        t1 = time.perf_counter()
-        groups = to_trajectories(results, examples, self.codec,
-                                 reward_timeout_s=self.cfg.data.reward_timeout_s)
+        groups, gen = generate_groups(self.engine, requests, examples, self.codec,
+                                      reward_timeout_s=self.cfg.data.reward_timeout_s,
+                                      between_steps=self._between_steps)
         trajs = [t for g in groups for t in g]
         meta, tensors = pack_trajectories(trajs)
         meta.update({"slot": self.slot, "session": self.session, "engine_version_start": v_start,
-                     "gen_s": t1 - t0, "reward_s": time.perf_counter() - t1,
-                     "new_tokens": int(sum(len(r.output_ids) for r in results))})
+                     "gen_s": gen["time/generate"], "reward_s": gen["time/reward"],
+                     "new_tokens": int(gen["new_tokens"])})
         if not self.outbox.send("trajectory", meta, tensors, timeout_ms=60_000):
             log.warning("slot %d: trajectory batch not sent (controller queue full)", self.slot)
             return

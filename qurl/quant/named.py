@@ -74,7 +74,7 @@ def travels_as(name: str, t: torch.Tensor, wire_dtype: torch.dtype | None) -> to
     non-floating tensors keep theirs; the full-precision pass-throughs (embeddings, lm_head, norms,
     biases; every weight with fmt "bf16") travel as `wire_dtype`, the dtype the engine holds them
     in (an SGLang server's bf16 or fp16: half the bytes of fp32 masters), or as they are when it
-    is None (see qurl.setup.engine_wire_dtype)."""
+    is None (see qurl.engines.factory.engine_wire_dtype)."""
     if (wire_dtype is None or not t.is_floating_point()
             or t.dtype in (torch.int8, torch.float8_e4m3fn) or _scale_owner(name) is not None):
         return t.dtype

@@ -1,0 +1,72 @@
+"""The engine a run's config asks for: the local torch decoder or an SGLang server adapter.
+
+`make_engine` builds the rollout engine (of the sync loop, or of async worker `slot`) or the async
+controller's evaluation engine; `engine_wire_dtype` is the dtype those engines hold full-precision
+tensors in, which the weight sync sends them in.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qurl.config import Config
+from qurl.engines.base import Engine
+
+
+def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: str = "",
+                local: bool = False) -> Engine:
+    """The rollout engine of the sync loop (slot None) or of async worker `slot` (`host`: the
+    worker's address, where SGLang servers reach its weight group). local=True: a LocalEngine
+    whatever rollout.engine says — the async controller's evaluation engine, which must not take
+    the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
+    The local engine runs on this process's current GPU when there is one."""
+    if cfg.rollout.engine == "local" or local:
+        import torch
+
+        from qurl.engines.local import LocalEngine
+
+        precision = "fp8" if cfg.rollout.precision == "fp8_block" else cfg.rollout.precision
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
+    from qurl.engines.sglang import SGLangEngine
+
+    return SGLangEngine.from_config(cfg, model_dir, slot=slot, group_host=host)
+
+
+_SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                  "float": "float32", "float32": "float32"}
+
+
+def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None":
+    """The dtype the rollout engines hold full-precision tensors in (embeddings, lm_head, norms,
+    biases; everything with precision bf16), which is the dtype the weight sync sends them in
+    (qurl.quant.named.travels_as). None for the local engine: it computes in fp32, as the masters.
+
+    SGLang servers: `--dtype` from rollout.sglang_args, else SGLang's "auto" rule (0.5.23,
+    configs/model_config.py): the checkpoint's dtype, and an fp32 checkpoint served in fp16 (bf16
+    for Gemma models). A server launched with another dtype still loads what it is sent (its
+    weight loaders cast), at the cost of a second rounding."""
+    import torch
+
+    if cfg.rollout.engine != "sglang":
+        return None
+    args = list(cfg.rollout.sglang_args)
+    flag = "auto"
+    for i, a in enumerate(args):
+        if a == "--dtype" and i + 1 < len(args):
+            flag = args[i + 1].lower()
+        elif a.startswith("--dtype="):
+            flag = a.split("=", 1)[1].lower()
+    if flag == "auto":
+        meta = json.loads((Path(model_dir) / "config.json").read_text())
+        name = meta.get("dtype") or meta.get("torch_dtype") or "float32"
+        if _SGLANG_DTYPES.get(str(name)) in (None, "float32"):
+            gemma = str(meta.get("model_type", "")).startswith("gemma")
+            flag = "bfloat16" if gemma else "float16"
+        else:
+            flag = str(name)
+    if flag not in _SGLANG_DTYPES:
+        raise ValueError(f"rollout.sglang_args --dtype {flag!r}: expected auto or one of "
+                         f"{', '.join(_SGLANG_DTYPES)}")
+    return getattr(torch, _SGLANG_DTYPES[flag])

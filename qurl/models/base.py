@@ -1,0 +1,59 @@
+"""The base model RL starts from: a given checkpoint (`model.preset = "path"`) or one built here.
+
+The CPU default has no hub to download from, so its base model is made here: a tiny Qwen2 with a
+character tokenizer, warm-started by a short supervised fine-tune on worked solutions of the
+synthetic training split (RL needs a policy that is sometimes right). The result is cached under
+`runs/_base/<key>/`, keyed by everything that determines it, and copied into the run directory so a
+run can always be resumed from its own files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from qurl.config import Config
+from qurl.data.synthetic import arithmetic_task, worked_solution
+from qurl.data.templates import render_prompt
+
+
+def _base_key(cfg: Config) -> str:
+    m, d = cfg.model, cfg.data
+    ident = {"preset": m.preset, "seed": cfg.run.seed, "steps": m.warmstart_steps,
+             "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template, "v": 2}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepare_base_model(cfg: Config, run_dir: Path) -> str:
+    """Return the HF checkpoint dir RL starts from (inside the run dir for built models)."""
+    from qurl.models.hf import build_model, check_checkpoint
+    from qurl.models.tokenizer import build_tokenizer
+    from qurl.models.warmstart import sft_warmstart
+
+    if cfg.model.preset == "path":
+        check_checkpoint(cfg.model.path)
+        return cfg.model.path
+    target = Path(run_dir) / "base_model"
+    if (target / "config.json").exists():
+        return str(target)
+    cache = Path(cfg.run.dir) / "_base" / f"{cfg.model.preset}-{_base_key(cfg)}"
+    if not (cache / "config.json").exists():
+        tmp = cache.with_name(cache.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        init = build_model(tmp / "init", cfg.model.preset, seed=cfg.run.seed)
+        if cfg.model.warmstart_steps > 0:
+            tok = build_tokenizer()
+            train = arithmetic_task(cfg.data.train_size, seed=cfg.run.seed, split="train",
+                                    digits=cfg.data.digits, n_operands=cfg.data.operands)
+            pairs = [(render_prompt(ex.prompt, cfg.data.template, tokenizer=tok),
+                      worked_solution(ex)) for ex in train]
+            sft_warmstart(init, pairs, steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr,
+                          batch_size=32, seed=cfg.run.seed, out_dir=tmp / "sft",
+                          num_threads=cfg.run.torch_threads or None)
+            shutil.move(str(tmp / "sft"), str(cache))
+        else:
+            shutil.move(str(init), str(cache))
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cache, target, dirs_exist_ok=True)
+    return str(target)
