@@ -28,8 +28,10 @@ from qurl.sync.group import free_port
 REPO = Path(__file__).resolve().parents[1]
 SGL_PY = Path(os.environ.get("QURL_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 SHIMS = REPO / "tests" / "sglang_cpu"
+# --mem-fraction-static: SGLang sizes the KV pool from the free memory it measures around the
+# weight load, which other processes on a busy machine move; --max-total-tokens caps the pool
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
-             "pytorch", "--mem-fraction-static", "0.05")
+             "pytorch", "--mem-fraction-static", "0.2", "--max-total-tokens", "8192")
 DUMP = "qurl_sglang_dump.dump_params"
 TIMEOUTS = Timeouts(control_s=60, generate_s=120, group_s=120, launch_s=1200, health_s=10)
 

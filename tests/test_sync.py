@@ -14,7 +14,7 @@ from qurl.sync.buckets import (BucketLayout, align_order, bucket_buffer, group_p
                                pack, plan_buckets, unpack)
 from qurl.sync.arena import ArenaQuantizer, ChunkArena
 from qurl.sync.group import WeightGroup, free_port
-from qurl.sync.sender import BucketAnnouncement, Sender, engine_chunks
+from qurl.sync.sender import BucketAnnouncement, WeightSender, engine_chunks
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:
@@ -216,12 +216,12 @@ def test_weight_group_refuses_nccl_without_cuda_before_rendezvous():
 
 def _receiver_main(model_dir, port, ann_q, out_q, syncs, out_dir):
     from qurl.engines.local import LocalEngine
-    from qurl.sync.receiver import Receiver
+    from qurl.sync.receiver import WeightReceiver
 
     try:
         engine = LocalEngine(model_dir, precision="int8")
         group = WeightGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60)
-        rec = Receiver(group, engine)
+        rec = WeightReceiver(group, engine)
         for _ in range(syncs):
             try:
                 stats = rec.receive(lambda: ann_q.get(timeout=60))
@@ -271,9 +271,9 @@ def test_two_process_sync_into_local_engine(tmp_path):
                   (5, "flattened_bucket", arena_chunks, {n: t * 3 for n, t in learner.items()}))
         for version, load_format, weights, want in rounds:
             arena = version == 5
-            sender = Sender(group, fmt="none" if arena else "int8", bucket_bytes=256 << 10,
-                            load_format=load_format)
-            stats = sender.send(weights if arena else weights.items(), version,
+            sender = WeightSender(group, bucket_bytes=256 << 10, load_format=load_format)
+            stats = sender.send(weights if arena else engine_chunks(weights.items(), "int8"),
+                                version,
                                 announce=lambda a: ann_q.put(a.to_dict()))
             assert stats.packed == (0 if arena or load_format == "per_tensor" else stats.buckets)
             expected = dict(quantize_named(want, "int8"))

@@ -46,7 +46,7 @@ weight_updater.py`); recheck them when the pinned release changes:
 
 Design. One `SGLangEngine` drives N servers as one Engine (engines/base.py). Requests are spread
 over the servers (least in flight). Each sync (`load_weights`) pauses every server (abort mode),
-opens the update session, broadcasts the chunks bucket by bucket through qurl.sync.Sender to the
+opens the update session, broadcasts the chunks bucket by bucket through qurl.sync.WeightSender to the
 weight group (learner rank 0 + every server rank) while one HTTP call per server per bucket is in
 flight, closes the session, flushes caches and continues. Requests interrupted by the pause come
 back with their partial output; they are resubmitted as prompt + generated prefix with the
@@ -83,7 +83,7 @@ import torch
 
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.sync.group import WeightGroup, free_port
-from qurl.sync.sender import BucketAnnouncement, Sender, SyncStats
+from qurl.sync.sender import BucketAnnouncement, SyncStats, WeightSender
 from qurl.types import GenRequest, GenResult
 
 # precision (+ fp8 scaling) -> (SGLang --quantization, qurl sync format)
@@ -457,7 +457,7 @@ class SGLangEngine:
             ex.shutdown(wait=True)
         for f in futs:
             f.result()
-        self._sender = Sender(self._group, fmt="none", bucket_bytes=self.bucket_bytes,
+        self._sender = WeightSender(self._group, bucket_bytes=self.bucket_bytes,
                               load_format=self.load_format)
 
     # ---------------------------------------------------------------- weights

@@ -204,7 +204,7 @@ class Fleet:
 
     def _form_group(self) -> None:
         from qurl.sync.group import WeightGroup, free_port
-        from qurl.sync.sender import Sender as WeightSender
+        from qurl.sync.sender import WeightSender
 
         self._close_group()
         self.gen += 1
@@ -219,7 +219,7 @@ class Fleet:
                 raise RuntimeError(f"could not invite worker slot {i} to the weight group")
         self.group = WeightGroup(host, port, 0, self.n + 1, backend=self.cfg.sync.backend,
                                  group_name=invite["name"], timeout_s=GROUP_TIMEOUT_S)
-        self.sender = WeightSender(self.group, fmt="none",
+        self.sender = WeightSender(self.group,
                                    bucket_bytes=int(self.cfg.sync.bucket_mb * (1 << 20)))
         self.counts["groups_formed"] += 1
 

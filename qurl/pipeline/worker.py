@@ -205,7 +205,7 @@ class RolloutWorker:
 
     def _join_group(self, meta: dict[str, Any]) -> None:
         from qurl.sync.group import WeightGroup
-        from qurl.sync.receiver import Receiver as WeightReceiver
+        from qurl.sync.receiver import WeightReceiver
 
         self._leave_group()
         gen = meta.get("gen")

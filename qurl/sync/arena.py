@@ -11,7 +11,7 @@ bucket, and every version's chunks are written into views of those buffers at th
     version >0:  quantize_per_channel(w, out=(codes view, scale view)), view.copy_(w) otherwise
                  (the view in the engines' dtype for full-precision tensors: bf16 for SGLang)
 
-The chunks handed on are those views, so a `Sender` with the same bucket budget finds each
+The chunks handed on are those views, so a `WeightSender` with the same bucket budget finds each
 bucket's tensors already in place (`buckets.bucket_buffer`) and broadcasts the buffer without
 packing. (The receiving end avoids its copy the same way: qurl/sync/receiver.py receives into
 two banks of buffers and the local engine adopts them as its weights.) Anything that holds chunks across a version (the flip tracker keeps the previous codes,
@@ -99,7 +99,7 @@ def timed_items(named: Iterable[tuple[str, torch.Tensor]], timing: list[float]
 
 class ArenaQuantizer:
     """`quantize(named)` -> this version's engine chunks, laid out in wire buckets of
-    `budget_bytes` (give the Sender's bucket budget). Alternates two arenas (module docstring).
+    `budget_bytes` (give the WeightSender's bucket budget). Alternates two arenas (module docstring).
     wire_dtype: the dtype the engines hold full-precision tensors in (None: as given)."""
 
     def __init__(self, fmt: str, budget_bytes: int, wire_dtype: torch.dtype | None = None) -> None:

@@ -9,12 +9,12 @@ the cost), so the bench needs no model files.
 
 Measured per format (int8, bf16), after one warm-up:
 - bytes per sync (8-bit codes + fp32 scales + bf16 for what stays full precision, vs all bf16);
-- sync: a Sender moving the already-quantized engine chunks, laid out in their wire buckets as the
+- sync: a WeightSender moving the already-quantized engine chunks, laid out in their wire buckets as the
   pipeline's quantizer writes them (qurl/sync/arena.py: no packing copy): announcements,
   broadcasts, and the receiver validating every chunk and adopting it as the engine's tensor (as
   LocalEngine does with the receiver's double-banked buffers: no copy) and acking after the last
   bucket; `copy/raw` is the same with an engine that copies every chunk into its own tensors,
-  `packed/raw` that plus chunks in separate tensors the Sender first copies into a send buffer;
+  `packed/raw` that plus chunks in separate tensors the WeightSender first copies into a send buffer;
 - raw: pre-filled uint8 buffers of the same bucket sizes broadcast back to back, nothing else;
   `sync/raw` is the share of the raw broadcast rate the sync achieves; `no-apply/raw` the same
   when the receiver drops the chunks instead of copying them into the engine (transport only);
@@ -33,8 +33,8 @@ from qurl.config import SyncConfig
 from qurl.quant.formats import all_finite
 from qurl.sync.arena import ArenaQuantizer, ChunkArena
 from qurl.sync.group import WeightGroup, free_port
-from qurl.sync.receiver import Receiver
-from qurl.sync.sender import Sender, engine_chunks
+from qurl.sync.receiver import WeightReceiver
+from qurl.sync.sender import WeightSender, engine_chunks
 
 # Synthetic shapes: qurl's `small` preset (~104M) and Qwen2.5-0.5B's (~494M, tied embeddings).
 SHAPES = {"small": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384),
@@ -100,7 +100,7 @@ def _receiver(port: int, ctl: Any, ann_q: Any, ack_q: Any) -> None:
 
     group = WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=300)
     sink = _SinkEngine()
-    rec = Receiver(group, sink)  # type: ignore[arg-type]
+    rec = WeightReceiver(group, sink)  # type: ignore[arg-type]
     raw_bufs: dict[tuple[int, ...], list[torch.Tensor]] = {}
     while True:
         cmd = ctl.get()
@@ -149,7 +149,7 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
             ann_q.put(a.to_dict())
             return (lambda: ack_q.get(timeout=300)) if a.last else None
 
-        def sync(sender: Sender, data, apply: bool = True, copy: bool = False) -> float:
+        def sync(sender: WeightSender, data, apply: bool = True, copy: bool = False) -> float:
             sizes.clear()
             ctl.put(("sync", apply, copy))
             return sender.send(data, version=1, announce=announce).total_s
@@ -168,7 +168,7 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
             quant_s = time.perf_counter() - t0
             arena = ChunkArena(loose, budget)  # the same chunks, laid out in wire buckets
             placed = [(n, arena.views[n].copy_(t)) for n, t in loose]
-            sender = Sender(group, fmt="none", bucket_bytes=budget)  # chunks already 8-bit
+            sender = WeightSender(group, bucket_bytes=budget)  # chunks already 8-bit
             # what the pipeline runs for SGLang engines, from fp32 (the same chunks and layout)
             quantizer = ArenaQuantizer(fmt, budget, wire_dtype=torch.bfloat16)
             for _ in range(2):  # warm-up (builds the quantizer's two arenas)
@@ -213,7 +213,7 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
           "announce + broadcast + the receiver validating every chunk and adopting it (double-"
           "banked receive buffers, as LocalEngine does) + ack; no-apply: the receiver drops the "
           "chunks (transport only); copy: the receiver copies every chunk into the engine's own "
-          "tensors; packed: copy, and the chunks are separate tensors the Sender first copies into "
+          "tensors; packed: copy, and the chunks are separate tensors the WeightSender first copies into "
           "a send buffer (the path before arenas); raw: gloo broadcast of the same bucket sizes; "
           "quantize: fp32 -> chunks in fresh tensors; e2e: quantize into the arena + sync")
     print(f"bytes per sync int8 / bf16 = {results['int8']['bytes'] / results['bf16']['bytes']:.3f}")

@@ -9,7 +9,7 @@ the receiver never holds a second copy of the model.
 
 It does exactly what SGLang's receiver does for the same announcement (`flattened_bucket`: one
 uint8 buffer per bucket, tensors rebuilt from names/dtypes/shapes with recomputed offsets;
-`per_tensor`: one broadcast per tensor in the announced order), so one Sender drives SGLang
+`per_tensor`: one broadcast per tensor in the announced order), so one WeightSender drives SGLang
 servers and local engines in the same group.
 
 Invariants:
@@ -46,7 +46,7 @@ class ReceiveStats:
     versions_seen: list[int] = field(default_factory=list)  # engine.version at each bucket boundary
 
 
-class Receiver:
+class WeightReceiver:
     """Rank > 0 of a WeightGroup feeding `engine`.
 
     Buffers (reuse_buffers=True). Flattened buckets are received into buffers kept across syncs:
@@ -64,7 +64,7 @@ class Receiver:
 
     def __init__(self, group: WeightGroup, engine: Engine, reuse_buffers: bool = True) -> None:
         if group.rank == 0:
-            raise ValueError("Receiver cannot be rank 0 (rank 0 is the learner's Sender)")
+            raise ValueError("WeightReceiver cannot be rank 0 (rank 0 is the learner's WeightSender)")
         self.group, self.engine, self.reuse_buffers = group, engine, reuse_buffers
         self.adopt = reuse_buffers and bool(getattr(engine, "adopts_chunks", False))
         self._ring: list[torch.Tensor | None] = [None] * self.RING

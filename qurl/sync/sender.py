@@ -1,8 +1,11 @@
-"""Learner side of a weight sync: named weights -> 8-bit chunks -> byte buckets -> broadcast.
+"""Learner side of a weight sync: engine chunks -> byte buckets -> broadcast (transport only).
 
-One sync of version v, run on learner rank 0:
+One sync of version v, run on learner rank 0 (the quantizing is the caller's: the production
+syncs quantize into wire-bucket arenas, qurl/sync/arena.py; `engine_chunks` is the lazy form of
+the same rule, for checkpoints and tests):
 
-    named_weights()  ->  engine_chunks(fmt)  ->  plan_buckets(budget)  ->  for each bucket:
+    named_weights()  ->  ArenaQuantizer / engine_chunks(fmt)  ->  WeightSender.send:
+        plan_buckets(budget)  ->  for each bucket:
         pack into one uint8 buffer -> announce(metadata) -> broadcast(buffer) -> wait for receivers
 
 `named_weights()` yields HF names with UAQ's invariant scaling already in the master weights, so
@@ -29,8 +32,8 @@ Two wire formats, both exactly what SGLang 0.5.23's receiver
 `flattened_bucket` — ONE broadcast of the bucket's uint8 buffer (see qurl/sync/buckets.py);
 `per_tensor` (SGLang's `load_format=None`) — one broadcast per tensor, in the announced order.
 
-Timings per sync (seconds): gather (waiting on `named`, i.e. the learner's TP gather), quantize,
-pack (copy into the bucket buffer; none when the chunks are already laid out in one,
+Timings per sync (seconds): gather (waiting on the chunks, i.e. the learner's TP gather),
+quantize (filled by the caller that quantized), pack (copy into the bucket buffer; none when the chunks are already laid out in one,
 see qurl/sync/arena.py), send (broadcast), load (waiting for receivers after the
 broadcast); plus bytes, buckets, tensors.
 """
@@ -131,19 +134,19 @@ class SyncStats:
 Announce = Callable[[BucketAnnouncement], "Callable[[], None] | None"]
 
 
-class Sender:
-    """Rank 0 of a WeightGroup. `send` runs one sync; see the module docstring."""
+class WeightSender:
+    """Rank 0 of a WeightGroup: transport only. `send` buckets and broadcasts engine chunks that
+    are already what the engines load (quantized by qurl.sync.arena.ArenaQuantizer, or by
+    `engine_chunks`); see the module docstring."""
 
-    def __init__(self, group: WeightGroup, fmt: str = "int8", bucket_bytes: int = 64 << 20,
-                 load_format: str = "flattened_bucket", wire_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, group: WeightGroup, bucket_bytes: int = 64 << 20,
+                 load_format: str = "flattened_bucket") -> None:
         if group.rank != 0:
-            raise ValueError(f"Sender must be rank 0 of the weight group, got rank {group.rank}")
-        if fmt not in SYNC_FORMATS:
-            raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(SYNC_FORMATS)}")
+            raise ValueError(f"WeightSender must be rank 0 of the weight group, got rank {group.rank}")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: must be one of {LOAD_FORMATS}")
-        self.group, self.fmt, self.load_format = group, fmt, load_format
-        self.bucket_bytes, self.wire_dtype = int(bucket_bytes), wire_dtype
+        self.group, self.load_format = group, load_format
+        self.bucket_bytes = int(bucket_bytes)
         self._bufs: list[torch.Tensor | None] = [None, None]  # double buffer, see send()
 
     def _buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
@@ -153,24 +156,21 @@ class Sender:
                                               dtype=torch.uint8, device=self.group.device)
         return buf
 
-    def _timed_chunks(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats
+    def _timed_chunks(self, chunks: Iterable[tuple[str, torch.Tensor]], stats: SyncStats
                       ) -> Iterator[tuple[str, torch.Tensor]]:
         waited = [0.0]
-        for item in timed_items(named, waited):
-            t0 = time.perf_counter()
-            chunks = list(engine_chunks([item], self.fmt, self.wire_dtype))
-            stats.quantize_s += time.perf_counter() - t0
+        for item in timed_items(chunks, waited):
             stats.gather_s = waited[0]
-            yield from chunks
+            yield item
         stats.gather_s = waited[0]
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
+    def send(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int,
              announce: Announce | None = None) -> SyncStats:
-        """Quantize, bucket and broadcast `named` as version `version`. Every receiver must be
+        """Bucket and broadcast engine `chunks` as version `version`. Every receiver must be
         told each announcement (via `announce`) and take part in each broadcast.
 
-        Pipelined: bucket i+1 is gathered, quantized and packed (into the other of two buffers)
-        while bucket i's broadcast is in flight; announcements and broadcasts stay in order."""
+        Pipelined: bucket i+1 is gathered and packed (into the other of two buffers) while
+        bucket i's broadcast is in flight; announcements and broadcasts stay in order."""
         stats = SyncStats(version=version)
         t_start = time.perf_counter()
         inflight: tuple[list, Callable[[], None] | None] | None = None
@@ -188,7 +188,7 @@ class Sender:
             stats.send_s += t1 - t0
             stats.load_s += time.perf_counter() - t1
 
-        buckets = plan_buckets(self._timed_chunks(named, stats), self.bucket_bytes)
+        buckets = plan_buckets(self._timed_chunks(chunks, stats), self.bucket_bytes)
         for index, bucket in enumerate(buckets):
             t0 = time.perf_counter()
             tensors = [(n, t.to(self.group.device)) for n, t in bucket.tensors]
