@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(p)
     p.add_argument("--out", default="runs/ablation")
     p.add_argument("--arms", default="", help="comma-separated arms (bf16-ppo, int8-naive, "
-                   "int8-tis, int8-acr, int8-acr-uaq, the same with fp8; int8 / fp8 = their four "
-                   "arms; default: all)")
+                   "int8-tis, int8-acr, int8-acr-uaq, the same with fp8 and w4a16; int8 / fp8 / "
+                   "w4a16 = their four arms; default: bf16 + int8 + fp8, w4a16 being the stress "
+                   "setting)")
     p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], metavar="S,S,...")
     p.add_argument("--jobs", type=int, default=1,
                    help="arms run at once (each its own process; pair with run.torch_threads)")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from qurl.config import load_config
-from qurl.studies.ablation import ARM_NAMES, arm_configs, select_arms
+from qurl.studies.ablation import ARM_NAMES, DEFAULT_ARMS, arm_configs, select_arms
 from qurl.studies.tables import (collapse_step, pair_rows, run_row, seed_rows, summarize,
                                  write_tables)
 
@@ -28,11 +28,14 @@ def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: fl
 
 
 def test_select_arms_groups_and_errors():
-    assert select_arms("") == list(ARM_NAMES)
+    assert select_arms("") == list(DEFAULT_ARMS)
+    assert len(DEFAULT_ARMS) == 9 and not any(a.startswith("w4a16") for a in DEFAULT_ARMS)
+    assert select_arms("w4a16,bf16-ppo")[1:] == ["w4a16-naive", "w4a16-tis", "w4a16-acr",
+                                                 "w4a16-acr-uaq"]
     assert select_arms("int8") == ["int8-naive", "int8-tis", "int8-acr", "int8-acr-uaq"]
     assert select_arms("fp8-acr,bf16-ppo") == ["bf16-ppo", "fp8-acr"]  # ARMS order
-    with pytest.raises(ValueError, match="int4-naive"):
-        select_arms("bf16-ppo,int4-naive")
+    with pytest.raises(ValueError, match="int2-naive"):
+        select_arms("bf16-ppo,int2-naive")
 
 
 def test_arm_configs_differ_only_in_precision_loss_and_uaq(tmp_path):

@@ -9,8 +9,10 @@ Arms (every other config field is the caller's, so all arms share data, model, s
     <q>-acr            8-bit rollout, TIS + Adaptive Clipping Range, UAQ off
     <q>-acr-uaq        8-bit rollout, ACR + update-aware scaling s (the config's, 1.5 if it is 1)
 
-for q in int8 and fp8 (per channel). ρ = π_prox/π_behav is the importance ratio between the
-learner's recomputed pre-update policy and the engine that sampled; C = algo.tis_cap.
+for q in int8 and fp8 (W8A8 per channel), and, only when asked for (`--arms w4a16`), w4a16: the
+declared stress setting, 4-bit weight-only group-wise rollout (qurl.quant.int4). ρ = π_prox/π_behav
+is the importance ratio between the learner's recomputed pre-update policy and the engine that
+sampled; C = algo.tis_cap.
 
 Each (seed, arm) runs as its own `qurl train` process through `qurl.pipeline.compare.run_arm`
 under `<out>/seed<S>/<arm>/`; a finished arm with the same config is reused, so an interrupted
@@ -38,29 +40,33 @@ _QUANT_ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("acr", {"algo.loss": "acr", "algo.uaq_scale": 1.0}),
     ("acr-uaq", {"algo.loss": "acr"}),  # uaq_scale: the config's (1.5 if it is 1)
 )
+QUANT_FORMATS = ("int8", "fp8", "w4a16")
 ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     (BASELINE, {"rollout.precision": "bf16", "algo.loss": "ppo", "algo.uaq_scale": 1.0}),
-    *((f"{q}-{name}", {"rollout.precision": q, **sets}) for q in ("int8", "fp8")
+    *((f"{q}-{name}", {"rollout.precision": q, **sets}) for q in QUANT_FORMATS
       for name, sets in _QUANT_ARMS),
 )
 ARM_NAMES: tuple[str, ...] = tuple(name for name, _ in ARMS)
+# the default study: the paper's 8-bit formats; int4 (weight-only, qurl.quant.int4) is the declared
+# stress setting, run only when asked for (--arms w4a16 or its arm names)
+DEFAULT_ARMS: tuple[str, ...] = tuple(n for n in ARM_NAMES if not n.startswith("w4a16-"))
 
 
 def select_arms(spec: str | None) -> list[str]:
-    """Arm names from a comma list (ARMS order); `int8`/`fp8` stand for their four arms.
-    Empty/None: all. Unknown names are a ValueError naming them."""
+    """Arm names from a comma list (ARMS order); `int8`/`fp8`/`w4a16` stand for their four arms.
+    Empty/None: DEFAULT_ARMS. Unknown names are a ValueError naming them."""
     if not spec:
-        return list(ARM_NAMES)
+        return list(DEFAULT_ARMS)
     wanted: set[str] = set()
     for part in (p.strip() for p in spec.split(",") if p.strip()):
-        group = [n for n in ARM_NAMES if n.startswith(part + "-")] if part in ("int8", "fp8") else []
+        group = [n for n in ARM_NAMES if n.startswith(part + "-")] if part in QUANT_FORMATS else []
         if group:
             wanted.update(group)
         elif part in ARM_NAMES:
             wanted.add(part)
         else:
             raise ValueError(f"ablation arm {part!r}: unknown (known: {', '.join(ARM_NAMES)}, "
-                             "or int8 / fp8 for their four arms)")
+                             "or int8 / fp8 / w4a16 for their four arms)")
     return [n for n in ARM_NAMES if n in wanted]
 
 
@@ -115,7 +121,7 @@ def ablation(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[s
     from qurl.studies.tables import write_tables
 
     out = Path(out_dir)
-    records = run_study(cfg, out, seeds=seeds, arms=arms or list(ARM_NAMES), jobs=jobs)
+    records = run_study(cfg, out, seeds=seeds, arms=arms or list(DEFAULT_ARMS), jobs=jobs)
     path = write_tables(records, out, baseline=BASELINE)
     plot_study(records, out / "ablation_step.png")
     print(path.read_text(), flush=True)

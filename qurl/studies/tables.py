@@ -106,7 +106,7 @@ def pair_rows(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
     each 8-bit format's naive and acr+uaq vs the baseline, acr vs tis, acr+uaq vs acr."""
     arms = set(r["arm"] for r in rows)
     out = []
-    for q in ("int8", "fp8"):
+    for q in ("int8", "fp8", "w4a16"):
         for arm, ref in ((f"{q}-naive", baseline), (f"{q}-acr-uaq", baseline),
                          (f"{q}-acr", f"{q}-tis"), (f"{q}-acr-uaq", f"{q}-acr")):
             if arm in arms and ref in arms:
