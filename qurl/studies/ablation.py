@@ -17,7 +17,7 @@ sampled; C = algo.tis_cap.
 Each (seed, arm) runs as its own `qurl train` process through `qurl.pipeline.compare.run_arm`
 under `<out>/seed<S>/<arm>/`; a finished arm with the same config is reused, so an interrupted
 study continues where it stopped. `--jobs N` runs N arms at once (give each a thread:
-`--set run.torch_threads=1`); the base model of each seed is built once before its arms start.
+`--set run.torch_threads=1`); the base model of each seed is built once, by its first arm.
 
 What it writes into `<out>/` (see qurl/studies/tables.py for the exact definitions):
 `ablation.md` / `ablation.csv` (one row per arm over seeds), `ablation_seeds.csv` (one row per
@@ -26,6 +26,7 @@ and `ablation_step.png` (reward, accuracy and KL(behav‖prox) against step, mea
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -98,15 +99,18 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
         seed_cfgs = arm_configs(override(cfg, {"run.seed": s}), out / f"seed{s}", arms)
         todo.extend(seed_cfgs.values())
 
+    # one warm start per seed, built by the first of its arms to start (the others wait for it)
+    base_locks = {c.run.dir: threading.Lock() for c in todo}
+
     def one(arm_cfg: Config) -> None:
+        if cfg.model.preset != "path":
+            with base_locks[arm_cfg.run.dir]:
+                build_base(arm_cfg)
         print(f"[ablation] seed {arm_cfg.run.seed} {arm_cfg.run.name}: {arm_cfg.run.steps} steps",
               flush=True)
         run_arm(arm_cfg, Path(arm_cfg.run.dir))
         print(f"[ablation] seed {arm_cfg.run.seed} {arm_cfg.run.name}: done", flush=True)
 
-    if cfg.model.preset != "path":  # one warm start per seed, before arms share it
-        for c in {c.run.dir: c for c in todo}.values():
-            build_base(c)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for fut in [pool.submit(one, c) for c in todo]:
             fut.result()
