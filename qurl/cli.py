@@ -1,10 +1,12 @@
-"""`qurl` command line: train, eval, report, compare, bench, launch.
+"""`qurl` command line: train, eval, report, compare, study, bench, launch.
 
     qurl train [--preset cpu-tiny] [--config run.toml] [--set section.field=value ...]
     qurl train --resume runs/<run> [--set run.steps=80]
     qurl eval runs/<run>            greedy accuracy of the latest checkpoint
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
+    qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--set ...] --out DIR
+                                    bf16 ppo vs int8/fp8 naive, tis, acr, acr+UAQ over seeds
     qurl bench engine|stream|sync   side-by-side throughput numbers
     qurl launch --preset P --dry-run  per-node torchrun + SGLang commands
 """
@@ -106,6 +108,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from qurl.studies.ablation import ablation, select_arms
+
+    try:
+        arms = select_arms(args.arms)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs {args.jobs}: must be >= 1")
+    ablation(load_config(args.preset, args.config, args.set), args.out, seeds=args.seeds,
+             arms=arms, jobs=args.jobs)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else argv
@@ -137,6 +153,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the compare once per seed (OUT/seed<S>/) and summarise over the "
                    "seeds in OUT/compare_seeds.md (default: run.seed only)")
     p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("study", help="studies over many runs: ablation (qurl/studies/)")
+    p.add_argument("what", choices=("ablation",))
+    _add_config_args(p)
+    p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--arms", default="", help="comma-separated arms (bf16-ppo, int8-naive, "
+                   "int8-tis, int8-acr, int8-acr-uaq, the same with fp8 and w4a16; int8 / fp8 / "
+                   "w4a16 = their four arms; default: bf16 + int8 + fp8, w4a16 being the stress "
+                   "setting)")
+    p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], metavar="S,S,...")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="arms run at once (each its own process; pair with run.torch_threads)")
+    p.set_defaults(fn=cmd_study)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "stream", "sync"))
     p.add_argument("--preset-model", default="small")

@@ -60,7 +60,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "local"  # local | sglang
-    precision: str = "int8"  # bf16 | int8 | fp8 (per channel) | fp8_block (128x128; sglang only)
+    # bf16 | int8 | fp8 (per channel) | fp8_block (128x128; sglang only) | w4a16 (int4
+    # weight-only, groups of 128; local engine only: the ablation study's declared stress format)
+    precision: str = "int8"
     group_size: int = 8  # G samples per prompt
     prompts_per_step: int = 16
     max_new_tokens: int = 32
@@ -167,7 +169,7 @@ _CHOICES = {
     "data.format": ("auto", "gsm8k", "math", "deepscaler", "dapo", "custom"),
     "data.template": ("plain", "boxed", "chat"),
     "rollout.engine": ("local", "sglang"),
-    "rollout.precision": ("bf16", "int8", "fp8", "fp8_block"),
+    "rollout.precision": ("bf16", "int8", "fp8", "fp8_block", "w4a16"),
     "rollout.mode": ("sync", "async"),
     "rollout.workers": ("local", "external"),
     "algo.loss": ("ppo", "naive", "decoupled", "tis", "acr"),
@@ -217,6 +219,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"learner.dp={cfg.learner.dp}: must divide the mini-batch of "
                           f"{batch // cfg.algo.mini_batches} sequences (prompts_per_step*group_size"
                           f"/algo.mini_batches)")
+    if cfg.rollout.precision == "w4a16" and cfg.rollout.engine != "local":
+        raise ConfigError("rollout.precision='w4a16': the weight-only 4-bit stress format of the "
+                          "ablation study runs on the local engine only (rollout.engine='local')")
     if cfg.rollout.precision == "fp8_block" and cfg.rollout.engine != "sglang":
         raise ConfigError("rollout.precision='fp8_block': SGLang's block-scaled FP8 needs "
                           "rollout.engine='sglang' (the local engine runs int8/fp8 per channel)")

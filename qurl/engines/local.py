@@ -1,9 +1,11 @@
-"""The local rollout engine: a batched, KV-cached sampling decoder over an HF model, in bf16/int8/fp8.
+"""The local rollout engine: a batched, KV-cached sampling decoder over an HF model, in bf16/int8/fp8
+(and w4a16, int4 weight-only: the ablation study's declared stress format, qurl.quant.int4).
 
 On CPU machines this is the engine; everywhere it is the numerical reference for what an 8-bit
-rollout engine should return. It wraps the HF Qwen2/Llama model loaded from a checkpoint dir and, for
-`precision` "int8" / "fp8", swaps the seven linears of every decoder layer (q/k/v/o, gate/up/down)
-for the W8A8 modules of `qurl.engines.qlinear`; embeddings, lm_head, norms, attention math and the KV
+rollout engine should return. It wraps the HF Qwen2/Llama model loaded from a checkpoint dir and,
+for `precision` "int8" / "fp8" (W8A8) or "w4a16" (int4 weights), swaps the seven linears of every
+decoder layer (q/k/v/o, gate/up/down) for the quantized modules of `qurl.engines.qlinear`;
+embeddings, lm_head, norms, attention math and the KV
 cache stay in the full-precision compute `dtype` ("bf16" precision = no quantization at all, weights
 in `dtype`; tests use float32 on CPU).
 
@@ -37,10 +39,10 @@ from torch import nn
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
-from qurl.quant.formats import all_finite, quantize_per_channel
+from qurl.quant.formats import all_finite
 from qurl.types import GenRequest, GenResult
 
-PRECISIONS = ("bf16", "int8", "fp8")
+PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
 LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -183,7 +185,7 @@ class LocalEngine:
             else:
                 if s is not None:
                     raise ValueError(f"{name + SCALE}: scale sent with a full-precision {name}")
-                codes, scale = quantize_per_channel(w, qmod.fmt)  # type: ignore[arg-type]
+                codes, scale = qmod.quantize(w)
                 writes[name], writes[name + SCALE] = codes, scale
         return writes
 

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from qurl.quant.formats import code_dtype, fp8_has_nan, quantize_per_channel, quantize_per_token
+from qurl.quant.int4 import (INT4_GROUP, check_int4_codes, dequantize_int4_groups,
+                             quantize_int4_groups)
 
 
 def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -103,10 +105,14 @@ class QuantLinear(nn.Module):
         w = linear.weight.detach()
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None,
                   w.dtype, device=w.device)
-        mod.load_codes(*quantize_per_channel(w, mod.fmt))  # type: ignore[arg-type]
+        mod.load_codes(*mod.quantize(w))
         if linear.bias is not None:
             mod.bias.copy_(linear.bias.detach())
         return mod
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full-precision weight [out, in] -> (codes, scale) in this layer's format."""
+        return quantize_per_channel(w, self.fmt)  # type: ignore[arg-type]
 
     def check_codes(self, codes: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> None:
         """Raise ValueError (naming `name`) unless codes/scale fit this layer; writes nothing."""
@@ -194,11 +200,56 @@ class Fp8Linear(QuantLinear):
         return xq.to(torch.float32) @ self._widened().t()
 
 
-QUANT_LINEARS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "fp8": Fp8Linear}
+class Int4Linear(QuantLinear):
+    """W4A16 linear (the study's stress format, qurl.quant.int4): int4 codes [out, in] held in int8
+    with fp32 group scales [out, in // 128]; activations stay in full precision. The forward
+    dequantizes the weight once per new set of codes (cached on the buffer's version counter, as
+    Fp8Linear's widening) and runs a float matmul in the input's dtype."""
+
+    fmt = "w4a16"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, bias_dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        nn.Module.__init__(self)
+        if in_features % INT4_GROUP:
+            raise ValueError(f"int4 linear: in_features={in_features} is not a multiple of the "
+                             f"group size {INT4_GROUP}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, in_features // INT4_GROUP,
+                                                        dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
+        else:
+            self.bias = None
+        self._deq: tuple[int, int, torch.dtype, torch.Tensor] | None = None
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int4_groups(w)
+
+    def check_codes(self, codes: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> None:
+        check_int4_codes(codes, scale, (self.out_features, self.in_features), name=name)
+
+    def _weight(self, dtype: torch.dtype) -> torch.Tensor:
+        key = (self.weight._version, self.weight_scale._version, dtype)
+        if self._deq is None or self._deq[:3] != key:
+            self._deq = (*key, dequantize_int4_groups(self.weight, self.weight_scale, dtype))
+        return self._deq[3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] -> [..., out] in x.dtype."""
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return nn.functional.linear(x, self._weight(x.dtype), bias)
+
+
+QUANT_LINEARS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "fp8": Fp8Linear,
+                                               "w4a16": Int4Linear}
 
 
 def from_linear(linear: nn.Linear, fmt: str) -> QuantLinear:
-    """nn.Linear -> Int8Linear (fmt "int8") or Fp8Linear (fmt "fp8"), weights quantized per channel."""
+    """nn.Linear -> Int8Linear (fmt "int8"), Fp8Linear (fmt "fp8"), weights quantized per channel,
+    or Int4Linear (fmt "w4a16", weight-only, per group of 128 columns)."""
     if fmt not in QUANT_LINEARS:
         raise ValueError(f"fmt must be one of {tuple(QUANT_LINEARS)}, got {fmt!r}")
     return QUANT_LINEARS[fmt].from_linear(linear)

@@ -27,9 +27,7 @@ def _base_key(cfg: Config) -> str:
 
 def prepare_base_model(cfg: Config, run_dir: Path) -> str:
     """Return the HF checkpoint dir RL starts from (inside the run dir for built models)."""
-    from qurl.models.hf import build_model, check_checkpoint
-    from qurl.models.tokenizer import build_tokenizer
-    from qurl.models.warmstart import sft_warmstart
+    from qurl.models.hf import check_checkpoint
 
     if cfg.model.preset == "path":
         check_checkpoint(cfg.model.path)
@@ -37,6 +35,18 @@ def prepare_base_model(cfg: Config, run_dir: Path) -> str:
     target = Path(run_dir) / "base_model"
     if (target / "config.json").exists():
         return str(target)
+    shutil.copytree(build_base(cfg), target, dirs_exist_ok=True)
+    return str(target)
+
+
+def build_base(cfg: Config) -> Path:
+    """The cached base model of a tiny/small preset (`<run.dir>/_base/<preset>-<key>/`), built and
+    warm-started first if missing. Two processes must not build the same key at once (they share
+    its .tmp dir): callers that start runs side by side build it once beforehand."""
+    from qurl.models.hf import build_model
+    from qurl.models.tokenizer import build_tokenizer
+    from qurl.models.warmstart import sft_warmstart
+
     cache = Path(cfg.run.dir) / "_base" / f"{cfg.model.preset}-{_base_key(cfg)}"
     if not (cache / "config.json").exists():
         tmp = cache.with_name(cache.name + ".tmp")
@@ -55,5 +65,4 @@ def prepare_base_model(cfg: Config, run_dir: Path) -> str:
         else:
             shutil.move(str(init), str(cache))
         shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(cache, target, dirs_exist_ok=True)
-    return str(target)
+    return cache

@@ -14,6 +14,8 @@ with fmt "fp8_block" (SGLang's `fp8` method with `weight_block_size` [128, 128])
 
 Everything else (embeddings, lm_head, norms, biases) passes through untouched: those stay in full
 precision in a W8A8 model. With fmt "bf16" nothing is quantized (the full-precision rollout baseline).
+With fmt "w4a16" (the study's weight-only stress format, qurl.quant.int4) the codes are int8 values
+in [-7, 7] and `_scale` holds one fp32 scale per group of 128 input columns: [out, in // 128].
 
 Invariant: `dequantize_named(dict(quantize_named(chunks, fmt)))` has exactly the names of `chunks`,
 with linears equal to their quantization round trip and everything else identical.
@@ -28,11 +30,12 @@ import torch
 
 from qurl.quant.formats import (FORMATS, dequantize_fp8_block, dequantize_per_channel,
                                 quantize_fp8_block, quantize_per_channel)
+from qurl.quant.int4 import dequantize_int4_groups, quantize_int4_groups
 
 SCALE_SUFFIX = "_scale"
 BLOCK_SCALE_SUFFIX = "_scale_inv"
 FP8_BLOCK = 128
-NAMED_FORMATS: tuple[str, ...] = (*FORMATS, "fp8_block", "bf16")
+NAMED_FORMATS: tuple[str, ...] = (*FORMATS, "fp8_block", "w4a16", "bf16")
 
 _LINEAR_RE = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
@@ -47,7 +50,8 @@ def is_quantized_linear(name: str) -> bool:
 def quantize_named(
     chunks: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], fmt: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the engine-ready chunks for `chunks` in format `fmt` ("int8", "fp8", "fp8_block", "bf16").
+    """Yield the engine-ready chunks for `chunks` in format `fmt` ("int8", "fp8", "fp8_block",
+    "w4a16", "bf16").
 
     Lazy: one input chunk is quantized at a time, so a sync never holds two copies of the model.
     """
@@ -59,6 +63,8 @@ def quantize_named(
             try:
                 if fmt == "fp8_block":
                     codes, scale = quantize_fp8_block(tensor, FP8_BLOCK)
+                elif fmt == "w4a16":
+                    codes, scale = quantize_int4_groups(tensor)
                 else:
                     codes, scale = quantize_per_channel(tensor, fmt)  # type: ignore[arg-type]
             except ValueError as err:
@@ -96,8 +102,11 @@ def dequantize_named(
                 raise ValueError(f"{name}: scale without its codes {base!r}")
             continue
         if tensor.dtype in (torch.int8, torch.float8_e4m3fn):
-            if name + SCALE_SUFFIX in named:
-                out[name] = dequantize_per_channel(tensor, named[name + SCALE_SUFFIX], dtype)
+            scale = named.get(name + SCALE_SUFFIX)
+            if scale is not None and scale.dim() == 2 and scale.shape[1] > 1:  # int4 groups
+                out[name] = dequantize_int4_groups(tensor, scale, dtype)
+            elif scale is not None:
+                out[name] = dequantize_per_channel(tensor, scale, dtype)
             elif name + BLOCK_SCALE_SUFFIX in named:
                 out[name] = dequantize_fp8_block(tensor, named[name + BLOCK_SCALE_SUFFIX], block, dtype)
             else:

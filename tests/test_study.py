@@ -1,0 +1,111 @@
+"""`qurl study ablation`: arm selection and configs, collapse detection, and the summary over seeds
+from hand-made metrics records (no training here)."""
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+
+from qurl.config import load_config
+from qurl.studies.ablation import ARM_NAMES, DEFAULT_ARMS, arm_configs, select_arms
+from qurl.studies.tables import (collapse_step, pair_rows, run_row, seed_rows, summarize,
+                                 write_tables)
+
+
+def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: float = 0.05,
+             clip: float = 0.01) -> list[dict]:
+    """A run: an eval at step 0, one train record per reward, evals spread over the run."""
+    n = len(rewards)
+    recs = [{"kind": "eval", "step": 0, "accuracy": accs[0]}]
+    for i, r in enumerate(rewards, start=1):
+        recs.append({"kind": "train", "step": i, "reward": r, "kl_behav_prox": kl,
+                     "flip_frac": flip, "clip_frac_low": clip, "clip_frac_high": clip / 2,
+                     "tis_trunc_frac": 0.0, "acr_widened_frac": 0.0, "is_ratio_max": 1.5})
+    for j, a in enumerate(accs[1:], start=1):
+        recs.append({"kind": "eval", "step": n * j // (len(accs) - 1), "accuracy": a})
+    return recs
+
+
+def test_select_arms_groups_and_errors():
+    assert select_arms("") == list(DEFAULT_ARMS)
+    assert len(DEFAULT_ARMS) == 9 and not any(a.startswith("w4a16") for a in DEFAULT_ARMS)
+    assert select_arms("w4a16,bf16-ppo")[1:] == ["w4a16-naive", "w4a16-tis", "w4a16-acr",
+                                                 "w4a16-acr-uaq"]
+    assert select_arms("int8") == ["int8-naive", "int8-tis", "int8-acr", "int8-acr-uaq"]
+    assert select_arms("fp8-acr,bf16-ppo") == ["bf16-ppo", "fp8-acr"]  # ARMS order
+    with pytest.raises(ValueError, match="int2-naive"):
+        select_arms("bf16-ppo,int2-naive")
+
+
+def test_arm_configs_differ_only_in_precision_loss_and_uaq(tmp_path):
+    cfg = load_config(sets=["run.steps=7", "algo.uaq_scale=1.0", "algo.tis_cap=1.3"])
+    arms = arm_configs(cfg, tmp_path, list(ARM_NAMES))
+    base, naive = arms["bf16-ppo"], arms["int8-naive"]
+    assert (base.rollout.precision, base.algo.loss, base.algo.uaq_scale) == ("bf16", "ppo", 1.0)
+    assert (naive.rollout.precision, naive.algo.loss, naive.algo.uaq_scale) == ("int8", "naive", 1.0)
+    assert arms["fp8-acr"].algo.uaq_scale == 1.0
+    assert arms["fp8-acr-uaq"].algo.uaq_scale == 1.5  # config had UAQ off: the study's default s
+    assert {a.run.steps for a in arms.values()} == {7}
+    assert {a.algo.tis_cap for a in arms.values()} == {1.3}
+    assert {a.run.dir for a in arms.values()} == {str(tmp_path)}
+    assert sorted(a.run.name for a in arms.values()) == sorted(ARM_NAMES)
+
+
+def test_collapse_step_needs_a_fall_that_does_not_recover():
+    steps = list(range(1, 41))
+    flat = [0.6] * 40
+    assert collapse_step(steps, flat) is None
+    # falls to 0 from step 21 on: the 10-step trailing mean drops below 0.3 once >5 zeros are in it
+    fall = [0.6] * 20 + [0.0] * 20
+    assert collapse_step(steps, fall) == 26  # window 17..26 holds 6 zeros: mean 0.24 < 0.3
+    # the same fall, recovered at the end: not a collapse
+    recovered = [0.6] * 20 + [0.0] * 10 + [0.6] * 10
+    assert collapse_step(steps, recovered) is None
+    # a dip below half that comes back, then a final collapse: the final one counts
+    late = [0.6] * 10 + [0.0] * 8 + [0.6] * 12 + [0.0] * 10
+    assert collapse_step(steps, late) == 36
+    assert collapse_step(steps[:5], [0.5] * 5) is None  # shorter than the window
+    assert collapse_step(steps, [0.0] * 40) is None  # nothing to fall from
+    with pytest.raises(ValueError, match="40 steps but 39"):
+        collapse_step(steps, flat[:39])
+
+
+def test_run_row_means_and_ends():
+    row = run_row(_records([0.2] * 10 + [0.4] * 20 + [0.8] * 10, [0.3, 0.5, 0.7], kl=2e-3))
+    assert row["steps"] == 40
+    assert (row["acc_initial"], row["acc_final"]) == (0.3, 0.7)
+    assert row["reward_first"] == pytest.approx(0.2) and row["reward_last"] == pytest.approx(0.8)
+    assert row["kl"] == pytest.approx(2e-3) and row["clip_high"] == pytest.approx(0.005)
+    assert row["collapse_step"] is None
+    with pytest.raises(ValueError, match="no train or no eval"):
+        run_row([{"kind": "eval", "step": 0, "accuracy": 0.5}])
+
+
+def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
+    ok, dead = [0.6] * 40, [0.6] * 20 + [0.0] * 20
+    records = {
+        0: {"bf16-ppo": _records(ok, [0.5, 0.60]), "int8-naive": _records(dead, [0.5, 0.20]),
+            "int8-tis": _records(ok, [0.5, 0.55]), "int8-acr": _records(ok, [0.5, 0.58])},
+        1: {"bf16-ppo": _records(ok, [0.5, 0.70]), "int8-naive": _records(ok, [0.5, 0.60]),
+            "int8-tis": _records(ok, [0.5, 0.61]), "int8-acr": _records(ok, [0.5, 0.66])},
+    }
+    rows = seed_rows(records)
+    by = {r["arm"]: r for r in summarize(rows, "bf16-ppo")}
+    assert by["bf16-ppo"]["acc_final"] == pytest.approx(0.65)
+    assert by["bf16-ppo"]["acc_final_sd"] == pytest.approx(math.sqrt(0.005))  # (0.6, 0.7): n-1
+    assert math.isnan(by["bf16-ppo"]["acc_vs_base"])
+    # paired: (0.2 - 0.6, 0.6 - 0.7) = (-0.4, -0.1)
+    assert by["int8-naive"]["acc_vs_base"] == pytest.approx(-0.25)
+    assert by["int8-naive"]["acc_vs_base_sd"] == pytest.approx(math.sqrt(0.045))
+    assert by["int8-naive"]["collapsed"] == "1/2" and by["int8-naive"]["collapse_step"] == 26
+    assert by["int8-acr"]["collapsed"] == "0/2" and math.isnan(by["int8-acr"]["collapse_step"])
+    pairs = {p["difference"]: p for p in pair_rows(rows, "bf16-ppo")}
+    assert set(pairs) == {"int8-naive − bf16-ppo", "int8-acr − int8-tis"}  # no acr-uaq arm here
+    assert pairs["int8-acr − int8-tis"]["acc_mean"] == pytest.approx(0.04)  # (0.03, 0.05)
+    md = write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
+    assert "| int8-naive | 2 | 40 | 50 | 40 ± 28.3 | -25 ± 21.2 |" in md
+    with (tmp_path / "ablation_seeds.csv").open() as f:
+        seeds_csv = list(csv.DictReader(f))
+    assert len(seeds_csv) == 8
+    assert [r["collapse_step"] for r in seeds_csv if r["arm"] == "int8-naive"] == ["26", ""]
