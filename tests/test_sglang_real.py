@@ -226,6 +226,11 @@ def test_w8a8_engine_refuses_a_server_without_the_restore_loader(bf16_server):
 
 
 # ------------------------------------------------------------------------------- 8-bit updates
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (0-dim ones too: block FP8 layers hold scalar k/v scales)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp8", "fp8_block"])
 def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_factory):
     """qurl's production sync (WeightSync: quantize into the wire arenas, broadcast 8-bit codes +
@@ -267,14 +272,13 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
     for name, want in expected.items():
         got = held_like(held1[name], want)
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), name
-        changed += not torch.equal(held_like(held0[name], want).view(torch.uint8),
-                                   got.view(torch.uint8))
+        assert torch.equal(_bytes(got), _bytes(want)), name
+        changed += not torch.equal(_bytes(held_like(held0[name], want)), _bytes(got))
     assert changed == len(expected)  # every tensor really moved from v0
     # (b) a server started from the v1 checkpoint: every parameter, and the server's checksums
     assert set(held_fresh) == set(held1)
     for name, t in held_fresh.items():
-        assert torch.equal(t.view(torch.uint8), held1[name].view(torch.uint8)), name
+        assert torch.equal(_bytes(t), _bytes(held1[name])), name
     assert sums1 == sums_fresh
 
 
