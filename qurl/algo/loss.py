@@ -25,7 +25,8 @@ The loss is the negated objective, aggregated over tokens (`agg`):
 - `token-mean` (DAPO): Σ_valid / #valid tokens;
 - `seq-mean-token-mean` (GRPO): mean over sequences (with ≥1 valid token) of each one's token mean;
 - `seq-mean-token-sum-norm` (Dr.GRPO): mean over the B sequences of token sum / `norm_len` (a
-  constant, default T), so long and short answers are not reweighted.
+  constant, default T), so long and short answers are not reweighted. The learner passes the
+  generation budget (rollout.max_new_tokens): T of a length-cut micro-batch is not a constant.
 With micro-batches, pass `denom` = the global count (sum of `loss_denominator` over all
 micro-batches) so that summed micro-batch losses equal the loss of the whole batch.
 
