@@ -90,7 +90,10 @@ class AlgoConfig:
     kl_coef: float = 0.0  # k3 KL to the initial policy; 0 = off
     mini_batches: int = 2  # >=2 so clipping (and ACR) can bind
     epochs: int = 1
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    # DAPO: drop groups whose accuracies are all equal and sample more prompts until the batch
+    # holds prompts_per_step groups (qurl/dynamic_sampling.py), at most max_sample_rounds rollouts
+    dynamic_sampling: bool = False
+    max_sample_rounds: int = 16
     overlong_buffer: int = 0  # DAPO soft overlong penalty window in tokens; 0 = off
     overlong_penalty: float = 1.0
     uaq_scale: float = 1.5  # s; 1.0 = UAQ off
@@ -183,6 +186,7 @@ _POSITIVE = (
     "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.num_workers",
     "algo.eps_low", "algo.eps_high", "algo.mini_batches", "algo.epochs", "optim.lr", "learner.tp",
     "learner.dp", "rollout.temperature", "algo.uaq_scale", "sync.bucket_mb", "run.steps",
+    "algo.max_sample_rounds",
 )
 
 
@@ -209,6 +213,8 @@ def validate(cfg: Config) -> Config:
     for key in ("rollout.max_staleness", "run.torch_threads"):
         if get_field(cfg, key) < 0:
             raise ConfigError(f"{key}={get_field(cfg, key)}: must be >= 0")
+    # The batch always holds prompts_per_step full groups (dynamic sampling refills it), so these
+    # two checks keep every step divisible into mini-batches x data-parallel ranks.
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if batch % cfg.algo.mini_batches:
         raise ConfigError(

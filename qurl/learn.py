@@ -4,6 +4,7 @@
     for step in 1..N:
         prompts   <- data cursor
         groups    <- rollout with the 8-bit engine (behav_logp, version per token) + verifiable reward
+                     (DAPO dynamic sampling: more prompts until B groups of mixed accuracy)
         batch     <- group advantages (GRPO / Dr.GRPO), padded
         train     <- prox_logp recomputed once; ≥2 mini-batches of the decoupled/ACR surrogate
         version  += 1; re-quantize master weights -> engine (flip fraction measured)
@@ -25,7 +26,8 @@ from qurl.config import Config
 from qurl.data.cursor import DataCursor
 from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
-from qurl.rollout import PromptCodec, evaluate, rollout
+from qurl.dynamic_sampling import sample_groups
+from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import rng_state, set_rng_state
 from qurl.setup import engine_wire_dtype, load_datasets, make_engine
 from qurl.start import open_run, save_checkpoint
@@ -87,10 +89,7 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
     last_eval = run_eval(0) if start == 0 else None
     for step in range(start + 1, cfg.run.steps + 1):
         if main:
-            examples = [train_set[i] for i in cursor.take(cfg.rollout.prompts_per_step)]
-            groups, rstats = rollout(engine, examples, codec, params,
-                                     group_size=cfg.rollout.group_size, run_seed=cfg.run.seed,
-                                     step=step, reward_timeout_s=cfg.data.reward_timeout_s)
+            groups, rstats = sample_groups(engine, train_set, cursor, codec, params, cfg, step=step)
             batch, bstats = build_batch(
                 groups, version=version, pad_id=engine.tokenizer.pad_token_id,
                 advantage=cfg.algo.advantage, dynamic_sampling=cfg.algo.dynamic_sampling,

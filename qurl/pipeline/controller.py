@@ -115,7 +115,8 @@ class Controller:
         self.work = Dispatcher(train_set, batch_size=self.B, group_size=self.G,
                                max_staleness=cfg.rollout.max_staleness,
                                total_steps=cfg.run.steps, seed=cfg.run.seed,
-                               encode=self.codec.encode, params=params)
+                               encode=self.codec.encode, params=params,
+                               dynamic_sampling=cfg.algo.dynamic_sampling)
         self.wall0, self.wall_offset = time.monotonic(), 0.0
         if state is not None:
             self._restore(state)
