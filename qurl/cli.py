@@ -6,6 +6,7 @@
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl bench engine|stream|sync   side-by-side throughput numbers
+    qurl fetch NAME|all [--dir data]  download a paper training set (docs/data.md)
     qurl launch --preset P --dry-run  per-node torchrun + SGLang commands
 """
 from __future__ import annotations
@@ -106,6 +107,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from qurl.data.fetch import TRAINING_SETS, fetch
+
+    for name in TRAINING_SETS if args.name == "all" else [args.name]:
+        print(f"{name}: {fetch(name, args.dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else argv
@@ -147,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="sync: bucket budget in MiB (default: the config's sync.bucket_mb)")
     p.set_defaults(fn=cmd_bench)
+    from qurl.data.fetch import TRAINING_SETS
+
+    p = sub.add_parser("fetch", help="download a training set of the paper's recipes")
+    p.add_argument("name", choices=(*TRAINING_SETS, "all"))
+    p.add_argument("--dir", default="data", help="where to save it (default: data/)")
+    p.set_defaults(fn=cmd_fetch)
     sub.add_parser("launch", help="per-node torchrun + SGLang commands (qurl launch --help)")
     args = parser.parse_args(argv)
     try:

@@ -46,7 +46,7 @@ class ModelConfig:
 class DataConfig:
     train: str = "synthetic"  # synthetic | path to jsonl/parquet
     eval: str = "synthetic"
-    format: str = "auto"  # auto | gsm8k | math | deepscaler | dapo | custom
+    format: str = "auto"  # auto | gsm8k | math | deepscaler | dapo | minerva | olympiadbench | custom
     question_field: str = ""
     answer_field: str = ""
     template: str = "plain"  # plain | boxed | chat
@@ -167,7 +167,8 @@ IMMUTABLE_ON_RESUME = (
 _CHOICES = {
     "model.preset": ("tiny", "small", "path"),
     "model.dtype": ("float32", "bfloat16"),
-    "data.format": ("auto", "gsm8k", "math", "deepscaler", "dapo", "custom"),
+    "data.format": ("auto", "gsm8k", "math", "deepscaler", "dapo", "minerva", "olympiadbench",
+                    "custom"),
     "data.template": ("plain", "boxed", "chat"),
     "rollout.engine": ("local", "sglang"),
     "rollout.precision": ("bf16", "int8", "fp8", "fp8_block"),
@@ -338,7 +339,7 @@ def paper_ppo_gsm8k() -> Config:
         "run.name": "paper-ppo-gsm8k", "run.steps": 500, "run.eval_every": 50, "run.ckpt_every": 50,
         "model.preset": "path", "model.path": "Qwen/Qwen2.5-0.5B-Instruct", "model.dtype": "bfloat16",
         "model.warmstart_steps": 0,
-        "data.train": "gsm8k_train.jsonl", "data.eval": "gsm8k_test.jsonl", "data.format": "gsm8k",
+        "data.train": "data/gsm8k_train.parquet", "data.eval": "gsm8k_test", "data.format": "gsm8k", "data.eval_size": 0,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.group_size": 8, "rollout.prompts_per_step": 64,
         "rollout.max_new_tokens": 512, "rollout.eval_max_new_tokens": 512,
@@ -355,7 +356,8 @@ def paper_deepscaler_1p5b() -> Config:
         "run.ckpt_every": 50,
         "model.preset": "path", "model.path": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
         "model.dtype": "bfloat16", "model.warmstart_steps": 0,
-        "data.train": "deepscaler.parquet", "data.eval": "aime24.jsonl", "data.format": "deepscaler",
+        "data.train": "data/deepscaler.json",
+        "data.eval": "aime24,amc23,math500,minerva_math,olympiadbench", "data.format": "deepscaler", "data.eval_size": 0,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 8,
         "rollout.prompts_per_step": 128, "rollout.max_new_tokens": 8192,
@@ -373,7 +375,7 @@ def paper_dapo_7b() -> Config:
         "run.name": "paper-dapo-7b", "run.steps": 1200, "run.eval_every": 50, "run.ckpt_every": 50,
         "model.preset": "path", "model.path": "Qwen/Qwen2.5-Math-7B", "model.dtype": "bfloat16",
         "model.warmstart_steps": 0,
-        "data.train": "dapo-math-17k.parquet", "data.eval": "aime24.jsonl", "data.format": "dapo",
+        "data.train": "data/dapo-math-17k.parquet", "data.eval": "aime24", "data.format": "dapo", "data.eval_size": 0,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 16,
         "rollout.prompts_per_step": 512, "rollout.max_new_tokens": 20480,
