@@ -100,6 +100,19 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """What an evaluation measures on every set of data.eval (qurl/evaluation/)."""
+    greedy: bool = True  # accuracy of the temperature-0 answer
+    samples: int = 0  # k of Avg@k: samples per problem at `temperature`; 0 = no sampled eval
+    pass_k: tuple[int, ...] = ()  # pass@k reported from those samples (unbiased; each <= samples)
+    temperature: float = 0.6
+    top_p: float = 1.0
+    # also score the full-precision policy (master weights in an unquantized local engine) side by
+    # side with the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout
+    fp_policy: bool = True
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-5
     weight_decay: float = 0.0
@@ -152,6 +165,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -224,6 +238,19 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"learner.dp={cfg.learner.dp}: must divide the mini-batch of "
                           f"{batch // cfg.algo.mini_batches} sequences (prompts_per_step*group_size"
                           f"/algo.mini_batches)")
+    e = cfg.eval
+    if e.samples < 0:
+        raise ConfigError(f"eval.samples={e.samples}: must be >= 0")
+    if not e.greedy and not e.samples:
+        raise ConfigError("eval.greedy=false and eval.samples=0: the evaluation would measure nothing")
+    for k in e.pass_k:
+        if not 1 <= k <= e.samples:
+            raise ConfigError(f"eval.pass_k={list(e.pass_k)}: each k must be in [1, eval.samples="
+                              f"{e.samples}]")
+    if e.samples and not e.temperature > 0:
+        raise ConfigError(f"eval.temperature={e.temperature}: must be > 0 for sampled evaluation")
+    if not 0 < e.top_p <= 1:
+        raise ConfigError(f"eval.top_p={e.top_p}: must be in (0, 1]")
     if cfg.rollout.precision == "fp8_block" and cfg.rollout.engine != "sglang":
         raise ConfigError("rollout.precision='fp8_block': SGLang's block-scaled FP8 needs "
                           "rollout.engine='sglang' (the local engine runs int8/fp8 per channel)")
@@ -358,6 +385,8 @@ def paper_deepscaler_1p5b() -> Config:
         "model.dtype": "bfloat16", "model.warmstart_steps": 0,
         "data.train": "data/deepscaler.json",
         "data.eval": "aime24,amc23,math500,minerva_math,olympiadbench", "data.format": "deepscaler", "data.eval_size": 0,
+        "eval.greedy": False, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 0.6,
+        "eval.top_p": 0.95,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 8,
         "rollout.prompts_per_step": 128, "rollout.max_new_tokens": 8192,
@@ -376,6 +405,8 @@ def paper_dapo_7b() -> Config:
         "model.preset": "path", "model.path": "Qwen/Qwen2.5-Math-7B", "model.dtype": "bfloat16",
         "model.warmstart_steps": 0,
         "data.train": "data/dapo-math-17k.parquet", "data.eval": "aime24", "data.format": "dapo", "data.eval_size": 0,
+        "eval.greedy": True, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 1.0,
+        "eval.top_p": 0.7,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 16,
         "rollout.prompts_per_step": 512, "rollout.max_new_tokens": 20480,

@@ -8,7 +8,7 @@
         batch     <- group advantages (GRPO / Dr.GRPO), padded
         train     <- prox_logp recomputed once; ≥2 mini-batches of the decoupled/ACR surrogate
         version  += 1; re-quantize master weights -> engine (flip fraction measured)
-        log, evaluate, checkpoint (atomic) as configured
+        log, evaluate (qurl/evaluation/: 8-bit engine and fp policy), checkpoint (atomic)
 
 Every TP rank runs this loop; rank 0 alone owns the engine, the data and the run directory and
 broadcasts each batch to the other ranks. The async pipeline (qurl/pipeline/) replaces the rollout
@@ -24,10 +24,11 @@ import torch
 from qurl.batching import build_batch
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
+from qurl.dynamic_sampling import sample_groups
+from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
-from qurl.dynamic_sampling import sample_groups
-from qurl.rollout import PromptCodec, evaluate
+from qurl.rollout import PromptCodec
 from qurl.runs import rng_state, set_rng_state
 from qurl.setup import engine_wire_dtype, load_datasets, make_engine
 from qurl.start import open_run, save_checkpoint
@@ -56,9 +57,9 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
     model_dir = run.model_dir
 
     engine = logger = cursor = codec = None
-    train_set = eval_set = []
+    train_set = []
     if main:
-        train_set, eval_set = load_datasets(cfg)
+        train_set, _ = load_datasets(cfg)
         cursor = DataCursor(len(train_set), seed=cfg.run.seed)
         engine = make_engine(cfg, model_dir)
         codec = PromptCodec(engine.tokenizer, cfg.data.template)
@@ -76,14 +77,13 @@ def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int =
                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             stop_token_ids=(engine.tokenizer.eos_token_id,) if main else ())
 
+    evaluator = Evaluator(cfg, model_dir, main=main)
+
     def run_eval(step: int) -> dict | None:
-        if not main:
-            return None
-        rec = {"kind": "eval", "step": step, "version": version,
-               **evaluate(engine, eval_set, codec, max_new_tokens=cfg.rollout.eval_max_new_tokens,
-                          reward_timeout_s=cfg.data.reward_timeout_s)}
-        logger.log(rec)
-        logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} on {int(rec['n'])}")
+        rec = evaluator.run(step, version, engine, learner)  # every rank: fp policy's weights
+        if main:
+            logger.log(rec)
+            logger.write(summary(rec))
         return rec
 
     last_eval = run_eval(0) if start == 0 else None

@@ -27,7 +27,8 @@ metrics.jsonl), so exactly-once can be checked.
 The other TP ranks follow the same step sequence (`_follow`): receive the batch, train, take part in
 the weight gather, write their checkpoint shard. Re-broadcasts to replaced workers use the chunks
 cached on rank 0, so they need no collective. Evaluation uses an engine on rank 0 loaded with the
-same cached chunks the workers received (greedy accuracy of exactly the 8-bit actor they run).
+same cached chunks the workers received (exactly the 8-bit actor they run), and beside it the
+full-precision policy (qurl/evaluation/suite.py; its weight gather is the one extra collective).
 """
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ import torch
 
 from qurl.batching import build_batch
 from qurl.config import Config
+from qurl.evaluation.suite import Evaluator, needs_fp_policy, summary
 from qurl.learner.dist import broadcast_object
 from qurl.learner.megatron import MegatronLearner
 from qurl.metrics import MetricsLogger
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats, rollout_stats
 from qurl.quant.named import dequantize_named
-from qurl.rollout import PromptCodec, evaluate
+from qurl.rollout import PromptCodec
 from qurl.runs import CheckpointDir, rng_state, set_rng_state
 from qurl.setup import engine_wire_dtype, load_datasets, make_engine
 from qurl.start import open_run, save_checkpoint
@@ -84,15 +86,23 @@ def _drain(it: Any) -> None:
 
 def _follow(cfg: Config, learner: MegatronLearner, ckpts: CheckpointDir, start: int) -> dict:
     """TP ranks > 0: the controller's step sequence, minus everything rank 0 alone owns."""
+    fp_eval = needs_fp_policy(cfg)  # each evaluation gathers the master weights once
     _drain(learner.named_weights())
+    if fp_eval and start == 0:
+        _drain(learner.named_weights())
     for step in range(start + 1, cfg.run.steps + 1):
         batch = broadcast_object(None)
         if batch is not None:
             learner.train_step(batch.tokens, batch.loss_mask, batch.behav_logp, batch.adv,
                                staleness=batch.staleness, temperature=cfg.rollout.temperature)
         _drain(learner.named_weights())
+        if fp_eval and cfg.run.eval_every and step % cfg.run.eval_every == 0 \
+                and step != cfg.run.steps:
+            _drain(learner.named_weights())
         if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
             save_checkpoint(ckpts, learner, step, None)
+    if fp_eval:
+        _drain(learner.named_weights())
     return {}
 
 
@@ -105,9 +115,10 @@ class Controller:
         self.cfg, self.learner, self.run_dir, self.ckpts = cfg, learner, Path(run_dir), ckpts
         self.start = self.version = start
         self.B, self.G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-        train_set, self.eval_set = load_datasets(cfg)
+        train_set, _ = load_datasets(cfg)
         # Evaluation only (rollouts are the workers'); local, so it never shares their servers.
         self.engine = make_engine(cfg, model_dir, local=True)
+        self.evaluator = Evaluator(cfg, model_dir, main=True)
         self.codec = PromptCodec(self.engine.tokenizer, cfg.data.template)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -253,14 +264,10 @@ class Controller:
             if self.cfg.rollout.precision == "fp8_block":  # the local engine is per-channel FP8
                 chunks = list(dequantize_named(dict(chunks)).items())
             self.engine.load_weights(iter(chunks), self.version)
-        rec = {"kind": "eval", "step": step, "version": self.version,
-               **evaluate(self.engine, self.eval_set, self.codec,
-                          max_new_tokens=self.cfg.rollout.eval_max_new_tokens,
-                          reward_timeout_s=self.cfg.data.reward_timeout_s),
+        rec = {**self.evaluator.run(step, self.version, self.engine, self.learner),
                "wall": self.wall()}
         self.logger.log(rec)
-        self.logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} "
-                          f"on {int(rec['n'])}")
+        self.logger.write(summary(rec))
         return rec
 
     def _log_step(self, step: int, groups: list[list[Trajectory]], trained: list, wait_s: float,
