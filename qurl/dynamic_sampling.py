@@ -35,6 +35,8 @@ def informative(group: Sequence[Trajectory]) -> bool:
 def _merge(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """Rollout stats of several rounds (stats, trajectories): times and counts add up, per-sample
     means are weighted by the round's samples, throughput is recomputed from the totals."""
+    if len(parts) == 1:
+        return dict(parts[0][0])
     n = sum(k for _, k in parts)
     out = {key: sum(s[key] for s, _ in parts) for key in ("time/generate", "time/reward",
                                                          "reward_timeouts")}
@@ -51,7 +53,8 @@ def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCurs
     rollout.group_size samples, from prompts taken off `cursor`. With algo.dynamic_sampling, groups
     that are not `informative` are dropped and more prompts are sampled until the batch is full;
     more than algo.max_sample_rounds rounds is an error (the data is too easy or too hard for the
-    policy). Returns (groups, rollout stats + sample_rounds, groups_sampled, groups_filtered)."""
+    policy). Returns (groups, rollout stats; with dynamic sampling also sample_rounds,
+    groups_sampled, groups_filtered)."""
     want, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     groups: list[list[Trajectory]] = []
     parts: list[tuple[dict[str, float], int]] = []
@@ -70,6 +73,7 @@ def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCurs
         sampled += len(got)
         groups += [g for g in got if informative(g)] if cfg.algo.dynamic_sampling else got
     out = _merge(parts)
-    out.update({"sample_rounds": float(len(parts)), "groups_sampled": float(sampled),
-                "groups_filtered": float(sampled - len(groups))})
+    if cfg.algo.dynamic_sampling:
+        out.update({"sample_rounds": float(len(parts)), "groups_sampled": float(sampled),
+                    "groups_filtered": float(sampled - len(groups))})
     return groups, out

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from qurl.config import Config, override, parse_sets, validate
 from qurl.evaluation.suite import Evaluator
 from qurl.learner.dist import init_learner_dist, is_main_rank
@@ -32,10 +34,13 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
     main = is_main_rank()
     engine = make_engine(cfg, model_dir) if main else None
     WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
-        learner.named_weights(), engine, version=0)
-    step = int(Path(ckpt).name.removeprefix("step_"))
+        learner.named_weights(), engine, version=0)  # the version the record states is below
+    step = version = int(Path(ckpt).name.removeprefix("step_"))
+    state = Path(ckpt) / "state.pt"
+    if main and state.is_file():  # the policy version trained into these weights
+        version = int(torch.load(state, weights_only=False).get("version", step))
     evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples)
-    return evaluator.run(step, 0, engine, learner) or {}
+    return evaluator.run(step, version, engine, learner) or {}
 
 
 def eval_run(run_dir: Path, max_examples: int | None = None,

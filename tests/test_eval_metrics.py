@@ -66,3 +66,12 @@ def test_eval_config_is_validated() -> None:
         from qurl.setup import load_eval_sets
 
         load_eval_sets(load_config(sets=["data.eval=aime24,aime24"]))
+
+
+def test_fp_policy_is_scored_only_beside_a_quantized_engine() -> None:
+    from qurl.evaluation.suite import needs_fp_policy
+
+    assert needs_fp_policy(load_config(sets=["rollout.precision=int8"]))
+    assert needs_fp_policy(load_config(sets=["rollout.precision=fp8"]))
+    assert not needs_fp_policy(load_config(sets=["rollout.precision=bf16"]))  # nothing to compare
+    assert not needs_fp_policy(load_config(sets=["eval.fp_policy=false"]))
