@@ -28,6 +28,9 @@ def eval_set_names(cfg: Config) -> list[str]:
         raise ConfigError("data.eval: name at least one evaluation set")
     if len(set(names)) != len(names):
         raise ConfigError(f"data.eval={cfg.data.eval!r}: a set is named twice")
+    if "synthetic" in names and cfg.data.eval_size <= 0:
+        raise ConfigError(f"data.eval_size={cfg.data.eval_size}: the synthetic eval split needs a "
+                          "size > 0 (0 means whole files, for file sets only)")
     return names
 
 

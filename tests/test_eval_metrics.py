@@ -66,6 +66,8 @@ def test_eval_config_is_validated() -> None:
         from qurl.setup import load_eval_sets
 
         load_eval_sets(load_config(sets=["data.eval=aime24,aime24"]))
+    with pytest.raises(ConfigError, match="data.eval_size=0"):
+        load_eval_sets(load_config(sets=["data.eval=synthetic,aime24", "data.eval_size=0"]))
 
 
 def test_fp_policy_is_scored_only_beside_a_quantized_engine() -> None:
