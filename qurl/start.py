@@ -48,7 +48,8 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
     model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
     torch.manual_seed(cfg.run.seed)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed)
+                              total_steps=cfg.run.steps, seed=cfg.run.seed,
+                              norm_len=cfg.rollout.max_new_tokens)
     start, state = 0, None
     if resume:
         latest = broadcast_object(str(ckpts.latest()) if main and ckpts.latest() else None)

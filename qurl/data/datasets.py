@@ -10,6 +10,8 @@ them under different names, so a *preset* maps each known format onto (question,
 | `math`       | `problem` (MATH500, AIME, AMC alike)  | `answer`                              |
 | `deepscaler` | `problem`                             | `answer`                              |
 | `dapo`       | `prompt` (chat list: the user turn)   | `reward_model.ground_truth`           |
+| `minerva`    | `problem`                             | the last `\\boxed{}` of `solution`    |
+| `olympiadbench` | `question`                         | `final_answer` (a list; `$` stripped, joined by ", ") |
 | `custom`     | `question_field=` (required)          | `answer_field=` (required)            |
 | `auto`       | chosen from the first row's keys                                               |
 
@@ -59,6 +61,8 @@ PRESETS: dict[str, tuple[str, str]] = {
     "amc23": _MATH,
     "deepscaler": _MATH,
     "dapo": ("prompt", "reward_model.ground_truth"),
+    "minerva": ("problem", "solution"),
+    "olympiadbench": ("question", "final_answer"),
 }
 _FORMATS = (*PRESETS, "custom", "auto")
 
@@ -123,6 +127,10 @@ def _detect_format(row: dict[str, Any]) -> str:
         return "math"
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
+    if "problem" in row and "solution" in row:
+        return "minerva"
+    if "question" in row and isinstance(row.get("final_answer"), list):
+        return "olympiadbench"
     raise ValueError(
         f"cannot detect the format from the first row's keys {sorted(row)}; pass fmt= or "
         "question_field=/answer_field="
@@ -270,6 +278,18 @@ def _make_example(
         if final is None:
             raise ValueError(f"field '{a_field}' has no '#### <answer>' line")
         raw_answer = final
+    elif fmt == "minerva" and isinstance(raw_answer, str):
+        from qurl.data.rewards import extract_answer  # rewards imports this module: import late
+
+        final = extract_answer(raw_answer)
+        if final is None:
+            raise ValueError(f"field '{a_field}' has no \\boxed{{}} answer")
+        raw_answer = final
+    elif fmt == "olympiadbench":
+        if not isinstance(raw_answer, list) or not raw_answer or \
+                not all(isinstance(a, str) and a.strip() for a in raw_answer):
+            raise ValueError(f"field '{a_field}' must be a non-empty list of answer strings")
+        raw_answer = ", ".join(a.strip().strip("$").strip() for a in raw_answer)
     answer = _answer_text(raw_answer, a_field)
     row_id = row.get("id")
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):
