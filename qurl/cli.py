@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from qurl.config import PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
+from qurl.errors import InputError
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, InputError, FileNotFoundError) as e:
         print(f"qurl: error: {e}", file=sys.stderr)
         return 2
 
