@@ -19,14 +19,16 @@ from qurl.runs import CheckpointDir
 from test_cli import qurl
 from test_train import assert_records_close, comparable
 
+pytestmark = pytest.mark.slow  # one real 2-step run (base model from the session cache) + a resume
+
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(runs_dir):
     """A finished 2-step sync run with a checkpoint after each step (step_000001, step_000002)."""
     use_free_dist_port()
-    root = tmp_path_factory.mktemp("ckpt")
+    root = runs_dir("ckpt")
     train(tiny_cfg(root, "r", STEPS, **{"run.keep_ckpts": 2}))
     return root / "r"
 
