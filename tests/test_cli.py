@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -58,6 +60,7 @@ def test_bad_config_value_exits_2_naming_the_field(tmp_path):
     assert "rollout.precision='int4'" in line
 
 
+@pytest.mark.slow
 def test_two_ranks_error_found_on_rank_0_exits_2_in_one_line(tmp_path):
     """learner.tp=2 runs as two spawned ranks; rank 0 refuses the run directory after the ranks
     joined their process group (a fresh run over an existing one): one line, status 2."""
@@ -68,6 +71,7 @@ def test_two_ranks_error_found_on_rank_0_exits_2_in_one_line(tmp_path):
     assert f"{tmp_path / 'busy'} already holds a run" in line
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_bad_data_one_qurl_line_status_2(tmp_path):
     """Under torchrun each rank is its own `qurl train`: rank 0 exits 2 naming the bad row, rank 1
     (same error) leaves it the word and is stopped by torchrun. torchrun then prints its own
