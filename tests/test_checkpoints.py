@@ -4,6 +4,7 @@ the file) or refuse with one line when none is intact; pre-manifest checkpoints 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,19 @@ from test_train import assert_records_close, comparable
 pytestmark = pytest.mark.slow  # one real 2-step run (base model from the session cache) + a resume
 
 STEPS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _keep_dist_env():
+    """In-process runs here set MASTER_ADDR/PORT and keep that port bound; later modules' `qurl`
+    subprocesses (test_compare's arms) inherit the environment, so put it back as it was."""
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +142,39 @@ def test_cli_refuses_in_one_line_when_no_checkpoint_is_intact(run, tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qurl: error: ") and "model_rank0.pt" in lines[0], out.stderr
     print(lines[0])
+
+
+def _save_on_two_ranks(rank: int, world_size: int, tmp: str) -> dict | None:
+    """What save_checkpoint does across ranks: each writes its own file (hashed while written), the
+    per-rank checksums are gathered on rank 0, which commits the manifest."""
+    import torch.distributed as dist
+
+    from qurl.checksums import save_torch
+    from qurl.learner.dist import gather_object
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        sums = save_torch({"rank": torch.full((1000,), float(rank))}, Path(tmp) / f"shard{rank}.pt")
+        per_rank = gather_object({f"shard{rank}.pt": sums})
+        if rank != 0:
+            return None
+        merged = {name: s for part in per_rank for name, s in part.items()}
+        return {"per_rank": per_rank, "listed": CheckpointDir(Path(tmp).parent.parent).commit(
+            Path(tmp), merged).name}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_checksums_gathered_into_one_manifest(tmp_path):
+    from qurl.learner.dist import spawn
+
+    ckpts = CheckpointDir(tmp_path)
+    tmp = ckpts.begin(7)
+    out = spawn(_save_on_two_ranks, 2, str(tmp))[0]
+    assert [list(p) for p in out["per_rank"]] == [["shard0.pt"], ["shard1.pt"]]
+    final = tmp_path / "ckpt" / out["listed"]
+    listed = read_manifest(final)
+    assert set(listed) == {"shard0.pt", "shard1.pt"}
+    for name, entry in listed.items():
+        assert entry == hash_file(final / name)
+    assert ckpts.latest() == final
