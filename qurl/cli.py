@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
-from qurl.config import PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
+from qurl.config import PRESETS, Config, load_config, override, parse_sets, validate
+from qurl.errors import InputError
+
+_TORCHRUN_QUIET_S = 10.0  # how long a rank > 0 under torchrun leaves rank 0 to report a shared error
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
@@ -41,7 +45,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = override(cfg, {"run.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
     from qurl.ranks import launch
+    from qurl.data.splits import load_datasets
 
+    load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
     result = launch(_train_entry, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary
@@ -176,8 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"qurl: error: {e}", file=sys.stderr)
+    except (InputError, FileNotFoundError) as e:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank and "TORCHELASTIC_RUN_ID" in os.environ:
+            # Under torchrun every rank reads the same config and data and fails alike: rank 0
+            # says so and torchrun then stops the others. A rank whose error is its own outlives
+            # that wait and says it, naming the rank.
+            time.sleep(_TORCHRUN_QUIET_S)
+        print(f"qurl: error{f' (rank {rank})' if rank else ''}: " + " ".join(str(e).splitlines()),
+              file=sys.stderr)
         return 2
 
 

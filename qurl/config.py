@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
+from qurl.errors import InputError
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -205,7 +207,7 @@ _POSITIVE = (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config value is wrong; the message names the field."""
 
 

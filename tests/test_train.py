@@ -18,12 +18,13 @@ TIMING = ("time/", "tokens_per_s", "sync/time")
 
 
 @pytest.fixture(scope="module")
-def runs_root(tmp_path_factory):
-    """One runs/ dir for the module, so the warm-started base model is built once and cached."""
+def runs_root(runs_dir):
+    """One runs/ dir for the module; the warm-started base model comes from the session's shared
+    cache (conftest.runs_dir)."""
     from pipeline_helpers import use_free_dist_port
 
     use_free_dist_port()  # not 29500: another test run on this machine may hold it
-    return tmp_path_factory.mktemp("runs")
+    return runs_dir("runs")
 
 
 def small_cfg(tmp_path, name, steps, **extra):

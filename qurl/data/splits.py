@@ -7,6 +7,10 @@ with the `data.format` preset; each eval file's format is detected from its own 
 fields are spelled out (qurl/data/datasets.py). Each eval set is cut to `data.eval_size` examples
 (0 = the whole file); the training file is used whole (`data.train_size` sizes only the synthetic
 split).
+
+A malformed row or unreadable file raises DataError (qurl/data/datasets.py), a bad `data.eval` list
+ConfigError, a name that is neither a file nor a shipped set FileNotFoundError: `qurl train` calls
+`load_datasets` before starting any rank, so each is one line and exit status 2.
 """
 from __future__ import annotations
 

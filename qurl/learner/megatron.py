@@ -33,7 +33,6 @@ continuation on the same TP and DP sizes.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from qurl.algo.loss import loss_denominator, policy_loss
+from qurl.checksums import FileSum, save_torch
 from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
@@ -371,18 +371,16 @@ class MegatronLearner:
         self.optimizer.load_state_dict(state["optimizer"])  # also re-publishes the masters
         self.step = int(state["step"])
 
-    def save(self, directory: str | Path) -> None:
-        """Write this rank's model shard (DP rank 0) and optimizer file into directory."""
+    def save(self, directory: str | Path) -> dict[str, FileSum]:
+        """Write this rank's model shard (DP rank 0) and optimizer file into directory; return
+        each written file's size and checksum, taken as it was written (the checkpoint manifest)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
         optim = {k: state.pop(k) for k in ("optimizer", "step")}
         model_file, optim_file = self._files()
         parts = [(optim_file, optim)] + ([(model_file, state)] if self.dp_rank == 0 else [])
-        for fname, obj in parts:
-            tmp = d / (fname + ".tmp")
-            torch.save(obj, tmp)
-            os.replace(tmp, d / fname)
+        return {fname: save_torch(obj, d / fname) for fname, obj in parts}
 
     def load(self, directory: str | Path) -> None:
         d = Path(directory)
