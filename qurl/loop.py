@@ -21,9 +21,11 @@ request seeds (qurl/rollout.make_requests), and everything after `next_groups` i
 they receive the batch, train, take part in the weight gather and write their checkpoint shard.
 
 This module alone decides the record shapes and metric names (train: rollout statistics of the
-trained batch, the source's timings, batch, learner and sync statistics; eval: qurl/evaluation/
-suite.py's record of the rollout engine and the full-precision policy), the eval / checkpoint cadence and the checkpoint state: step, version, RNG and the source's own state
-(the data cursor; for async also the buffer, staleness counters and ledger).
+trained batch, the source's timings and statistics (with sync DAPO dynamic sampling: those of every
+sampled response, qurl/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
+qurl/evaluation/suite.py, rollout engine and full-precision policy side by side), the eval /
+checkpoint cadence and the checkpoint state: step, version, RNG and the source's own state (the
+data cursor; for async also the buffer, staleness counters and ledger).
 """
 from __future__ import annotations
 
