@@ -45,6 +45,8 @@ def build_batch(
 ) -> tuple[TrainBatch | None, dict[str, float]]:
     """Pack complete groups (each the G samples of one prompt) into a TrainBatch.
 
+    dynamic_sampling: drop groups whose accuracies (rewards before overlong shaping) are all equal;
+    the loops fill the batch beforehand (qurl/dynamic_sampling.py), so this only guards.
     Returns (batch or None if dynamic sampling dropped every group, stats)."""
     if advantage not in ("grpo", "drgrpo"):
         raise ValueError(f"advantage={advantage!r}: must be grpo or drgrpo")
@@ -52,7 +54,8 @@ def build_batch(
     if not trajs:
         raise ValueError("build_batch: no trajectories")
     group_ids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    accuracy = torch.tensor([t.reward for t in trajs], dtype=torch.float32)  # verifiable, 0/1
+    rewards = accuracy
     lengths = torch.tensor([len(t.response_ids) for t in trajs])
     if overlong_buffer > 0:
         if max_new_tokens is None:
@@ -62,7 +65,8 @@ def build_batch(
     adv = grpo_advantages(rewards, group_ids, scale_by_std=(advantage == "grpo"))
     stats = {"groups": float(len(groups)), "groups_uniform": 0.0}
     if dynamic_sampling:
-        uniform = uniform_groups(rewards, group_ids)
+        # DAPO judges groups on accuracy: an all-wrong group must not survive on length shaping
+        uniform = uniform_groups(accuracy, group_ids)
         stats["groups_uniform"] = float(len(set(group_ids[uniform].tolist())))
         keep = (~uniform).nonzero().flatten().tolist()
         if not keep:

@@ -2,12 +2,14 @@
 
     qurl train [--preset cpu-tiny] [--config run.toml] [--set section.field=value ...]
     qurl train --resume runs/<run> [--set run.steps=80]
-    qurl eval runs/<run>            greedy accuracy of the latest checkpoint
+    qurl eval runs/<run> [--set eval.samples=32]  greedy / Avg@k / pass@k of the latest
+                                    checkpoint on every eval set, 8-bit engine and fp policy
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--set ...] --out DIR
                                     bf16 ppo vs int8/fp8 naive, tis, acr, acr+UAQ over seeds
     qurl bench engine|stream|sync   side-by-side throughput numbers
+    qurl fetch NAME|all [--dir data]  download a paper training set (docs/data.md)
     qurl launch --preset P --dry-run  per-node torchrun + SGLang commands
 """
 from __future__ import annotations
@@ -15,9 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
-from qurl.config import PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
+from qurl.config import PRESETS, Config, load_config, override, parse_sets, validate
+from qurl.errors import InputError
+
+_TORCHRUN_QUIET_S = 10.0  # how long a rank > 0 under torchrun leaves rank 0 to report a shared error
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
@@ -41,10 +47,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = override(cfg, {"run.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
     from qurl.ranks import launch
+    from qurl.data.splits import load_datasets
 
+    load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
     result = launch(_train_entry, cfg, resume=bool(args.resume))
     if result:
-        print(f"final greedy accuracy: {result.get('accuracy', float('nan')):.3f}")
+        from qurl.evaluation.suite import summary
+
+        print(f"final {summary(result)}")
     return 0
 
 
@@ -68,8 +78,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from qurl.evaluate import eval_run
 
-    rec = eval_run(Path(args.run_dir), max_examples=args.n)
-    print(f"{args.run_dir}: greedy accuracy {rec['accuracy']:.3f} on {int(rec['n'])} examples")
+    from qurl.evaluation.suite import summary
+
+    rec = eval_run(Path(args.run_dir), max_examples=args.n, sets=args.set)
+    print(f"{args.run_dir}: {summary(rec)}")
+    for key in sorted(k for k in rec if k.startswith(("eval/", "eval_fp/", "eval_gap/"))):
+        print(f"  {key:40s} {rec[key]:.4f}")
     return 0
 
 
@@ -122,6 +136,14 @@ def cmd_study(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from qurl.data.fetch import TRAINING_SETS, fetch
+
+    for name in TRAINING_SETS if args.name == "all" else [args.name]:
+        print(f"{name}: {fetch(name, args.dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else argv
@@ -136,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR")
     p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("eval", help="greedy accuracy of a run's latest checkpoint")
+    p = sub.add_parser("eval", help="evaluate a run's latest checkpoint (greedy, Avg@k, pass@k; "
+                       "8-bit engine and full-precision policy)")
     p.add_argument("run_dir")
-    p.add_argument("-n", type=int, default=None, help="at most this many eval examples")
+    p.add_argument("-n", type=int, default=None, help="at most this many examples per eval set")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[],
+                   help="override the run's config for this evaluation (data.eval, eval.*)")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")
@@ -175,12 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="sync: bucket budget in MiB (default: the config's sync.bucket_mb)")
     p.set_defaults(fn=cmd_bench)
+    from qurl.data.fetch import TRAINING_SETS
+
+    p = sub.add_parser("fetch", help="download a training set of the paper's recipes")
+    p.add_argument("name", choices=(*TRAINING_SETS, "all"))
+    p.add_argument("--dir", default="data", help="where to save it (default: data/)")
+    p.set_defaults(fn=cmd_fetch)
     sub.add_parser("launch", help="per-node torchrun + SGLang commands (qurl launch --help)")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"qurl: error: {e}", file=sys.stderr)
+    except (InputError, FileNotFoundError) as e:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank and "TORCHELASTIC_RUN_ID" in os.environ:
+            # Under torchrun every rank reads the same config and data and fails alike: rank 0
+            # says so and torchrun then stops the others. A rank whose error is its own outlives
+            # that wait and says it, naming the rank.
+            time.sleep(_TORCHRUN_QUIET_S)
+        print(f"qurl: error{f' (rank {rank})' if rank else ''}: " + " ".join(str(e).splitlines()),
+              file=sys.stderr)
         return 2
 
 

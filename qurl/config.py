@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
+from qurl.errors import InputError
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -46,7 +48,7 @@ class ModelConfig:
 class DataConfig:
     train: str = "synthetic"  # synthetic | path to jsonl/parquet
     eval: str = "synthetic"
-    format: str = "auto"  # auto | gsm8k | math | deepscaler | dapo | custom
+    format: str = "auto"  # auto | gsm8k | math | deepscaler | dapo | minerva | olympiadbench | custom
     question_field: str = ""
     answer_field: str = ""
     template: str = "plain"  # plain | boxed | chat
@@ -92,10 +94,26 @@ class AlgoConfig:
     kl_coef: float = 0.0  # k3 KL to the initial policy; 0 = off
     mini_batches: int = 2  # >=2 so clipping (and ACR) can bind
     epochs: int = 1
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal (DAPO)
+    # DAPO: drop groups whose accuracies are all equal and sample more prompts until the batch
+    # holds prompts_per_step groups (qurl/dynamic_sampling.py), at most max_sample_rounds rollouts
+    dynamic_sampling: bool = False
+    max_sample_rounds: int = 16
     overlong_buffer: int = 0  # DAPO soft overlong penalty window in tokens; 0 = off
     overlong_penalty: float = 1.0
     uaq_scale: float = 1.5  # s; 1.0 = UAQ off
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What an evaluation measures on every set of data.eval (qurl/evaluation/)."""
+    greedy: bool = True  # accuracy of the temperature-0 answer
+    samples: int = 0  # k of Avg@k: samples per problem at `temperature`; 0 = no sampled eval
+    pass_k: tuple[int, ...] = ()  # pass@k reported from those samples (unbiased; each <= samples)
+    temperature: float = 0.6
+    top_p: float = 1.0
+    # also score the full-precision policy (master weights in an unquantized local engine) side by
+    # side with the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout
+    fp_policy: bool = True
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -166,7 +185,8 @@ IMMUTABLE_ON_RESUME = (
 _CHOICES = {
     "model.preset": ("tiny", "small", "path"),
     "model.dtype": ("float32", "bfloat16"),
-    "data.format": ("auto", "gsm8k", "math", "deepscaler", "dapo", "custom"),
+    "data.format": ("auto", "gsm8k", "math", "deepscaler", "dapo", "minerva", "olympiadbench",
+                    "custom"),
     "data.template": ("plain", "boxed", "chat"),
     "rollout.engine": ("local", "sglang"),
     "rollout.precision": ("bf16", "int8", "fp8", "fp8_block", "w4a16"),
@@ -185,10 +205,11 @@ _POSITIVE = (
     "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.num_workers",
     "algo.eps_low", "algo.eps_high", "algo.mini_batches", "algo.epochs", "optim.lr", "learner.tp",
     "learner.dp", "rollout.temperature", "algo.uaq_scale", "sync.bucket_mb", "run.steps",
+    "algo.max_sample_rounds",
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config value is wrong; the message names the field."""
 
 
@@ -211,6 +232,8 @@ def validate(cfg: Config) -> Config:
     for key in ("rollout.max_staleness", "run.torch_threads"):
         if get_field(cfg, key) < 0:
             raise ConfigError(f"{key}={get_field(cfg, key)}: must be >= 0")
+    # The batch always holds prompts_per_step full groups (dynamic sampling refills it), so these
+    # two checks keep every step divisible into mini-batches x data-parallel ranks.
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if batch % cfg.algo.mini_batches:
         raise ConfigError(
@@ -222,6 +245,19 @@ def validate(cfg: Config) -> Config:
     if cfg.rollout.precision == "w4a16" and cfg.rollout.engine != "local":
         raise ConfigError("rollout.precision='w4a16': the weight-only 4-bit stress format of the "
                           "ablation study runs on the local engine only (rollout.engine='local')")
+    e = cfg.eval
+    if e.samples < 0:
+        raise ConfigError(f"eval.samples={e.samples}: must be >= 0")
+    if not e.greedy and not e.samples:
+        raise ConfigError("eval.greedy=false and eval.samples=0: the evaluation would measure nothing")
+    for k in e.pass_k:
+        if not 1 <= k <= e.samples:
+            raise ConfigError(f"eval.pass_k={list(e.pass_k)}: each k must be in [1, eval.samples="
+                              f"{e.samples}]")
+    if e.samples and not e.temperature > 0:
+        raise ConfigError(f"eval.temperature={e.temperature}: must be > 0 for sampled evaluation")
+    if not 0 < e.top_p <= 1:
+        raise ConfigError(f"eval.top_p={e.top_p}: must be in (0, 1]")
     if cfg.rollout.precision == "fp8_block" and cfg.rollout.engine != "sglang":
         raise ConfigError("rollout.precision='fp8_block': SGLang's block-scaled FP8 needs "
                           "rollout.engine='sglang' (the local engine runs int8/fp8 per channel)")
@@ -337,7 +373,7 @@ def paper_ppo_gsm8k() -> Config:
         "run.name": "paper-ppo-gsm8k", "run.steps": 500, "run.eval_every": 50, "run.ckpt_every": 50,
         "model.preset": "path", "model.path": "Qwen/Qwen2.5-0.5B-Instruct", "model.dtype": "bfloat16",
         "model.warmstart_steps": 0,
-        "data.train": "gsm8k_train.jsonl", "data.eval": "gsm8k_test.jsonl", "data.format": "gsm8k",
+        "data.train": "data/gsm8k_train.parquet", "data.eval": "gsm8k_test", "data.format": "gsm8k", "data.eval_size": 0,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.group_size": 8, "rollout.prompts_per_step": 64,
         "rollout.max_new_tokens": 512, "rollout.eval_max_new_tokens": 512,
@@ -354,7 +390,10 @@ def paper_deepscaler_1p5b() -> Config:
         "run.ckpt_every": 50,
         "model.preset": "path", "model.path": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
         "model.dtype": "bfloat16", "model.warmstart_steps": 0,
-        "data.train": "deepscaler.parquet", "data.eval": "aime24.jsonl", "data.format": "deepscaler",
+        "data.train": "data/deepscaler.json",
+        "data.eval": "aime24,amc23,math500,minerva_math,olympiadbench", "data.format": "deepscaler", "data.eval_size": 0,
+        "eval.greedy": False, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 0.6,
+        "eval.top_p": 0.95,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 8,
         "rollout.prompts_per_step": 128, "rollout.max_new_tokens": 8192,
@@ -372,7 +411,9 @@ def paper_dapo_7b() -> Config:
         "run.name": "paper-dapo-7b", "run.steps": 1200, "run.eval_every": 50, "run.ckpt_every": 50,
         "model.preset": "path", "model.path": "Qwen/Qwen2.5-Math-7B", "model.dtype": "bfloat16",
         "model.warmstart_steps": 0,
-        "data.train": "dapo-math-17k.parquet", "data.eval": "aime24.jsonl", "data.format": "dapo",
+        "data.train": "data/dapo-math-17k.parquet", "data.eval": "aime24", "data.format": "dapo", "data.eval_size": 0,
+        "eval.greedy": True, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 1.0,
+        "eval.top_p": 0.7,
         "data.template": "chat",
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 16,
         "rollout.prompts_per_step": 512, "rollout.max_new_tokens": 20480,

@@ -1,20 +1,24 @@
-"""`qurl eval`: greedy held-out accuracy of a run's latest checkpoint, through the configured engine.
+"""`qurl eval`: the paper's evaluation of a run's latest checkpoint (qurl/evaluation/suite.py).
 
 The checkpoint's learner weights (UAQ-scaled master weights) are loaded into a learner, quantized to
 the run's rollout precision and loaded into a fresh engine — the same path a training step takes —
-so the number is what the 8-bit actor of that checkpoint scores.
+so the `eval/...` numbers are what the 8-bit actor of that checkpoint scores; with eval.fp_policy the
+same master weights, unquantized, are scored beside it (`eval_fp/...`, `eval_gap/...`). What is
+measured (sets, greedy, Avg@k, pass@k) is the run's config, which `--set eval.samples=32` etc. may
+change for this call.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from qurl.config import Config, override
-from qurl.data.splits import load_datasets
+import torch
+
+from qurl.config import Config, override, parse_sets, validate
 from qurl.engines.factory import engine_wire_dtype, make_engine
+from qurl.evaluation.suite import Evaluator
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.ranks import launch
-from qurl.rollout import PromptCodec, evaluate
 from qurl.runs import CheckpointDir, read_config, run_dir_for
 from qurl.setup import busy_processes, set_threads
 from qurl.weights import WeightSync
@@ -28,20 +32,23 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed)
     learner.load(Path(ckpt))
-    engine = make_engine(cfg, model_dir) if is_main_rank() else None
+    main = is_main_rank()
+    engine = make_engine(cfg, model_dir) if main else None
     WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
-        learner.named_weights(), engine, version=0)
-    if not is_main_rank():
-        return {}
-    _, eval_set = load_datasets(cfg)
-    eval_set = eval_set[:max_examples] if max_examples else eval_set
-    return evaluate(engine, eval_set, PromptCodec(engine.tokenizer, cfg.data.template),
-                    max_new_tokens=cfg.rollout.eval_max_new_tokens,
-                    reward_timeout_s=cfg.data.reward_timeout_s)
+        learner.named_weights(), engine, version=0)  # the version the record states is below
+    step = version = int(Path(ckpt).name.removeprefix("step_"))
+    state = Path(ckpt) / "state.pt"
+    if main and state.is_file():  # the policy version trained into these weights
+        version = int(torch.load(state, weights_only=False).get("version", step))
+    evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples)
+    return evaluator.run(step, version, engine, learner) or {}
 
 
-def eval_run(run_dir: Path, max_examples: int | None = None) -> dict:
+def eval_run(run_dir: Path, max_examples: int | None = None,
+             sets: list[str] | None = None) -> dict:
+    """Evaluate `run_dir`'s latest checkpoint; `sets`: `--set` overrides (e.g. eval.samples=8)."""
     cfg = override(read_config(run_dir), {"run.dir": str(run_dir.parent), "run.name": run_dir.name})
+    cfg = validate(override(cfg, parse_sets(sets or [])))
     latest = CheckpointDir(run_dir).latest()
     if latest is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")

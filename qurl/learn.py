@@ -2,8 +2,9 @@
 
     sync v0 to the 8-bit engine (UAQ already on the learner's master weights)
     each step: prompts <- data cursor; G samples each from the engine at the current version,
-               scored by the verifiable reward; after training, re-quantize -> engine (flip
-               fraction measured)
+               scored by the verifiable reward (DAPO dynamic sampling: more prompts until B
+               groups of mixed accuracy, qurl/dynamic_sampling.py); after training, re-quantize
+               -> engine (flip fraction measured)
 
 The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/loop.py, shared with
 the async pipeline (qurl/pipeline/controller.py), whose η = 0 reduces to this source.
@@ -16,10 +17,10 @@ import torch
 
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
+from qurl.dynamic_sampling import sample_groups
 from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.loop import RankZero, train_loop
-from qurl.rollout import rollout
 from qurl.types import Trajectory
 from qurl.weights import WeightSync
 
@@ -41,11 +42,8 @@ class InProcessRollout:
 
     def next_groups(self, step: int,
                     version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
-        cfg = self.z.cfg
-        examples = [self.z.train_set[i] for i in self.cursor.take(cfg.rollout.prompts_per_step)]
-        return rollout(self.engine, examples, self.z.codec, self.z.params,
-                       group_size=cfg.rollout.group_size, run_seed=cfg.run.seed, step=step,
-                       reward_timeout_s=cfg.data.reward_timeout_s)
+        return sample_groups(self.engine, self.z.train_set, self.cursor, self.z.codec,
+                             self.z.params, self.z.cfg, step=step)
 
     def step_stats(self, step: int) -> dict[str, float]:
         return {}

@@ -21,9 +21,11 @@ request seeds (qurl/rollout.make_requests), and everything after `next_groups` i
 they receive the batch, train, take part in the weight gather and write their checkpoint shard.
 
 This module alone decides the record shapes and metric names (train: rollout statistics of the
-trained batch, the source's timings, batch, learner and sync statistics; eval: greedy accuracy), the
-eval / checkpoint cadence and the checkpoint state: step, version, RNG and the source's own state
-(the data cursor; for async also the buffer, staleness counters and ledger).
+trained batch, the source's timings and statistics (with sync DAPO dynamic sampling: those of every
+sampled response, qurl/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
+qurl/evaluation/suite.py, rollout engine and full-precision policy side by side), the eval /
+checkpoint cadence and the checkpoint state: step, version, RNG and the source's own state (the
+data cursor; for async also the buffer, staleness counters and ledger).
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
 from qurl.engines.base import Engine
 from qurl.engines.factory import make_engine
+from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
-from qurl.rollout import PromptCodec, evaluate, group_stats
+from qurl.rollout import PromptCodec, group_stats
 from qurl.runs import rng_state, set_rng_state
 from qurl.start import OpenedRun, open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory
@@ -54,7 +57,6 @@ class RankZero:
     cfg: Config
     run: OpenedRun
     train_set: list[Example]
-    eval_set: list[Example]
     engine: Engine  # generates (sync) or only evaluates (async); its tokenizer pads the batches
     codec: PromptCodec
     params: SamplingParams  # rollout sampling (temperature, top_p, length, stop at EOS)
@@ -105,17 +107,18 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
     run = open_run(cfg, resume=resume, rank=rank, world_size=world_size)
     learner, start, version = run.learner, run.start, run.start
     source: BatchSource | None = None
-    logger = eval_set = codec = None
+    evaluator = Evaluator(cfg, run.model_dir, main=run.main)  # before the source starts workers
+    logger = codec = None
     pad_id = 0
     if run.main:
-        train_set, eval_set = load_datasets(cfg)
+        train_set, _ = load_datasets(cfg)  # the eval sets are the Evaluator's
         engine = make_engine(cfg, run.model_dir, local=local_engine)
         codec = PromptCodec(engine.tokenizer, cfg.data.template)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 stop_token_ids=(engine.tokenizer.eos_token_id,))
         pad_id = engine.tokenizer.pad_token_id
-        source = make_source(RankZero(cfg, run, train_set, eval_set, engine, codec, params))
+        source = make_source(RankZero(cfg, run, train_set, engine, codec, params))
         if run.state is not None:
             set_rng_state(run.state["rng"])
 
@@ -124,16 +127,14 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
         return source.publish(named, version) if source is not None else _drain(named)
 
     def run_eval(step: int) -> dict | None:
+        # every rank: scoring the full-precision policy gathers the master weights (a collective)
+        engine = source.eval_engine(version) if source is not None else None
+        rec = evaluator.run(step, version, engine, learner)
         if source is None:
             return None
-        rec = {"kind": "eval", "step": step, "version": version,
-               **evaluate(source.eval_engine(version), eval_set, codec,
-                          max_new_tokens=cfg.rollout.eval_max_new_tokens,
-                          reward_timeout_s=cfg.data.reward_timeout_s),
-               **source.clock()}
+        rec.update(source.clock())
         logger.log(rec)
-        logger.write(f"[eval] step {step}: greedy accuracy {rec['accuracy']:.3f} "
-                     f"on {int(rec['n'])}")
+        logger.write(summary(rec))
         return rec
 
     try:

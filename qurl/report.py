@@ -1,9 +1,10 @@
 """`qurl report`: PNG plots of a run's metrics.jsonl (reward, accuracy, mismatch KL, clipping, flips).
 
-Panels: training reward and held-out greedy accuracy; KL(behav‖prox) — the quantization/staleness
-mismatch — overall and split by staleness; clip fractions and the share of tokens whose upper bound
-ACR widened (and TIS truncation); flip fraction of the 8-bit codes per sync (UAQ-scaled vs other
-layers). A panel whose metric the run did not record is drawn empty with a note, not skipped.
+Panels: training reward and held-out accuracy (8-bit engine and full-precision policy);
+KL(behav‖prox) — the quantization/staleness mismatch — overall and split by staleness; clip
+fractions and the share of tokens whose upper bound ACR widened (and TIS truncation); flip fraction
+of the 8-bit codes per sync (UAQ-scaled vs other layers). A panel whose metric the run did not
+record is drawn empty with a note, not skipped.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from qurl.metrics import read_metrics
 
 PANELS: list[tuple[str, list[str]]] = [
     ("reward (train)", ["reward"]),
-    ("greedy accuracy (eval)", ["eval:accuracy"]),
+    ("accuracy (eval): 8-bit engine, fp policy", ["eval:accuracy", "eval:eval_fp/mean/greedy"]),
     ("KL(behav || prox)", ["kl_behav_prox", "kl_behav_prox/s0", "kl_behav_prox/s1",
                            "kl_behav_prox/s2plus"]),
     ("clipping / ACR", ["clip_frac_low", "clip_frac_high", "tis_trunc_frac", "acr_widened_frac"]),

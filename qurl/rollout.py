@@ -121,16 +121,3 @@ def group_stats(groups: list[list[Trajectory]], trained_version: int) -> dict[st
         out["staleness_max"] = float(stale.max())
     return out
 
-
-def evaluate(engine: Engine, examples: list[Example], codec: PromptCodec, *, max_new_tokens: int,
-             reward_timeout_s: float) -> dict[str, float]:
-    """Greedy accuracy on held-out examples with the engine's current weights."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    reqs = [GenRequest(rid=f"{ex.uid}#0", prompt_ids=codec.encode(ex.prompt), params=params)
-            for ex in examples]
-    t0 = time.perf_counter()
-    results = engine.generate(reqs)
-    groups = to_trajectories(results, examples, codec, reward_timeout_s=reward_timeout_s)
-    rewards = [g[0].reward for g in groups]
-    return {"accuracy": sum(r > 0 for r in rewards) / len(rewards), "n": float(len(rewards)),
-            "time/eval": time.perf_counter() - t0}

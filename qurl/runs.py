@@ -4,16 +4,26 @@
       config.toml          resolved config (read back on resume; immutable fields checked)
       metrics.jsonl        one JSON object per step / eval
       base_model/          the HF checkpoint RL starts from (warm-started tiny model, or a copy link)
-      ckpt/step_000010/    one checkpoint: learner shards, state.pt (step, version, data cursor,
-                           RNG states, UAQ scale, pending trajectories, prompts in flight)
+      ckpt/step_000010/    one checkpoint: learner shards (model_rank<tp>.pt), optimizer state
+                           (optim_rank<tp>[_dp<dp>].pt), state.pt (step, version, data cursor,
+                           RNG states, pending trajectories, prompts in flight), manifest.json
+                           (size and BLAKE3 checksum of each of those files: qurl/checksums.py)
       ckpt/latest          name of the newest complete checkpoint
 
-A checkpoint is written to `ckpt/.tmp-step_N/` and renamed into place only once complete, then
-`latest` is replaced atomically (write temp file + os.replace). A crash mid-write leaves the
-previous checkpoint and pointer intact; leftover temp dirs are removed on the next save.
+A checkpoint is written to `ckpt/.tmp-step_N/`, gets its manifest, and is renamed into place only
+once complete, then `latest` is replaced atomically (write temp file + os.replace). A crash
+mid-write leaves the previous checkpoint and pointer intact; leftover temp dirs are removed on the
+next save.
+
+Resuming takes the newest *intact* checkpoint: every `step_*` directory is checked against its
+manifest, newest first; a damaged one (truncated, bytes changed, a file missing) is skipped with a
+warning naming the damaged file, and when none is intact `latest()` refuses with one line
+(CheckpointError). A checkpoint without manifest.json was written before qurl recorded checksums:
+it is used as it is (state.pt must exist), with a warning that it was not verified.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -23,7 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from qurl.checksums import FileSum, damage, has_manifest, write_manifest
 from qurl.config import Config, ConfigError, from_toml, immutable_changes, to_toml, validate
+from qurl.errors import CheckpointError
+
+log = logging.getLogger("qurl.runs")
 
 
 def run_dir_for(cfg: Config) -> Path:
@@ -81,22 +95,45 @@ class CheckpointDir:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path) -> Path:
+    def commit(self, tmp: Path, sums: dict[str, FileSum] | None = None) -> Path:
+        """Write tmp's manifest (`sums`: checksums taken while writing; other files are hashed
+        now), rename tmp into place, point `latest` at it and drop checkpoints beyond `keep`."""
+        write_manifest(tmp, sums or {})
         final = self.root / tmp.name.removeprefix(".tmp-")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _atomic_write(self.root / "latest", final.name)
-        ckpts = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        ckpts = self.checkpoints()
         for old in ckpts[:-self.keep] if self.keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def checkpoints(self) -> list[Path]:
+        """Committed checkpoint dirs, oldest first (by step number)."""
+        found = [p for p in self.root.glob("step_*") if p.is_dir()] if self.root.is_dir() else []
+        return sorted(found, key=lambda p: (len(p.name), p.name))
+
     def latest(self) -> Path | None:
-        pointer = self.root / "latest"
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / "state.pt").exists():
-            raise FileNotFoundError(f"{path}: checkpoint named by {pointer} is incomplete")
-        return path
+        """The newest intact checkpoint, None if none was ever committed. Damaged ones are skipped
+        with a warning naming the damaged file; CheckpointError (one line naming each damaged
+        file) if none is intact."""
+        problems: list[str] = []
+        for path in reversed(self.checkpoints()):
+            if has_manifest(path):
+                problem = damage(path)
+            else:  # written before checksums: only the file every checkpoint has can be checked
+                problem = None if (path / "state.pt").is_file() else f"{path / 'state.pt'}: missing"
+            if problem is not None:
+                problems.append(problem)
+                continue
+            for problem in problems:
+                log.warning("qurl: skipped a damaged checkpoint: %s", problem)
+            if not has_manifest(path):
+                log.warning("qurl: checkpoint %s has no manifest.json (written before qurl "
+                            "recorded checksums): resuming from it unverified", path)
+            return path
+        if problems:
+            raise CheckpointError(f"{self.root}: no intact checkpoint to resume from: "
+                                  + "; ".join(problems))
+        return None

@@ -2,7 +2,7 @@
 
 On every learner rank: pin CPU threads, join the process groups, make or find the base model
 (rank 0), build the Megatron learner (UAQ applied to its master weights) and, on resume, load the
-latest checkpoint. `save_checkpoint` is the matching writer. Rank 0 also checks that a resume does not change an immutable field, that a fresh
+newest intact checkpoint (qurl/runs.py). `save_checkpoint` is the matching writer. Rank 0 also checks that a resume does not change an immutable field, that a fresh
 run does not overwrite an existing one, and writes the resolved config into the run directory.
 """
 from __future__ import annotations
@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from qurl.checksums import save_torch
 from qurl.config import Config, ConfigError
-from qurl.learner.dist import broadcast_object, init_learner_dist, is_main_rank
+from qurl.errors import CheckpointError
+from qurl.learner.dist import broadcast_object, gather_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import prepare_base_model
 from qurl.runs import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
@@ -38,9 +40,13 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
     set_threads(cfg, busy_processes(cfg, world_size))
     init_learner_dist(cfg.learner, rank, world_size)
     main = is_main_rank()
+    found = None
     if main:
         if resume:
             check_resume_config(read_config(run_dir), cfg)
+            found = ckpts.latest()  # newest intact checkpoint, before any slow setup
+            if found is None:
+                raise CheckpointError(f"{run_dir}: nothing to resume (no checkpoint yet)")
         elif (run_dir / "ckpt" / "latest").exists():
             raise ConfigError(f"{run_dir} already holds a run: resume it with --resume {run_dir} "
                               "or pick another run.name")
@@ -48,12 +54,11 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
     model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
     torch.manual_seed(cfg.run.seed)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed)
+                              total_steps=cfg.run.steps, seed=cfg.run.seed,
+                              norm_len=cfg.rollout.max_new_tokens)
     start, state = 0, None
     if resume:
-        latest = broadcast_object(str(ckpts.latest()) if main and ckpts.latest() else None)
-        if latest is None:
-            raise FileNotFoundError(f"{run_dir}: nothing to resume (no checkpoint yet)")
+        latest = broadcast_object(str(found) if main else None)
         learner.load(Path(latest))
         state = torch.load(Path(latest) / "state.pt", weights_only=False)
         start = state["step"]
@@ -63,11 +68,11 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
 def save_checkpoint(ckpts: CheckpointDir, learner: MegatronLearner, step: int,
                     state: dict[str, Any] | None) -> None:
     """All ranks write their learner shard into one temp dir; rank 0 adds `state` as state.pt and
-    commits (atomic rename + `latest`)."""
+    commits (manifest of every file's checksum, atomic rename, `latest`)."""
     main = is_main_rank()
     tmp = Path(broadcast_object(str(ckpts.begin(step)) if main else None))
-    learner.save(tmp)
-    broadcast_object(None)  # barrier: every shard is on disk before the rename
+    per_rank = gather_object(learner.save(tmp))  # also a barrier: every shard is on disk
     if main:
-        torch.save(state, tmp / "state.pt")
-        ckpts.commit(tmp)
+        sums = {name: s for rank_sums in per_rank for name, s in rank_sums.items()}
+        sums["state.pt"] = save_torch(state, tmp / "state.pt")
+        ckpts.commit(tmp, sums)

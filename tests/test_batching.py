@@ -33,3 +33,15 @@ def test_dynamic_sampling_drops_uniform_groups():
     assert batch.prompt_uids == ["a", "a"] and stats["groups_uniform"] == 1
     none, _ = build_batch([g2], version=3, pad_id=0, dynamic_sampling=True)
     assert none is None
+
+
+def test_dynamic_sampling_judges_accuracy_not_the_overlong_shaped_reward():
+    """DAPO: an all-wrong group whose answers differ in length gets different shaped rewards from
+    the overlong penalty; it must still be dropped (it would be trained on length alone)."""
+    wrong = [traj("w", 0, [5], [7] * 2, 0.0), traj("w", 1, [5], [7] * 7, 0.0)]  # 7 is in the buffer
+    mixed = [traj("m", 0, [4], [1], 1.0), traj("m", 1, [4], [3], 0.0)]
+    batch, stats = build_batch([wrong, mixed], version=3, pad_id=0, dynamic_sampling=True,
+                               overlong_buffer=4, max_new_tokens=8)
+    assert batch.prompt_uids == ["m", "m"] and stats["groups_uniform"] == 1
+    shaped, _ = build_batch([wrong], version=3, pad_id=0, overlong_buffer=4, max_new_tokens=8)
+    assert shaped.rewards.tolist() == [0.0, -0.75]  # (8-4-7)/4: the shaping is what differs

@@ -118,17 +118,18 @@ def test_cli_refuses_bad_seed_lists(seeds, capsys):
 
 
 @pytest.mark.slow
-def test_two_arm_compare_runs_real_processes(tmp_path):
+def test_two_arm_compare_runs_real_processes(tmp_path, runs_dir):
     """`compare` with two arms: each runs as its own `qurl train` process to the end, the table
     has a row per arm with a measured (finite, positive) speed and the plots are written."""
     cfg = tiny_cfg(tmp_path, "unused", 2, **{"run.torch_threads": 1})
-    path = compare(cfg, tmp_path / "cmp", arms=["sync-int8-acr-uaq", "async1-int8-acr-uaq"])
+    out = runs_dir("cmp")  # the arms' run.dir: base model from the session's shared cache
+    path = compare(cfg, out, arms=["sync-int8-acr-uaq", "async1-int8-acr-uaq"])
     text = path.read_text()
     for arm, threads in (("sync-int8-acr-uaq", "1"), ("async1-int8-acr-uaq", "1+1")):
-        recs = read_metrics(tmp_path / "cmp" / arm / "metrics.jsonl")
+        recs = read_metrics(out / arm / "metrics.jsonl")
         assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
         assert f"| {arm} | {threads} | 2 |" in text  # run.torch_threads=1: one per process
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| async1")]
     assert float(rows[0][6]) > 0 and math.isfinite(float(rows[0][7]))  # steps/h, speedup
-    assert (tmp_path / "cmp" / "compare_step.png").stat().st_size > 0
-    assert (tmp_path / "cmp" / "compare_wall.png").stat().st_size > 0
+    assert (out / "compare_step.png").stat().st_size > 0
+    assert (out / "compare_wall.png").stat().st_size > 0

@@ -10,12 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from qurl.data.sets import SETS_DIR
+
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example, load_dataset
 from qurl.data.synthetic import arithmetic_task, in_eval_split, worked_solution
 from qurl.data.templates import BOXED_INSTRUCTION, render_prompt
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = SETS_DIR  # the evaluation sets shipped with qurl
 
 
 def _real(name: str) -> Path:

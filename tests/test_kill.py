@@ -57,9 +57,9 @@ def _qurl(args: list[str], log: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def run_root(tmp_path_factory):
+def run_root(runs_dir):
     use_free_dist_port()
-    return tmp_path_factory.mktemp("kill")
+    return runs_dir("kill")
 
 
 def test_sigkill_controller_then_resume_trains_each_prompt_once(run_root):

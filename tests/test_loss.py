@@ -45,15 +45,21 @@ def test_worked_example_other_presets() -> None:
     # decoupled: w = ρ = 5, min(1.5, 1.2) -> 6.0, clipped
     loss, grad, _ = _one_token(5.0, 1.5, "decoupled")
     assert -loss == pytest.approx(6.0, rel=1e-6) and grad == 0.0
-    # ppo / naive: ratio over π_behav = 5 · 1.5 = 7.5 -> clipped at 1.2, no weight
-    for preset in ("ppo", "naive"):
-        loss, grad, st = _one_token(5.0, 1.5, preset)
-        assert -loss == pytest.approx(1.2, rel=1e-6) and grad == 0.0
-        assert st["tis_trunc_frac"] == 0.0 and st["is_ratio_mean"] == pytest.approx(5.0, rel=1e-6)
+    # naive: ratio over π_behav = 5 · 1.5 = 7.5 -> clipped at 1.2, no weight
+    loss, grad, st = _one_token(5.0, 1.5, "naive")
+    assert -loss == pytest.approx(1.2, rel=1e-6) and grad == 0.0
+    assert st["tis_trunc_frac"] == 0.0 and st["is_ratio_mean"] == pytest.approx(5.0, rel=1e-6)
+    # ppo (standard PPO, paper Eq 1): ratio over the learner's π_prox = 1.5, clipped at 1.2, no
+    # weight; the engine's π_behav (here 5x off) does not enter the loss at all
+    loss, grad, st = _one_token(5.0, 1.5, "ppo")
+    assert -loss == pytest.approx(1.2, rel=1e-6) and grad == 0.0
+    assert st["tis_trunc_frac"] == 0.0 and st["is_ratio_mean"] == pytest.approx(5.0, rel=1e-6)
+    loss, grad, _ = _one_token(5.0, 1.1, "ppo")
+    assert -loss == pytest.approx(1.1, rel=1e-6) and -grad == pytest.approx(1.1, rel=1e-6)
     # inside the clip range every preset has gradient w·R·A
-    # (ρ = 1.5; for ppo π_θ/π_behav = 1.1, for the others π_θ/π_prox = 1.1)
-    for preset, w in (("ppo", 1.0), ("decoupled", 1.5), ("tis", 1.5), ("acr", 1.5)):
-        loss, grad, _ = _one_token(1.5, 1.1 / 1.5 if preset == "ppo" else 1.1, preset)
+    # (ρ = 1.5; for naive π_θ/π_behav = 1.1, for the others π_θ/π_prox = 1.1)
+    for preset, w in (("naive", 1.0), ("ppo", 1.0), ("decoupled", 1.5), ("tis", 1.5), ("acr", 1.5)):
+        loss, grad, _ = _one_token(1.5, 1.1 / 1.5 if preset == "naive" else 1.1, preset)
         assert -loss == pytest.approx(w * 1.1, rel=1e-6) and -grad == pytest.approx(w * 1.1, rel=1e-6)
     # A < 0: the lower bound 0.8 binds below, the unclipped term above
     loss, grad, st = _one_token(1.0, 0.5, "acr", adv=-1.0)
@@ -72,7 +78,7 @@ def _reference(logp, prox, behav, adv, mask, preset, el, eh, cap, agg, norm_len=
             if not mask[i][t]:
                 continue
             rho = math.exp(prox[i][t] - behav[i][t])
-            den = behav[i][t] if preset in ("ppo", "naive") else prox[i][t]
+            den = behav[i][t] if preset == "naive" else prox[i][t]
             R = math.exp(logp[i][t] - den)
             w = {"ppo": 1.0, "naive": 1.0, "decoupled": rho}.get(preset, min(rho, cap))
             U = (1 + eh) / min(1.0, cap / rho) if preset == "acr" else 1 + eh
@@ -186,7 +192,7 @@ def test_aggregations_closed_form() -> None:
     adv = torch.tensor([2.0, -1.0])
     logp = torch.full((2, 4), -1.0)
     def f(agg, **kw):
-        return float(policy_loss(logp, None, logp, adv, mask, preset="ppo", agg=agg, **kw)[0])
+        return float(policy_loss(logp, logp, logp, adv, mask, preset="ppo", agg=agg, **kw)[0])
     assert f("token-mean") == pytest.approx(-(2 - 3) / 4)
     assert f("seq-mean-token-mean") == pytest.approx(-(2 + -1) / 2)
     assert f("seq-mean-token-sum-norm") == pytest.approx(-(2 / 4 - 3 / 4) / 2)

@@ -145,10 +145,11 @@ def test_dispatcher_loses_and_repeats_nothing_through_deaths_staleness_and_resum
 
 
 @pytest.fixture(scope="module")
-def run_root(tmp_path_factory):
-    """One directory for every run of this module, so the warm-started base model is built once."""
+def run_root(runs_dir):
+    """One directory for every run of this module; the warm-started base model comes from the
+    session's shared cache (conftest.runs_dir)."""
     use_free_dist_port()
-    return tmp_path_factory.mktemp("pipeline")
+    return runs_dir("pipeline")
 
 
 def _comparable(rec: dict) -> dict:

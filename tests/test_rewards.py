@@ -13,8 +13,9 @@ import pytest
 from qurl.data import rewards
 from qurl.data.datasets import load_dataset
 from qurl.data.rewards import RewardFn, RewardResult, extract_answer, math_equal
+from qurl.data.sets import SETS_DIR
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = SETS_DIR  # the evaluation sets shipped with qurl
 
 
 def _rows(name: str) -> list[dict]:

@@ -326,7 +326,7 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
 
 
 @pytest.mark.slow
-def test_async_worker_drives_its_sglang_server(tmp_path):
+def test_async_worker_drives_its_sglang_server(tmp_path, runs_dir):
     """rollout.mode=async with rollout.engine=sglang: the worker's engine is the SGLang adapter on
     its one server; every version goes controller -> worker (pipeline weight group) -> server
     (the adapter's group), and every prompt of the epoch is trained exactly once."""
@@ -343,7 +343,7 @@ def test_async_worker_drives_its_sglang_server(tmp_path):
     use_free_dist_port()
     try:
         _wait_healthy(url)
-        cfg = tiny_cfg(tmp_path, "asg", 4, **{
+        cfg = tiny_cfg(runs_dir("asg"), "asg", 4, **{
             "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.num_workers": 1,
             "rollout.engine": "sglang", "rollout.sglang_urls": url, "rollout.precision": "int8",
             "model.dtype": "float32"})  # the checkpoint's model state is then the synced masters
@@ -352,7 +352,7 @@ def test_async_worker_drives_its_sglang_server(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    run = tmp_path / "asg"
+    run = Path(cfg.run.dir) / "asg"
     assert 0.0 <= final["accuracy"] <= 1.0
     assert_each_prompt_once(cfg, run)
     assert len(served) >= 4 * 4 * 4  # every rollout request went to the server (none for eval)

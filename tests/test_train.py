@@ -18,9 +18,13 @@ TIMING = ("time/", "tokens_per_s", "sync/time")
 
 
 @pytest.fixture(scope="module")
-def runs_root(tmp_path_factory):
-    """One runs/ dir for the module, so the warm-started base model is built once and cached."""
-    return tmp_path_factory.mktemp("runs")
+def runs_root(runs_dir):
+    """One runs/ dir for the module; the warm-started base model comes from the session's shared
+    cache (conftest.runs_dir)."""
+    from pipeline_helpers import use_free_dist_port
+
+    use_free_dist_port()  # not 29500: another test run on this machine may hold it
+    return runs_dir("runs")
 
 
 def small_cfg(tmp_path, name, steps, **extra):
@@ -100,3 +104,32 @@ def test_resume_refuses_immutable_change_and_fresh_overwrite(runs_root):
     # `qurl eval` rebuilds the 8-bit actor from the checkpoint and scores what training's last eval did
     assert eval_run(tmp_path / "r")["accuracy"] == recs[-1]["accuracy"]
     json.dumps(recs)  # strictly JSON (no NaN literals)
+
+
+def test_eval_records_hold_every_set_both_policies_and_their_gap(runs_root):
+    """The paper's evaluation in training and in `qurl eval`: per set and mean, greedy, Avg@k and
+    pass@k, for the 8-bit engine (eval/), the full-precision policy (eval_fp/) and the gap."""
+    cfg = small_cfg(runs_root, "ev", 1, **{"data.eval": "synthetic,amc23", "data.eval_size": 3,
+                                         "eval.samples": 2, "eval.pass_k": "1,2"})
+    train(cfg)
+    recs = [r for r in read_metrics(runs_root / "ev" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in recs] == [0, 1]
+    for rec in recs:
+        for who in ("eval", "eval_fp"):
+            for s in ("synthetic", "amc23"):
+                for m in ("greedy", "avg@2", "pass@1", "pass@2"):
+                    assert 0.0 <= rec[f"{who}/{s}/{m}"] <= 1.0
+                assert rec[f"{who}/{s}/pass@2"] >= rec[f"{who}/{s}/pass@1"]
+                assert rec[f"{who}/{s}/pass@1"] == pytest.approx(rec[f"{who}/{s}/avg@2"])
+            for m in ("greedy", "avg@2", "pass@2"):
+                assert rec[f"{who}/mean/{m}"] == pytest.approx(
+                    (rec[f"{who}/synthetic/{m}"] + rec[f"{who}/amc23/{m}"]) / 2)
+        for key in [k for k in rec if k.startswith("eval/")]:
+            gap = key.replace("eval/", "eval_gap/", 1)
+            assert rec[gap] == pytest.approx(rec[key] - rec[key.replace("eval/", "eval_fp/", 1)])
+        assert rec["accuracy"] == rec["eval/mean/greedy"] and rec["n"] == 6
+    # `qurl eval` scores the checkpoint as training's last evaluation did; --set overrides apply
+    again = eval_run(runs_root / "ev", sets=["eval.pass_k=2"])
+    assert "eval/mean/pass@1" not in again
+    last = {k: v for k, v in recs[-1].items() if "pass@1" not in k and not k.startswith("time/")}
+    assert {k: v for k, v in again.items() if not k.startswith("time/")} == pytest.approx(last)

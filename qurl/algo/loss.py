@@ -5,15 +5,16 @@ objective maximised is `w · min(R·A, clip(R, 1−ε_lo, U)·A)` with
 
 | preset      | denominator of R | IS weight w    | upper bound U      |
 | ----------- | ---------------- | -------------- | ------------------ |
-| `ppo`       | π_behav          | 1              | 1+ε_hi             |
+| `ppo`       | π_prox           | 1              | 1+ε_hi             |
 | `naive`     | π_behav          | 1              | 1+ε_hi             |
 | `decoupled` | π_prox           | ρ              | 1+ε_hi             |
 | `tis`       | π_prox           | min(ρ, C)      | 1+ε_hi             |
 | `acr`       | π_prox           | min(ρ, C)      | (1+ε_hi)/r, r = min(1, C/ρ) |
 
-`ppo` and `naive` compute the same thing; they differ in intent. `ppo` is the on-policy baseline
-(rollout in bf16 by the same weights, so π_behav is the full-precision policy and no IS weight is
-needed). `naive` is the control of the paper's Eq 3: rollout is quantized yet π_behav is used as the
+`ppo` is standard PPO (the paper's Eq 1, verl's default): the denominator is the learner's own
+recomputed pre-update policy π_prox and there is no IS weight, so whatever separates the rollout
+engine from the learner (kernels, bf16 rounding) never enters the clipping; it is the bf16 baseline.
+`naive` is the control of the paper's Eq 3: rollout is quantized yet π_behav is used as the
 PPO denominator as if it were the policy, which the paper shows collapses. `decoupled` is
 Hilton et al.'s decoupled PPO (AReaL), `tis` caps the weight (FlashRL's truncated IS), and `acr` is
 QuRL's Adaptive Clipping Range (Eq 9): when the weight is truncated (ρ > C, so r < 1) the upper clip
@@ -24,7 +25,8 @@ The loss is the negated objective, aggregated over tokens (`agg`):
 - `token-mean` (DAPO): Σ_valid / #valid tokens;
 - `seq-mean-token-mean` (GRPO): mean over sequences (with ≥1 valid token) of each one's token mean;
 - `seq-mean-token-sum-norm` (Dr.GRPO): mean over the B sequences of token sum / `norm_len` (a
-  constant, default T), so long and short answers are not reweighted.
+  constant, default T), so long and short answers are not reweighted. The learner passes the
+  generation budget (rollout.max_new_tokens): T of a length-cut micro-batch is not a constant.
 With micro-batches, pass `denom` = the global count (sum of `loss_denominator` over all
 micro-batches) so that summed micro-batch losses equal the loss of the whole batch.
 
@@ -124,7 +126,7 @@ def _validate(
     for name, t in named.items():
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have the shape of logp {shape}, got {tuple(t.shape)}")
-    if prox_logp is None and preset not in ("ppo", "naive"):
+    if prox_logp is None and preset != "naive":
         raise ValueError(f"prox_logp is required for preset {preset!r}")
     for name, t in (("adv", adv), ("staleness", staleness)):
         if t is not None and tuple(t.shape) not in (shape, shape[:1]):
@@ -166,7 +168,7 @@ def policy_loss(
     """Negated clipped surrogate of `preset` (+ kl_coef · k3 KL to ref_logp), and diagnostics.
 
     logp: [B, T] log π_θ of the sampled tokens (differentiable); prox_logp: [B, T] log π_prox (may be
-    None for `ppo`/`naive`, which ignore it in the loss); behav_logp: [B, T] log π_behav from the
+    None for `naive` alone, which ignores it in the loss); behav_logp: [B, T] log π_behav from the
     rollout engine; adv: [B] or [B, T]; mask: [B, T], 1/True for response tokens; ref_logp: [B, T];
     staleness: [B] or [B, T] int versions behind (for stats only). `denom`: see `loss_denominator`.
 
@@ -175,7 +177,7 @@ def policy_loss(
     else 0), acr_widened_frac (A>0 and ρ>C under acr, else 0), is_ratio_mean, is_ratio_max,
     kl_behav_prox (k3, see qurl.algo.stats), kl_ref (token mean, when ref_logp is given), and the
     ratio stats per staleness bucket. For ppo/naive the ratio stats still compare prox_logp (if
-    given) with behav_logp: they measure the quantization gap the loss ignores. With no valid token
+    given) with behav_logp: they measure the engine/learner gap the loss ignores. With no valid token
     (allowed only with `denom`) the loss is 0 and stats hold just loss and tokens.
     """
     _validate(logp, prox_logp, behav_logp, adv, mask, preset, eps_low, eps_high, tis_cap, agg,
@@ -202,7 +204,7 @@ def policy_loss(
         upper = torch.full_like(lp, 1.0 + eps_high)
         if preset in ("ppo", "naive"):
             w = torch.ones_like(lp)
-            den = behav
+            den = behav if preset == "naive" else prox
         else:
             den = prox
             w = torch.exp(log_is.clamp(max=LOG_IS_CLAMP))

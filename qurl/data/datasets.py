@@ -10,6 +10,8 @@ them under different names, so a *preset* maps each known format onto (question,
 | `math`       | `problem` (MATH500, AIME, AMC alike)  | `answer`                              |
 | `deepscaler` | `problem`                             | `answer`                              |
 | `dapo`       | `prompt` (chat list: the user turn)   | `reward_model.ground_truth`           |
+| `minerva`    | `problem`                             | the last `\\boxed{}` of `solution`    |
+| `olympiadbench` | `question`                         | `final_answer` (a list; `$` stripped, joined by ", ") |
 | `custom`     | `question_field=` (required)          | `answer_field=` (required)            |
 | `auto`       | chosen from the first row's keys                                               |
 
@@ -23,8 +25,9 @@ Invariants:
 - uid is stable across runs: `f"{prefix}:{row['id']}"` when the row has an `id`, else
   `f"{prefix}:{row_index}"` (0-based over data rows; blank jsonl lines are skipped and not counted).
   prefix defaults to the file stem. Duplicate uids in one file are an error.
-- Every malformed row (bad JSON, missing field, wrong type, empty text) raises ValueError naming the
-  file and the 1-based line (jsonl) or row (parquet) number; nothing is silently dropped.
+- Every malformed row (bad JSON, missing field, wrong type, empty text) raises DataError (a
+  ValueError; qurl.errors.InputError, so the command line prints its one line and exits 2) naming
+  the file and the 1-based line (jsonl) or row (parquet) number; nothing is silently dropped.
 """
 from __future__ import annotations
 
@@ -35,7 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Example", "PRESETS", "load_dataset", "gsm8k_final_answer"]
+from qurl.errors import InputError
+
+__all__ = ["DataError", "Example", "PRESETS", "load_dataset", "gsm8k_final_answer"]
+
+
+class DataError(InputError):
+    """A data file or row is malformed; the message names the file and line (or row)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ PRESETS: dict[str, tuple[str, str]] = {
     "amc23": _MATH,
     "deepscaler": _MATH,
     "dapo": ("prompt", "reward_model.ground_truth"),
+    "minerva": ("problem", "solution"),
+    "olympiadbench": ("question", "final_answer"),
 }
 _FORMATS = (*PRESETS, "custom", "auto")
 
@@ -123,6 +134,10 @@ def _detect_format(row: dict[str, Any]) -> str:
         return "math"
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
+    if "problem" in row and "solution" in row:
+        return "minerva"
+    if "question" in row and isinstance(row.get("final_answer"), list):
+        return "olympiadbench"
     raise ValueError(
         f"cannot detect the format from the first row's keys {sorted(row)}; pass fmt= or "
         "question_field=/answer_field="
@@ -148,7 +163,7 @@ def _iter_json_array(path: Path, text: str) -> Iterator[tuple[int, Any]]:
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{path}:{e.lineno}: bad JSON ({e.msg} at column {e.colno})") from None
         yield line_at(pos), value
         pos = ws.match(text, end).end()
         if text.startswith(",", pos):
@@ -156,7 +171,7 @@ def _iter_json_array(path: Path, text: str) -> Iterator[tuple[int, Any]]:
         elif text.startswith("]", pos):
             return
         else:
-            raise ValueError(f"{path}:{line_at(pos)}: bad JSON (expected ',' or ']' between array elements)")
+            raise DataError(f"{path}:{line_at(pos)}: bad JSON (expected ',' or ']' between array elements)")
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -167,7 +182,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno})") from None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -176,7 +191,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error types for a corrupt file
-        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
     rowno = 0
     for batch in pf.iter_batches(batch_size=1024):
         for row in batch.to_pylist():
@@ -207,7 +222,7 @@ def load_dataset(
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     if not path.is_file():
-        raise ValueError(f"dataset file not found: {path}")
+        raise DataError(f"dataset file not found: {path}")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         # A .json file may be one JSON array (DeepScaleR ships so) or JSON lines.
@@ -221,7 +236,7 @@ def load_dataset(
     elif suffix in (".parquet", ".pq"):
         rows, unit = _iter_parquet(path), "row"
     else:
-        raise ValueError(f"{path}: unsupported extension {suffix!r} (use .jsonl, .json or .parquet)")
+        raise DataError(f"{path}: unsupported extension {suffix!r} (use .jsonl, .json or .parquet)")
     prefix = uid_prefix if uid_prefix is not None else path.stem
 
     out: list[Example] = []
@@ -233,22 +248,22 @@ def load_dataset(
             break
         where = f"{path}:{lineno}" if unit == "line" else f"{path}: row {lineno}"
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if index == 0:
             if resolved == "auto" and (question_field is None or answer_field is None):
                 try:
                     resolved = _detect_format(row)
                 except ValueError as e:
-                    raise ValueError(f"{where}: {e}") from None
+                    raise DataError(f"{where}: {e}") from None
             preset = PRESETS.get(resolved, ("", ""))
             q_field = question_field or preset[0]
             a_field = answer_field or preset[1]
         try:
             example = _make_example(row, q_field, a_field, resolved, prefix, index)
         except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise DataError(f"{where}: {e}") from None
         if example.uid in seen:
-            raise ValueError(f"{where}: duplicate uid {example.uid!r} (first at data row {seen[example.uid] + 1})")
+            raise DataError(f"{where}: duplicate uid {example.uid!r} (first at data row {seen[example.uid] + 1})")
         seen[example.uid] = index
         out.append(example)
     return out
@@ -270,6 +285,18 @@ def _make_example(
         if final is None:
             raise ValueError(f"field '{a_field}' has no '#### <answer>' line")
         raw_answer = final
+    elif fmt == "minerva" and isinstance(raw_answer, str):
+        from qurl.data.rewards import extract_answer  # rewards imports this module: import late
+
+        final = extract_answer(raw_answer)
+        if final is None:
+            raise ValueError(f"field '{a_field}' has no \\boxed{{}} answer")
+        raw_answer = final
+    elif fmt == "olympiadbench":
+        if not isinstance(raw_answer, list) or not raw_answer or \
+                not all(isinstance(a, str) and a.strip() for a in raw_answer):
+            raise ValueError(f"field '{a_field}' must be a non-empty list of answer strings")
+        raw_answer = ", ".join(a.strip().strip("$").strip() for a in raw_answer)
     answer = _answer_text(raw_answer, a_field)
     row_id = row.get("id")
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):

@@ -1,41 +1,64 @@
-"""A run's two data splits, from its `[data]` config: the training prompts and the held-out set.
+"""A run's data, from its `[data]` config: the training prompts and the evaluation sets.
 
-`data.train` / `data.eval` name a source: "synthetic" (arithmetic tasks generated from the run seed,
-qurl/data/synthetic.py) or a jsonl / json / parquet file read with the `data.format` preset
-(qurl/data/datasets.py). The eval file is cut to `data.eval_size` examples; the training file is
-used whole (`data.train_size` sizes only the synthetic split).
+`data.train` names one source and `data.eval` a comma-separated list of them: "synthetic"
+(arithmetic tasks generated from the run seed, qurl/data/synthetic.py), a jsonl / json / parquet
+file path, or the bare name of a set shipped in qurl/data/sets/ ("aime24"). Training files are read
+with the `data.format` preset; each eval file's format is detected from its own rows unless the
+fields are spelled out (qurl/data/datasets.py). Each eval set is cut to `data.eval_size` examples
+(0 = the whole file); the training file is used whole (`data.train_size` sizes only the synthetic
+split).
+
+A malformed row or unreadable file raises DataError (qurl/data/datasets.py), a bad `data.eval` list
+ConfigError, a name that is neither a file nor a shipped set FileNotFoundError: `qurl train` calls
+`load_datasets` before starting any rank, so each is one line and exit status 2.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from qurl.config import Config
+from qurl.config import Config, ConfigError
 from qurl.data.datasets import Example, load_dataset
+from qurl.data.sets import resolve_data_path
 from qurl.data.synthetic import arithmetic_task
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # beside the checkout
+
+def eval_set_names(cfg: Config) -> list[str]:
+    """data.eval as a list: comma-separated set names or paths ("aime24,amc23,math500")."""
+    names = [n.strip() for n in cfg.data.eval.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("data.eval: name at least one evaluation set")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.eval={cfg.data.eval!r}: a set is named twice")
+    if "synthetic" in names and cfg.data.eval_size <= 0:
+        raise ConfigError(f"data.eval_size={cfg.data.eval_size}: the synthetic eval split needs a "
+                          "size > 0 (0 means whole files, for file sets only)")
+    return names
 
 
-def _resolve_data_path(path: str) -> Path:
-    p = Path(path)
-    if p.exists():
-        return p
-    if (SHARED_DATA / path).exists():
-        return SHARED_DATA / path
-    raise FileNotFoundError(f"data file {path!r} not found (also looked in {SHARED_DATA})")
+def _load(cfg: Config, source: str, split: str, n: int) -> list[Example]:
+    d = cfg.data
+    if source == "synthetic":
+        return arithmetic_task(n, seed=cfg.run.seed, split=split, digits=d.digits,
+                               n_operands=d.operands)
+    # each eval set is detected from its own rows unless the fields are spelled out
+    fmt = d.format if split == "train" or d.format == "custom" else "auto"
+    return load_dataset(resolve_data_path(source), fmt, question_field=d.question_field or None,
+                        answer_field=d.answer_field or None,
+                        limit=(n or None) if split == "eval" else None)
+
+
+def load_eval_sets(cfg: Config) -> dict[str, list[Example]]:
+    """{set name: examples} for every set of data.eval, at most data.eval_size each (0 = all of
+    a file set). Names are file stems ("synthetic" for the generated split)."""
+    names = eval_set_names(cfg)
+    stems = [Path(name).stem for name in names]
+    if len(set(stems)) != len(stems):
+        raise ConfigError(f"data.eval={cfg.data.eval!r}: two sets share a file name {stems}")
+    return {stem: _load(cfg, name, "eval", cfg.data.eval_size) for stem, name in zip(stems, names)}
 
 
 def load_datasets(cfg: Config) -> tuple[list[Example], list[Example]]:
-    """(train split, eval split) of the run."""
-    d = cfg.data
-
-    def one(source: str, split: str, n: int) -> list[Example]:
-        if source == "synthetic":
-            return arithmetic_task(n, seed=cfg.run.seed, split=split, digits=d.digits,
-                                   n_operands=d.operands)
-        return load_dataset(_resolve_data_path(source), d.format,
-                            question_field=d.question_field or None,
-                            answer_field=d.answer_field or None,
-                            limit=n if split == "eval" else None)
-
-    return one(d.train, "train", d.train_size), one(d.eval, "eval", d.eval_size)
+    """(train split, every eval set concatenated; uids stay unique: they carry the set's name)."""
+    evals = load_eval_sets(cfg)
+    return (_load(cfg, cfg.data.train, "train", cfg.data.train_size),
+            [ex for exs in evals.values() for ex in exs])

@@ -14,18 +14,20 @@ from qurl.engines.base import Engine
 
 
 def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: str = "",
-                local: bool = False) -> Engine:
+                local: bool = False, precision: str | None = None) -> Engine:
     """The rollout engine of the sync loop (slot None) or of async worker `slot` (`host`: the
     worker's address, where SGLang servers reach its weight group). local=True: a LocalEngine
     whatever rollout.engine says — the async controller's evaluation engine, which must not take
     the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
-    The local engine runs on this process's current GPU when there is one."""
+    The local engine runs on this process's current GPU when there is one. precision: overrides
+    rollout.precision (with local=True; "bf16" = the unquantized policy, for evaluation)."""
     if cfg.rollout.engine == "local" or local:
         import torch
 
         from qurl.engines.local import LocalEngine
 
-        precision = "fp8" if cfg.rollout.precision == "fp8_block" else cfg.rollout.precision
+        precision = precision or cfg.rollout.precision
+        precision = "fp8" if precision == "fp8_block" else precision
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)

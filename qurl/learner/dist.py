@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import logging
 import os
 import socket
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
-from qurl.config import LearnerConfig
+from qurl.config import ConfigError, LearnerConfig
+from qurl.errors import InputError
 
 
 def free_port() -> int:
@@ -37,7 +42,7 @@ def resolve_backend(learner: LearnerConfig) -> str:
     if learner.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if learner.backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("learner.backend='nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
+        raise ConfigError("learner.backend='nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
     return learner.backend
 
 
@@ -45,7 +50,7 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
                       timeout_min: float = 30.0) -> None:
     """Join the default process group (if not yet) and build megatron's TP and DP groups."""
     if world_size != learner.tp * learner.dp:
-        raise ValueError(f"learner.tp={learner.tp} x learner.dp={learner.dp}: needs world_size "
+        raise ConfigError(f"learner.tp={learner.tp} x learner.dp={learner.dp}: needs world_size "
                          f"{learner.tp * learner.dp}, got {world_size}")
     backend = resolve_backend(learner)
     if backend == "nccl":
@@ -59,7 +64,11 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise ValueError(f"torch.distributed already initialized as rank {dist.get_rank()} of "
                          f"{dist.get_world_size()}, asked for {rank} of {world_size}")
-    from megatron.core import parallel_state as ps
+    with warnings.catch_warnings():
+        # megatron-core says at import that Transformer Engine / Apex are absent, once per module
+        # and rank: expected on CPU, where the learner uses neither (qurl/learner/build.py)
+        warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (are|is) not installed")
+        from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() != learner.tp:
@@ -95,19 +104,43 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank `dst` (None elsewhere). A collective: every rank
+    calls it, and rank `dst` returns only after all ranks have."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
 def _spawn_entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)  # ranks share few cores; oversubscription only slows them down
-    result = fn(rank, world_size, *args)
+    try:
+        result = fn(rank, world_size, *args)
+    except InputError as e:  # handed to the parent as itself, not as a traceback
+        torch.save(e, Path(out_dir) / f"error{rank}.pt")
+        sys.exit(2)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` fresh processes (spawn start method) with
     MASTER_ADDR/PORT set to a free local port; return the ranks' return values in rank order.
-    `fn` and `args` must be picklable (module-level function). A failing rank raises here."""
+    `fn` and `args` must be picklable (module-level function). A failing rank raises here: an
+    InputError (bad config, data or run dir) as that error, from the lowest rank that raised one."""
+    # torch logs "Terminating process ..." for the ranks it stops after one failed: noise next to
+    # the failing rank's own error
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="qurl-spawn-") as out:
-        mp.spawn(_spawn_entry, args=(world_size, free_port(), out, fn, args), nprocs=world_size,
-                 join=True)
+        try:
+            mp.spawn(_spawn_entry, args=(world_size, free_port(), out, fn, args),
+                     nprocs=world_size, join=True)
+        except ProcessException:
+            raised = sorted(Path(out).glob("error*.pt"), key=lambda p: int(p.stem[5:]))
+            if raised:
+                raise torch.load(raised[0], weights_only=False) from None
+            raise
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -33,7 +33,6 @@ continuation on the same TP and DP sizes.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from qurl.algo.loss import loss_denominator, policy_loss
+from qurl.checksums import FileSum, save_torch
 from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
@@ -55,7 +55,11 @@ LOGITS_BUDGET = 2**26  # fp32 logits elements per micro-batch (256 MiB, ×~3 wit
 class MegatronLearner:
     def __init__(self, model_dir: str | Path | None, model: ModelConfig, algo: AlgoConfig,
                  optim: OptimConfig, learner: LearnerConfig, *, total_steps: int, seed: int,
-                 hf_state: dict[str, torch.Tensor] | None = None, hf_config: Any = None) -> None:
+                 hf_state: dict[str, torch.Tensor] | None = None, hf_config: Any = None,
+                 norm_len: int | None = None) -> None:
+        """norm_len: the constant that `seq-mean-token-sum-norm` (Dr.GRPO) divides each sequence's
+        token sum by — the generation budget (rollout.max_new_tokens); required for that agg, so
+        the loss does not depend on how rows are grouped into micro-batches."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -64,6 +68,9 @@ class MegatronLearner:
         if model.dtype not in _DTYPES:
             raise ValueError(f"model.dtype={model.dtype!r}: must be one of {', '.join(_DTYPES)}")
         self.algo, self.optim, self.total_steps = algo, optim, total_steps
+        if norm_len is not None and norm_len <= 0:
+            raise ValueError(f"norm_len must be > 0, got {norm_len}")
+        self.norm_len = norm_len
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -213,8 +220,15 @@ class MegatronLearner:
         parallelism DP rank d computes rows [d·m/D, (d+1)·m/D) of each mini-batch of m rows (and
         its share of prox_logp), against the whole mini-batch's loss denominator. Returns mean
         stats over the mini-batches (of whole mini-batches, the same on every rank) plus grad_norm
-        (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates."""
+        (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates.
+        norm_len: overrides the constructor's (see there)."""
         B, L = tokens.shape
+        norm_len = self.norm_len if norm_len is None else norm_len
+        if self.algo.agg == "seq-mean-token-sum-norm" and norm_len is None:
+            # micro-batches are cut at their longest row: a width-based default would change the
+            # loss with the grouping (and from step to step)
+            raise ValueError("algo.agg='seq-mean-token-sum-norm' needs a constant norm_len (the "
+                             "generation budget): pass norm_len to MegatronLearner or train_step")
         for name, t in (("loss_mask", loss_mask), ("behav_logp", behav_logp)):
             if tuple(t.shape) != (B, L):
                 raise ValueError(f"{name} must be [B, L]={B, L}, got {tuple(t.shape)}")
@@ -357,18 +371,16 @@ class MegatronLearner:
         self.optimizer.load_state_dict(state["optimizer"])  # also re-publishes the masters
         self.step = int(state["step"])
 
-    def save(self, directory: str | Path) -> None:
-        """Write this rank's model shard (DP rank 0) and optimizer file into directory."""
+    def save(self, directory: str | Path) -> dict[str, FileSum]:
+        """Write this rank's model shard (DP rank 0) and optimizer file into directory; return
+        each written file's size and checksum, taken as it was written (the checkpoint manifest)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
         optim = {k: state.pop(k) for k in ("optimizer", "step")}
         model_file, optim_file = self._files()
         parts = [(optim_file, optim)] + ([(model_file, state)] if self.dp_rank == 0 else [])
-        for fname, obj in parts:
-            tmp = d / (fname + ".tmp")
-            torch.save(obj, tmp)
-            os.replace(tmp, d / fname)
+        return {fname: save_torch(obj, d / fname) for fname, obj in parts}
 
     def load(self, directory: str | Path) -> None:
         d = Path(directory)

@@ -22,6 +22,8 @@ def _base_key(cfg: Config) -> str:
     m, d = cfg.model, cfg.data
     ident = {"preset": m.preset, "seed": cfg.run.seed, "steps": m.warmstart_steps,
              "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template, "v": 2}
+    if m.warmstart_steps > 0:  # the warm start fine-tunes on the first train_size training questions
+        ident["train_size"] = d.train_size
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -23,8 +23,9 @@ prompts that were in flight go back to the cursor. `trained.jsonl` lists the pro
 metrics.jsonl), so exactly-once can be checked.
 
 Re-broadcasts to replaced workers use the chunks cached on rank 0, so they need no collective of the
-TP ranks (which run the loop without a source). Evaluation uses an engine on rank 0 loaded with the
-same cached chunks the workers received (greedy accuracy of exactly the 8-bit actor they run).
+TP ranks (which run the loop without a source). Evaluation (qurl/loop.py, qurl/evaluation/suite.py)
+scores an engine on rank 0 loaded with the same cached chunks the workers received (exactly the
+8-bit actor they run), and beside it the full-precision policy.
 """
 from __future__ import annotations
 
@@ -68,12 +69,13 @@ class Controller:
 
         cfg = self.cfg = z.cfg
         self.run_dir, self.version = Path(z.run.run_dir), z.run.start
-        self.engine, self.eval_set, self.codec = z.engine, z.eval_set, z.codec
+        self.engine, self.codec = z.engine, z.codec
         self.work = Dispatcher(z.train_set, batch_size=cfg.rollout.prompts_per_step,
                                group_size=cfg.rollout.group_size,
                                max_staleness=cfg.rollout.max_staleness,
                                total_steps=cfg.run.steps, seed=cfg.run.seed,
-                               encode=self.codec.encode, params=z.params)
+                               encode=self.codec.encode, params=z.params,
+                               dynamic_sampling=cfg.algo.dynamic_sampling)
         self.wall0, self.wall_offset = time.monotonic(), 0.0
         if z.run.state is not None:
             self._restore(z.run.state)

@@ -9,12 +9,16 @@ prompt is). The controller calls:
                                            groups: take prompts, assign them to the least-loaded
                                            ready slot, send them (one burst per slot)
     accept(trajectories, version)          file a worker's trajectories; late ones (not in flight)
-                                           are dropped, a stale group's prompt is put back
+                                           are dropped, a stale group's prompt is put back; with
+                                           dynamic sampling (DAPO) a complete group whose
+                                           accuracies are all equal is filtered: its prompt is
+                                           consumed and its unit released, so another is sent
     reclaim(slot)                          a replaced worker's prompts go back to the cursor
     pop_batch(version)                     B complete groups, in dispatch order, or None
 
 Invariants (with `remaining` the groups the run still needs):
-- every dataset index taken from the cursor is in flight, buffered, trained, or put back;
+- every dataset index taken from the cursor is in flight, buffered, trained, filtered (dynamic
+  sampling), or put back;
 - accepted + running never exceeds (η + version + 1)·B at dispatch time, and tokens older than
   version − η are never trained (the buffer drops them; their prompts are put back);
 - `state_dict()` after any call and `load_state_dict()` in a new process continue the same
@@ -29,6 +33,7 @@ import torch
 
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
+from qurl.dynamic_sampling import informative
 from qurl.pipeline.ledger import Dispatch, Ledger
 from qurl.pipeline.staleness import StalenessController, TrajectoryBuffer
 from qurl.stream.payload import PromptTask, pack_prompt
@@ -40,8 +45,10 @@ Send = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], bool]
 class Dispatcher:
     def __init__(self, train_set: Sequence[Example], *, batch_size: int, group_size: int,
                  max_staleness: int, total_steps: int, seed: int,
-                 encode: Callable[[str], list[int]], params: SamplingParams) -> None:
+                 encode: Callable[[str], list[int]], params: SamplingParams,
+                 dynamic_sampling: bool = False) -> None:
         self.train_set, self.B, self.G = train_set, batch_size, group_size
+        self.dynamic_sampling = dynamic_sampling
         self.total_steps, self.encode, self.params = total_steps, encode, params
         self.cursor = DataCursor(len(train_set), seed=seed)
         self.staleness = StalenessController(batch_size, max_staleness)
@@ -126,6 +133,11 @@ class Dispatcher:
                 status = self.buffer.put(t, version)
                 if status == "complete":
                     self.ledger.complete(key)
+                    if self.dynamic_sampling and not informative(self.buffer.group(key)):
+                        self.buffer.discard_complete(key)
+                        self.ledger.drop(key, "uniform")  # consumed, not trained, not put back
+                        self.staleness.on_reject(1)  # frees its unit: the next prompt replaces it
+                        break
                     self.staleness.on_accept(1)
                     completed += 1
                 elif status == "stale":

@@ -176,6 +176,17 @@ class TrajectoryBuffer:
         self.stats["groups_popped"] += n_groups
         return out
 
+    def group(self, uid: str) -> list[Trajectory]:
+        """The buffered samples of one prompt, sorted by sample_idx (left in the buffer)."""
+        group = self._groups[uid]
+        return [group[i] for i in sorted(group)]
+
+    def discard_complete(self, uid: str) -> None:
+        """Remove one complete group without training it (DAPO's filter); every sample has
+        arrived, so nothing more is expected for it."""
+        self._complete.remove(uid)
+        del self._groups[uid]
+
     @property
     def num_complete(self) -> int:
         return len(self._complete)

@@ -1,0 +1,136 @@
+"""Evaluation as the paper reports it: every set of data.eval, greedy, Avg@k and pass@k, for the
+rollout engine (the 8-bit actor) and for the full-precision policy side by side.
+
+An evaluation record (`kind: "eval"` in metrics.jsonl) holds, for WHO in
+- `eval`     the rollout engine as it is (8-bit weights in QuRL; what the actor samples),
+- `eval_fp`  the full-precision policy: the learner's master weights, unquantized, in a local engine
+             (only with eval.fp_policy and an 8-bit rollout precision),
+- `eval_gap` eval − eval_fp: what quantization costs the policy at this step,
+the keys `WHO/<set>/greedy`, `WHO/<set>/avg@k`, `WHO/<set>/pass@j` (set = file stem, e.g.
+`aime24`, or `synthetic`) and `WHO/mean/...`, their unweighted mean over the sets. Also
+`accuracy` (the rollout engine's headline: mean greedy accuracy if eval.greedy, else mean Avg@k),
+`n` (problems over all sets) and `time/eval`.
+
+Sampled answers use seeds derived from (run seed, uid, sample index) only, so both engines, and every
+evaluation of a run, see the same random numbers: differences between them and over steps are not
+sampling noise of the seeds. Pushing the master weights to the full-precision engine is a collective
+over the learner ranks (`learner.named_weights()`): every rank calls `Evaluator.run`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from qurl.config import Config, EvalConfig
+from qurl.data.datasets import Example
+from qurl.engines.base import Engine
+from qurl.evaluation.metrics import mean_over_sets, set_metrics
+from qurl.rollout import PromptCodec, request_seed, to_trajectories
+from qurl.types import GenRequest, SamplingParams
+
+EVAL_STEP = -1  # the `step` of request_seed for evaluation samples: fixed, so every eval agrees
+
+
+def needs_fp_policy(cfg: Config) -> bool:
+    """Whether evaluations also score the full-precision policy (a collective on every rank)."""
+    return cfg.eval.fp_policy and cfg.rollout.precision != "bf16"
+
+
+def _correct(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
+             params: SamplingParams, n: int, *, run_seed: int,
+             reward_timeout_s: float) -> dict[str, list[int]]:
+    """{set: right answers among n samples, per problem}; n=1 with temperature 0 is greedy."""
+    examples = [ex for exs in sets.values() for ex in exs]
+    reqs = []
+    for ex in examples:
+        ids = codec.encode(ex.prompt)
+        for j in range(n):
+            seeded = params if params.temperature == 0 else \
+                replace(params, seed=request_seed(run_seed, EVAL_STEP, ex.uid, j))
+            reqs.append(GenRequest(rid=f"{ex.uid}#{j}", prompt_ids=ids, params=seeded))
+    groups = to_trajectories(engine.generate(reqs), examples, codec,
+                             reward_timeout_s=reward_timeout_s)
+    right = {g[0].prompt_uid: sum(t.reward > 0 for t in g) for g in groups}
+    return {name: [right[ex.uid] for ex in exs] for name, exs in sets.items()}
+
+
+def score_engine(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
+                 ecfg: EvalConfig, *, max_new_tokens: int, run_seed: int,
+                 reward_timeout_s: float) -> dict[str, float]:
+    """One engine's metrics: {"<set>/greedy", "<set>/avg@k", "<set>/pass@j", "mean/..."}."""
+    stop = (engine.tokenizer.eos_token_id,) if engine.tokenizer.eos_token_id is not None else ()
+    per_set: dict[str, dict[str, float]] = {name: {} for name in sets}
+    kw: dict[str, Any] = dict(run_seed=run_seed, reward_timeout_s=reward_timeout_s)
+    if ecfg.greedy:
+        greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
+        for name, right in _correct(engine, sets, codec, greedy, 1, **kw).items():
+            per_set[name]["greedy"] = sum(right) / len(right)
+    if ecfg.samples:
+        sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=ecfg.temperature,
+                                 top_p=ecfg.top_p, stop_token_ids=stop)
+        for name, right in _correct(engine, sets, codec, sampled, ecfg.samples, **kw).items():
+            per_set[name].update(set_metrics(right, ecfg.samples, ecfg.pass_k))
+    out = {f"{name}/{k}": v for name, m in per_set.items() for k, v in m.items()}
+    out.update({f"mean/{k}": v for k, v in mean_over_sets(per_set).items()})
+    return out
+
+
+def summary(rec: dict[str, Any]) -> str:
+    """One log line: the mean metrics of the rollout engine, with the fp policy's beside them."""
+    parts = []
+    for key in sorted(k for k in rec if k.startswith("eval/mean/")):
+        metric = key.removeprefix("eval/mean/")
+        text = f"{metric} {rec[key]:.3f}"
+        if f"eval_fp/mean/{metric}" in rec:
+            text += f" (fp {rec[f'eval_fp/mean/{metric}']:.3f}, gap {rec[f'eval_gap/mean/{metric}']:+.3f})"
+        parts.append(text)
+    sets = sorted({k.split("/")[1] for k in rec if k.startswith("eval/")} - {"mean"})
+    return (f"[eval] step {rec['step']}: " + ", ".join(parts)
+            + f" over {len(sets)} set(s), {int(rec['n'])} problems")
+
+
+class Evaluator:
+    """Scores the rollout engine and, side by side, the full-precision policy on data.eval."""
+
+    def __init__(self, cfg: Config, model_dir: str, *, main: bool,
+                 max_examples: int | None = None) -> None:
+        from qurl.data.splits import load_eval_sets
+        from qurl.engines.factory import make_engine
+        from qurl.weights import WeightSync
+
+        self.cfg, self.fp = cfg, needs_fp_policy(cfg)
+        self.sets: dict[str, list[Example]] = {}
+        self.fp_engine: Engine | None = None
+        if main:
+            self.sets = {k: v[:max_examples] if max_examples else v
+                         for k, v in load_eval_sets(cfg).items()}
+            if self.fp:
+                self.fp_engine = make_engine(cfg, model_dir, local=True, precision="bf16")
+        self.fp_sync = WeightSync("bf16") if self.fp else None
+
+    def run(self, step: int, version: int, engine: Engine | None, learner: Any) -> dict | None:
+        """Evaluate at `step`. `engine`: the rollout engine holding this version's weights (None on
+        learner ranks other than 0, which only take part in the weight gather). Returns the
+        record on rank 0 (module docstring), None elsewhere."""
+        t0 = time.perf_counter()
+        if self.fp_sync is not None:
+            self.fp_sync.push(learner.named_weights(), self.fp_engine, version)
+        if engine is None:
+            return None
+        ecfg, kw = self.cfg.eval, dict(max_new_tokens=self.cfg.rollout.eval_max_new_tokens,
+                                       run_seed=self.cfg.run.seed,
+                                       reward_timeout_s=self.cfg.data.reward_timeout_s)
+        codec = PromptCodec(engine.tokenizer, self.cfg.data.template)
+        rec: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
+        quant = score_engine(engine, self.sets, codec, ecfg, **kw)
+        rec.update({f"eval/{k}": v for k, v in quant.items()})
+        if self.fp_engine is not None:
+            fp = score_engine(self.fp_engine, self.sets, codec, ecfg, **kw)
+            rec.update({f"eval_fp/{k}": v for k, v in fp.items()})
+            rec.update({f"eval_gap/{k}": quant[k] - fp[k] for k in quant})
+        head = "greedy" if ecfg.greedy else f"avg@{ecfg.samples}"
+        rec["accuracy"] = quant[f"mean/{head}"]
+        rec["n"] = float(sum(len(v) for v in self.sets.values()))
+        rec["time/eval"] = time.perf_counter() - t0
+        return rec
