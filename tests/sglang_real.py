@@ -12,15 +12,14 @@ closing post-processing never transposes a W8A8 weight twice).
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
 
+from qurl.engines.sglang import _NO_TENSORS as NO_TENSORS
 from qurl.engines.sglang import SGLangEngine, ServerSpec, Timeouts, server_command
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
 from qurl.sync.group import free_port
@@ -65,10 +64,6 @@ def launch(model_dir: Path, quantization: str | None, log_dir: Path, *, precisio
                         vocab_size=vocab_size, ready_probe="/health" if generates else "/model_info")
 
 
-def _no_tensors(tp: int = 1) -> list[str]:
-    return [base64.b64encode(pickle.dumps([])).decode()] * tp
-
-
 def read_back(engine: SGLangEngine, dump_dir: Path) -> dict[str, torch.Tensor]:
     """Every parameter the (single) server holds, in its loading-time layout ([out, in] weights)."""
     s = engine.servers[0]
@@ -76,10 +71,10 @@ def read_back(engine: SGLangEngine, dump_dir: Path) -> dict[str, torch.Tensor]:
     s.post_json("/begin_weight_update", {}, 30)
     try:
         if RESTORE in s.spec.command:  # W8A8: restore first (an unknown load_format kills SGLang)
-            s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": _no_tensors(),
+            s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": [NO_TENSORS],
                                                         "load_format": RESTORE,
                                                         "flush_cache": False}, 30)
-        s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": _no_tensors(),
+        s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": [NO_TENSORS],
                                                     "load_format": DUMP, "flush_cache": False}, 60)
     finally:
         s.post_json("/end_weight_update", {}, 30)
