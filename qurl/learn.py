@@ -58,7 +58,9 @@ class InProcessRollout:
         return {"cursor": self.cursor.state_dict()}
 
     def close(self) -> None:
-        pass
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:  # SGLang: stop the servers this run launched (they run in
+            close_engine()            # their own sessions, so they would outlive the process)
 
 
 def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:

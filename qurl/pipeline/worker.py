@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -373,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                            reconnect_s=args.reconnect_s)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # the controller ends workers with SIGTERM: exit through `finally`, so the SGLang servers this
+    # worker launched (in their own sessions) are stopped with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return worker.run()
     finally:
