@@ -38,7 +38,10 @@ def test_dry_run_two_node_example(capsys):
         assert s == [f"CUDA_VISIBLE_DEVICES={2 * k},{2 * k + 1}", "python", "-m",
                      "sglang.launch_server", "--model-path", ckpt, "--tp-size", "2", "--host",
                      "0.0.0.0", "--port", str(30000 + k), "--weight-version", "0",
-                     "--quantization", "w8a8_int8", "--mem-fraction-static", "0.85"]
+                     "--quantization", "w8a8_int8",
+                     # W8A8 servers need qurl's restore for 8-bit updates (engines/sglang_loader)
+                     "--custom-weight-loader", "qurl.engines.sglang_loader.restore_w8a8",
+                     "--mem-fraction-static", "0.85"]
 
 
 def test_slurm_style_placement_from_node_list():
