@@ -1,5 +1,8 @@
 """The tensor-parallel learner: a megatron-core GPTModel trained with the QuRL surrogate.
 
+(Just over the ~400-line norm: model construction already lives in build.py; what remains is
+one class whose logprobs / train_step / save / load share its sharded state.)
+
 One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
 see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel (qurl/learner/build.py:
