@@ -332,6 +332,22 @@ def test_server_killed_mid_update_recovers(bf16_server, models):
 
 
 # ------------------------------------------------------------------------- qurl train, real server
+def _sglang_pids() -> set[int]:
+    """Pids of live SGLang server processes (launcher and its `sglang::` children)."""
+    pids = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+            state = (d / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if state != "Z" and (b"sglang.launch_server" in cmd or cmd.startswith(b"sglang::")):
+            pids.add(int(d.name))
+    return pids
+
+
 def _train(tmp: Path, name: str, *sets: str) -> list[dict]:
     import json
     import subprocess
@@ -349,8 +365,15 @@ def _train(tmp: Path, name: str, *sets: str) -> list[dict]:
     for kv in base + list(sets):
         argv += ["--set", kv]
     env = dict(os.environ, QURL_SGLANG_PYTHON=str(SGL_PY))
+    before = _sglang_pids()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the servers this run launched (own sessions, so not our children) must be gone
+    import time
+    deadline = time.monotonic() + 60
+    while (left := _sglang_pids() - before) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"SGLang processes outlived `qurl train`: {sorted(left)}"
     lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines]
 
