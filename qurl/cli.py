@@ -44,7 +44,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     if args.resume:
-        cfg = override(cfg, {"run.dir": str(Path(args.resume).parent),
+        cfg = override(cfg, {"deploy.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
     from qurl.ranks import launch
     from qurl.data.splits import load_datasets
@@ -59,7 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> dict:
-    if cfg.rollout.mode == "async":
+    if cfg.deploy.rollout != "inline":
         from qurl.pipeline.controller import train_async
 
         return train_async(cfg, resume=resume, rank=rank, world_size=world_size)
@@ -89,15 +89,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
-        from qurl.engines.bench import bench_local_engine
+        from qurl.bench.engines import bench_local_engine
 
         bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens)
     elif args.what == "stream":
-        from qurl.stream.bench import bench_stream
+        from qurl.bench.stream import bench_stream
 
         bench_stream()
     else:
-        from qurl.sync.bench import bench_sync
+        from qurl.bench.sync import bench_sync
 
         bench_sync(bucket_mb=args.bucket_mb, shapes=args.shapes)
     return 0
@@ -114,7 +114,7 @@ def _seed_list(text: str) -> list[int]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from qurl.pipeline.compare import compare
+    from qurl.studies.compare import compare
 
     arms = [a for a in args.arms.split(",") if a] if args.arms else None
     compare(load_config(args.preset, args.config, args.set), out_dir=args.out, arms=arms,
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                    "setting)")
     p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], metavar="S,S,...")
     p.add_argument("--jobs", type=int, default=1,
-                   help="arms run at once (each its own process; pair with run.torch_threads)")
+                   help="arms run at once (each its own process; pair with deploy.torch_threads)")
     p.set_defaults(fn=cmd_study)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "stream", "sync"))
@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--shapes", default="small", choices=("small", "qwen2.5-0.5b"),
-                   help="sync: synthetic weight shapes (qurl.sync.bench.SHAPES)")
+                   help="sync: synthetic weight shapes (qurl.bench.sync.SHAPES)")
     p.add_argument("--bucket-mb", type=float, default=None,
-                   help="sync: bucket budget in MiB (default: the config's sync.bucket_mb)")
+                   help="sync: bucket budget in MiB (default: the config's deploy.bucket_mb)")
     p.set_defaults(fn=cmd_bench)
     from qurl.data.fetch import TRAINING_SETS
 

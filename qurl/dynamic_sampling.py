@@ -71,7 +71,7 @@ def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCurs
         examples = [train_set[i] for i in cursor.take(want - len(groups))]
         got, stats = rollout(engine, examples, codec, params, group_size=G,
                              run_seed=cfg.run.seed, step=step,
-                             reward_timeout_s=cfg.data.reward_timeout_s)
+                             reward_timeout_s=cfg.deploy.reward_timeout_s)
         sampled_stats = group_stats(got, step - 1)  # every response of the round, kept or not
         stats.update({key: sampled_stats[key] for key in _SAMPLED_KEYS})
         parts.append((stats, len(examples) * G))

@@ -13,24 +13,25 @@ from pathlib import Path
 
 import torch
 
-from qurl.config import Config, override, parse_sets, validate
+from qurl.config import LOCAL_BASES, Config, override, parse_sets, validate
 from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.evaluation.suite import Evaluator
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.ranks import launch
 from qurl.runs import CheckpointDir, read_config, run_dir_for
-from qurl.setup import busy_processes, set_threads
+from qurl.placement import learner_threads, set_threads
 from qurl.weights import WeightSync
 
 
 def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
                 world_size: int) -> dict:
-    set_threads(cfg, busy_processes(cfg, world_size, workers=False))
-    init_learner_dist(cfg.learner, rank, world_size)
-    model_dir = str(run_dir_for(cfg) / "base_model") if cfg.model.preset != "path" else cfg.model.path
+    set_threads(learner_threads(cfg, workers=False))
+    init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
+    model_dir = str(run_dir_for(cfg) / "base_model") if cfg.model.base in LOCAL_BASES \
+        else cfg.model.base
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed)
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
     learner.load(Path(ckpt))
     main = is_main_rank()
     engine = make_engine(cfg, model_dir) if main else None
@@ -47,7 +48,7 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
 def eval_run(run_dir: Path, max_examples: int | None = None,
              sets: list[str] | None = None) -> dict:
     """Evaluate `run_dir`'s latest checkpoint; `sets`: `--set` overrides (e.g. eval.samples=8)."""
-    cfg = override(read_config(run_dir), {"run.dir": str(run_dir.parent), "run.name": run_dir.name})
+    cfg = override(read_config(run_dir), {"deploy.dir": str(run_dir.parent), "run.name": run_dir.name})
     cfg = validate(override(cfg, parse_sets(sets or [])))
     latest = CheckpointDir(run_dir).latest()
     if latest is None:

@@ -43,15 +43,16 @@ def check_learner(tmp: Path, preset: str = "small", batch: int = 16, seq: int = 
     only to smoke-test this script: gloo, fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
+    from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
     from qurl.learner.dist import free_port, init_learner_dist
     from qurl.learner.megatron import MegatronLearner
     from qurl.models.hf import build_model
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    lc = LearnerConfig(tp=1, backend="nccl" if device == "cuda" else "gloo")
-    init_learner_dist(lc, 0, 1)
+    lc = LearnerConfig(tp=1)
+    dc = DeployConfig(backend="nccl" if device == "cuda" else "gloo")
+    init_learner_dist(lc, 0, 1, deploy=dc)
     model_dir = build_model(tmp / preset, preset, seed=0)
     algo = AlgoConfig(uaq_scale=1.0, mini_batches=2)
     out: dict[str, float] = {}
@@ -61,7 +62,7 @@ def check_learner(tmp: Path, preset: str = "small", batch: int = 16, seq: int = 
     vocab = int(ref.config.vocab_size)
     tokens = torch.randint(0, vocab, (4, 128), generator=g)
     learner = MegatronLearner(model_dir, ModelConfig(dtype="float32"), algo, OptimConfig(), lc,
-                              total_steps=steps + 1, seed=0)
+                              total_steps=steps + 1, seed=0, deploy=dc)
     with torch.no_grad():
         want = ref(tokens.to(device)).logits.float()
         got = learner.logits(tokens).to(device)
@@ -74,7 +75,7 @@ def check_learner(tmp: Path, preset: str = "small", batch: int = 16, seq: int = 
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     learner = MegatronLearner(model_dir, ModelConfig(dtype=dtype), algo,
-                              OptimConfig(lr=1e-5), lc, total_steps=steps + 1, seed=0)
+                              OptimConfig(lr=1e-5), lc, total_steps=steps + 1, seed=0, deploy=dc)
     tokens = torch.randint(0, vocab, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.bool)
     mask[:, : seq // 4] = False  # the prompt part
@@ -137,11 +138,11 @@ def check_sglang(tmp: Path, precisions: tuple[str, ...] = ("int8", "fp8", "fp8_b
     out: dict[str, dict[str, float]] = {}
     for precision in precisions:
         name = f"sglang-{precision}"
-        sets = [f"run.dir={tmp}", f"run.name={name}", f"run.steps={steps}", "run.eval_every=0",
-                "run.ckpt_every=0", "run.progress=false", "model.preset=small",
+        sets = [f"deploy.dir={tmp}", f"run.name={name}", f"run.steps={steps}", "run.eval_every=0",
+                "deploy.ckpt_every=0", "deploy.progress=false", "model.base=small",
                 "model.warmstart_steps=0", "data.eval_size=32", "rollout.engine=sglang",
                 f"rollout.precision={precision}", "rollout.prompts_per_step=16",
-                "rollout.sglang_args=--mem-fraction-static,0.3"]
+                "sglang.args=--mem-fraction-static,0.3"]
         argv = [sys.executable, "-m", "qurl.cli", "train"] + [a for kv in sets for a in ("--set", kv)]
         t0 = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=420)

@@ -2,20 +2,20 @@
 
 A run spans nodes: the learner (megatron TP, one torchrun per learner node) and SGLang rollout
 servers. The learner's rank 0 attaches to the servers over HTTP and forms the weight-update group
-with them, so the only coupling between nodes is addresses: `learner.master_addr` (node 0, also
+with them, so the only coupling between nodes is addresses: `deploy.host` (node 0, also
 the weight-group host) and the servers' `http://host:port` URLs.
 
 Placement:
-- nodes = `--nodes h0,h1,...` (Slurm passes its host list), else `learner.master_addr` followed
-  by the distinct hosts of `rollout.sglang_urls`. Node 0 is the learner's master; the first
-  `learner.nnodes` nodes run torchrun with `learner.nproc_per_node` ranks on GPUs 0..P-1
+- nodes = `--nodes h0,h1,...` (Slurm passes its host list), else `deploy.host` followed
+  by the distinct hosts of `sglang.urls`. Node 0 is the learner's master; the first
+  `deploy.nnodes` nodes run torchrun with `deploy.nproc_per_node` ranks on GPUs 0..P-1
   (nnodes * nproc_per_node must equal the learner's tp * dp ranks; a nproc_per_node left at its
-  default 1 is taken as tp * dp / nnodes, since the presets set only learner.tp and learner.dp).
-- servers = `rollout.sglang_urls` when given (each host must be one of the nodes), else the free
+  default 0 is taken as tp * dp / nnodes, see qurl/placement.py).
+- servers = `sglang.urls` when given (each host must be one of the nodes), else the free
   GPUs of every node (all of a non-learner node, those after the learner's on a learner node) are
-  filled with servers of `rollout.sglang_tp` GPUs on ports 30000, 30001, ...; their URLs are
-  passed to the learner with `--set rollout.sglang_urls=...`.
-- on each node, servers take consecutive blocks of `sglang_tp` GPUs after the learner's.
+  filled with servers of `sglang.tp` GPUs on ports 30000, 30001, ...; their URLs are
+  passed to the learner with `--set sglang.urls=...`.
+- on each node, servers take consecutive blocks of `sglang.tp` GPUs after the learner's.
 - before its servers start, a node writes the 8-bit checkpoint (`python -m
   qurl.models.export8bit`, UAQ-scaled) under the run directory; on a shared filesystem every
   node writes the same bytes. Paths in the commands are as in the config (relative ones resolve
@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from qurl.config import PRESETS, Config, load_config
+from qurl.config import LOCAL_BASES, PRESETS, Config, load_config
 from qurl.engines.sglang import QUANTIZATION, server_command
+from qurl.placement import learner_ranks_per_node
 
 BASE_PORT = 30000
 
@@ -62,104 +63,79 @@ class NodePlan:
 def _host_port(url: str) -> tuple[str, int]:
     u = urlparse(url)
     if u.scheme != "http" or not u.hostname or not u.port:
-        raise ValueError(f"rollout.sglang_urls: {url!r} is not http://host:port")
+        raise ValueError(f"sglang.urls: {url!r} is not http://host:port")
     return u.hostname, u.port
-
-
-def learner_procs_per_node(cfg: Config) -> int:
-    """The learner's ranks on each learner node: learner.nproc_per_node, where its default 1 is
-    taken as tp * dp / nnodes (the presets only set learner.tp and learner.dp)."""
-    lc = cfg.learner
-    world = lc.tp * lc.dp
-    if lc.nproc_per_node == 1 and world > 1 and world % lc.nnodes == 0:
-        return world // lc.nnodes
-    return lc.nproc_per_node
-
-
-def worker_gpu(cfg: Config, slot: int, n_gpus: int) -> int:
-    """The GPU of async worker `slot`'s local engine on the controller's node: the learner's
-    ranks hold GPUs 0..P-1 there, workers take the next ones in slot order, wrapping around
-    (and sharing) when the node has too few — except with sync.backend=nccl, whose group of the
-    controller (GPU 0) and the workers needs a GPU per member: too few GPUs is then an error."""
-    if n_gpus < 1:
-        raise ValueError(f"n_gpus={n_gpus}: a worker GPU needs at least one GPU")
-    first = learner_procs_per_node(cfg)
-    if cfg.sync.backend == "nccl" and first + slot >= n_gpus:
-        raise ValueError(f"sync.backend='nccl': worker {slot} needs GPU {first + slot} (after the "
-                         f"learner's {first}) but this node has {n_gpus}; use sync.backend=gloo "
-                         "or fewer rollout.num_workers")
-    return (first + slot) % n_gpus
 
 
 def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
          gpus_per_node: int = 8, python: str = "python") -> list[NodePlan]:
     """Per-node commands for `cfg`. `config_args` are the `--preset/--config/--set` arguments
     that reproduce cfg; they are forwarded to the learner's `qurl train`."""
-    lc, r = cfg.learner, cfg.rollout
-    nproc, world = learner_procs_per_node(cfg), lc.tp * lc.dp
-    if lc.nnodes * nproc != world:
-        raise ValueError(f"learner.tp * learner.dp={world}: must equal learner.nnodes * "
-                         f"learner.nproc_per_node = {lc.nnodes} * {nproc}")
+    lc, r, d, sg = cfg.learner, cfg.rollout, cfg.deploy, cfg.sglang
+    nproc, world = learner_ranks_per_node(cfg), lc.tp * lc.dp
+    if d.nnodes * nproc != world:
+        raise ValueError(f"learner.tp * learner.dp={world}: must equal deploy.nnodes * "
+                         f"deploy.nproc_per_node = {d.nnodes} * {nproc}")
     if nproc > gpus_per_node:
-        raise ValueError(f"learner.nproc_per_node={nproc} > --gpus-per-node {gpus_per_node}")
-    urls = list(r.sglang_urls)
+        raise ValueError(f"deploy.nproc_per_node={nproc} > --gpus-per-node {gpus_per_node}")
+    urls = list(sg.urls)
     if nodes is None:
-        nodes = [lc.master_addr] + [h for h in dict.fromkeys(_host_port(u)[0] for u in urls)
-                                    if h != lc.master_addr]
-    if len(nodes) < lc.nnodes:
-        raise ValueError(f"learner.nnodes={lc.nnodes}: only {len(nodes)} node(s): {nodes}")
+        nodes = [d.host] + [h for h in dict.fromkeys(_host_port(u)[0] for u in urls)
+                                    if h != d.host]
+    if len(nodes) < d.nnodes:
+        raise ValueError(f"deploy.nnodes={d.nnodes}: only {len(nodes)} node(s): {nodes}")
     master, extra_sets = nodes[0], []
-    if master != lc.master_addr:
-        extra_sets.append(f"learner.master_addr={master}")
+    if master != d.host:
+        extra_sets.append(f"deploy.host={master}")
     plans = [NodePlan(i, h) for i, h in enumerate(nodes)]
-    used = {h: (nproc if i < lc.nnodes else 0) for i, h in enumerate(nodes)}
+    used = {h: (nproc if i < d.nnodes else 0) for i, h in enumerate(nodes)}
     servers: list[tuple[str, int]] = []
     if r.engine == "sglang":
-        if r.sglang_tp > gpus_per_node:
-            raise ValueError(f"rollout.sglang_tp={r.sglang_tp} > --gpus-per-node {gpus_per_node}")
+        if sg.tp > gpus_per_node:
+            raise ValueError(f"sglang.tp={sg.tp} > --gpus-per-node {gpus_per_node}")
         if urls:
             servers = [_host_port(u) for u in urls]
             for h, _ in servers:
                 if h not in used:
-                    raise ValueError(f"rollout.sglang_urls: host {h!r} is not a node ({nodes})")
+                    raise ValueError(f"sglang.urls: host {h!r} is not a node ({nodes})")
         else:
             for h in nodes:
                 servers += [(h, BASE_PORT + k)
-                            for k in range((gpus_per_node - used[h]) // r.sglang_tp)]
+                            for k in range((gpus_per_node - used[h]) // sg.tp)]
             if not servers:
-                raise ValueError("rollout.engine='sglang' needs rollout.sglang_urls or free GPUs "
-                                 f"for rollout.sglang_tp={r.sglang_tp} on some node (--nodes)")
-            extra_sets.append("rollout.sglang_urls=" + ",".join(f"http://{h}:{p}"
+                raise ValueError("rollout.engine='sglang' needs sglang.urls or free GPUs "
+                                 f"for sglang.tp={sg.tp} on some node (--nodes)")
+            extra_sets.append("sglang.urls=" + ",".join(f"http://{h}:{p}"
                                                                  for h, p in servers))
-        if cfg.model.preset != "path":
-            raise ValueError(f"model.preset={cfg.model.preset!r}: SGLang servers launched here "
-                             "load a checkpoint directory; use model.preset='path'")
+        if cfg.model.base in LOCAL_BASES:
+            raise ValueError(f"model.base={cfg.model.base!r}: SGLang servers launched here load a "
+                             "checkpoint directory; set model.base to its path")
         quant, fmt = QUANTIZATION[r.precision]
-        ckpt = str(Path(cfg.run.dir) / cfg.run.name / f"sglang_{fmt}")
+        ckpt = str(Path(cfg.deploy.dir) / cfg.run.name / f"sglang_{fmt}")
         export = Command("export", [python, "-m", "qurl.models.export8bit", "--src",
-                                    cfg.model.path, "--out", ckpt, "--fmt", fmt, "--uaq-scale",
+                                    cfg.model.base, "--out", ckpt, "--fmt", fmt, "--uaq-scale",
                                     repr(cfg.algo.uaq_scale)])
         for h, port in servers:
             node = plans[nodes.index(h)]
             if not any(c.role == "export" for c in node.commands):
                 node.commands.append(export)
             first = used[h]
-            if first + r.sglang_tp > gpus_per_node:
+            if first + sg.tp > gpus_per_node:
                 raise ValueError(f"node {h}: servers need more than {gpus_per_node} GPUs "
-                                 f"(rollout.sglang_tp={r.sglang_tp}, --gpus-per-node)")
-            used[h] = first + r.sglang_tp
-            gpus = ",".join(str(g) for g in range(first, first + r.sglang_tp))
+                                 f"(sglang.tp={sg.tp}, --gpus-per-node)")
+            used[h] = first + sg.tp
+            gpus = ",".join(str(g) for g in range(first, first + sg.tp))
             node.commands.append(Command(
-                "sglang", server_command(ckpt, port=port, host="0.0.0.0", tp=r.sglang_tp,
-                                         quantization=quant, extra=r.sglang_args, python=python),
+                "sglang", server_command(ckpt, port=port, host="0.0.0.0", tp=sg.tp,
+                                         quantization=quant, extra=sg.args, python=python),
                 {"CUDA_VISIBLE_DEVICES": gpus}))
     gpus = ",".join(str(g) for g in range(nproc))
     train_args = list(config_args) + [a for s in extra_sets for a in ("--set", s)]
-    for i in range(lc.nnodes):
+    for i in range(d.nnodes):
         plans[i].commands.append(Command(
-            "learner", ["torchrun", f"--nnodes={lc.nnodes}", f"--nproc-per-node={nproc}",
+            "learner", ["torchrun", f"--nnodes={d.nnodes}", f"--nproc-per-node={nproc}",
                         f"--node-rank={i}", f"--master-addr={master}",
-                        f"--master-port={lc.master_port}", "-m", "qurl.cli", "train", *train_args],
+                        f"--master-port={d.learner_port}", "-m", "qurl.cli", "train", *train_args],
             {"CUDA_VISIBLE_DEVICES": gpus}))
     return plans
 

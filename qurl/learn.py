@@ -34,7 +34,7 @@ class InProcessRollout:
         self.cursor = DataCursor(len(z.train_set), seed=cfg.run.seed)
         if z.run.state is not None:
             self.cursor.load_state_dict(z.run.state["cursor"])
-        self.sync = WeightSync(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)),
+        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.bucket_mb * (1 << 20)),
                                engine_wire_dtype(cfg, z.run.model_dir))
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:

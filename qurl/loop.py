@@ -140,9 +140,9 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
     try:
         if run.main:
             logger = MetricsLogger(run.run_dir, total_steps=cfg.run.steps, start_step=start,
-                                   wandb=cfg.run.wandb, wandb_mode=cfg.run.wandb_mode,
+                                   wandb=cfg.deploy.wandb,
                                    run_name=cfg.run.name, config=asdict(cfg),
-                                   progress=cfg.run.progress)
+                                   progress=cfg.deploy.progress)
         publish()
         last_eval = run_eval(0) if start == 0 else None
         for step in range(start + 1, cfg.run.steps + 1):
@@ -173,7 +173,7 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
                             **source.step_stats(step), **source.clock()})
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
                 last_eval = run_eval(step)
-            if step == cfg.run.steps or (cfg.run.ckpt_every and step % cfg.run.ckpt_every == 0):
+            if step == cfg.run.steps or (cfg.deploy.ckpt_every and step % cfg.deploy.ckpt_every == 0):
                 state = None if source is None else {
                     "step": step, "version": version, "rng": rng_state(), **source.state_dict()}
                 save_checkpoint(run.ckpts, learner, step, state)

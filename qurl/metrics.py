@@ -34,8 +34,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, wandb: bool = False,
-                 wandb_mode: str = "offline", run_name: str = "", config: dict | None = None,
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, wandb: str = "off",
+                 run_name: str = "", config: dict | None = None,
                  progress: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
@@ -44,10 +44,10 @@ class MetricsLogger:
         os.replace(tmp, self.path)
         self._file = self.path.open("a")
         self._wandb = None
-        if wandb and wandb_mode != "disabled":
+        if wandb != "off":  # deploy.wandb: offline | online
             import wandb as wb  # optional: only imported when asked for
 
-            self._wandb = wb.init(project="qurl", name=run_name, mode=wandb_mode, config=config,
+            self._wandb = wb.init(project="qurl", name=run_name, mode=wandb, config=config,
                                   dir=str(run_dir), resume="allow")
         self._bar = None
         if progress:

@@ -41,7 +41,7 @@ log = logging.getLogger("qurl.runs")
 
 
 def run_dir_for(cfg: Config) -> Path:
-    return Path(cfg.run.dir) / cfg.run.name
+    return Path(cfg.deploy.dir) / cfg.run.name
 
 
 def write_config(run_dir: Path, cfg: Config) -> None:
@@ -53,7 +53,7 @@ def read_config(run_dir: Path) -> Config:
     path = run_dir / "config.toml"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no config.toml — is {run_dir} a qurl run directory?")
-    return validate(from_toml(Config(), path))
+    return validate(from_toml(Config(), path, old_names=True))  # also reads pre-redesign files
 
 
 def check_resume_config(old: Config, new: Config) -> None:

@@ -20,7 +20,7 @@ from qurl.learner.dist import broadcast_object, gather_object, init_learner_dist
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import prepare_base_model
 from qurl.runs import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
-from qurl.setup import busy_processes, set_threads
+from qurl.placement import learner_threads, set_threads
 
 
 @dataclass
@@ -36,9 +36,9 @@ class OpenedRun:
 
 def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> OpenedRun:
     run_dir = run_dir_for(cfg)
-    ckpts = CheckpointDir(run_dir, keep=cfg.run.keep_ckpts)
-    set_threads(cfg, busy_processes(cfg, world_size))
-    init_learner_dist(cfg.learner, rank, world_size)
+    ckpts = CheckpointDir(run_dir, keep=cfg.deploy.keep_ckpts)
+    set_threads(learner_threads(cfg))
+    init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
     main = is_main_rank()
     found = None
     if main:
@@ -54,7 +54,7 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
     model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
     torch.manual_seed(cfg.run.seed)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy,
                               norm_len=cfg.rollout.max_new_tokens)
     start, state = 0, None
     if resume:

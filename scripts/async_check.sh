@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Async-pipeline numbers on a machine with more than 2 CPU cores. Every compare arm gets the whole
-# machine (run.torch_threads=0: the sync loop generates and trains on all cores, an async run
+# machine (deploy.torch_threads=0: the sync loop generates and trains on all cores, an async run
 # splits them between learner and worker), so the ratio is async vs sync on the same hardware.
 # Runs on CPU even where a GPU exists (CUDA hidden), so the numbers are the "CPU default" ones:
 #   1. qurl compare, two arms (sync vs async η=1, both INT8 + ACR + UAQ), 60 steps each:

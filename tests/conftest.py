@@ -32,7 +32,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def runs_dir(tmp_path_factory):
-    """`runs_dir(name)` makes a fresh directory to use as run.dir whose `_base/` is one cache shared
+    """`runs_dir(name)` makes a fresh directory to use as deploy.dir whose `_base/` is one cache shared
     by the whole session: qurl/models/base.py keys each warm-started base model by everything that
     determines it, so every module (and every `qurl` subprocess) asking for the same one builds
     it once, not once per module."""

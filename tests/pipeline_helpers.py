@@ -16,13 +16,13 @@ def tiny_sets(run_dir: Path, name: str, steps: int, **extra) -> dict:
     """`--set` pairs of a few-second-per-step config (tiny model, 4 prompts x 4 samples,
     16 tokens, 16 train prompts)."""
     sets = {
-        "run.dir": str(run_dir), "run.name": name, "run.steps": steps, "run.eval_every": 0,
-        "run.ckpt_every": 1, "run.progress": False, "model.warmstart_steps": 40,
+        "deploy.dir": str(run_dir), "run.name": name, "run.steps": steps, "run.eval_every": 0,
+        "deploy.ckpt_every": 1, "deploy.progress": False, "model.warmstart_steps": 40,
         # one-digit sums: a briefly warm-started model is sometimes right, so rewards, advantages,
         # gradients and code flips are non-zero and the comparisons below are not vacuous
         "data.digits": 1, "data.operands": 2, "data.train_size": 16,
         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
-        "rollout.eval_max_new_tokens": 16, "data.eval_size": 8, "optim.lr": 1e-3,
+        "eval.max_new_tokens": 16, "data.eval_size": 8, "optim.lr": 1e-3,
     }
     sets.update(extra)
     return sets

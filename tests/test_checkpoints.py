@@ -43,7 +43,7 @@ def run(runs_dir):
     """A finished 2-step sync run with a checkpoint after each step (step_000001, step_000002)."""
     use_free_dist_port()
     root = runs_dir("ckpt")
-    train(tiny_cfg(root, "r", STEPS, **{"run.keep_ckpts": 2}))
+    train(tiny_cfg(root, "r", STEPS, **{"deploy.keep_ckpts": 2}))
     return root / "r"
 
 
@@ -108,7 +108,7 @@ def test_resume_after_fallback_is_exact(run, tmp_path, caplog):
     checkpoint and reproduces the uninterrupted run's step-2 record; the new step 2 is intact."""
     d = _copy(run, tmp_path / "r2")
     flip(d / "ckpt" / "step_000002" / "optim_rank0.pt")
-    cfg = tiny_cfg(tmp_path, "r2", STEPS, **{"run.keep_ckpts": 2})
+    cfg = tiny_cfg(tmp_path, "r2", STEPS, **{"deploy.keep_ckpts": 2})
     use_free_dist_port()
     with caplog.at_level(logging.WARNING, logger="qurl.runs"):
         train(cfg, resume=True)

@@ -49,14 +49,14 @@ def bad_jsonl(tmp_path: Path) -> Path:
 
 def test_malformed_data_row_exits_2_naming_file_and_line(tmp_path):
     line = one_error_line(qurl("train", "--set", f"data.train={bad_jsonl(tmp_path)}",
-                               "--set", f"run.dir={tmp_path}"))
+                               "--set", f"deploy.dir={tmp_path}"))
     assert f"{tmp_path / 'bad.jsonl'}:3: bad JSON" in line
     assert not (tmp_path / "train").exists()  # refused before a run directory was made
 
 
 def test_bad_config_value_exits_2_naming_the_field(tmp_path):
     line = one_error_line(qurl("train", "--set", "rollout.precision=int4",
-                               "--set", f"run.dir={tmp_path}"))
+                               "--set", f"deploy.dir={tmp_path}"))
     assert "rollout.precision='int4'" in line
 
 
@@ -66,8 +66,8 @@ def test_two_ranks_error_found_on_rank_0_exits_2_in_one_line(tmp_path):
     joined their process group (a fresh run over an existing one): one line, status 2."""
     (tmp_path / "busy" / "ckpt").mkdir(parents=True)
     (tmp_path / "busy" / "ckpt" / "latest").write_text("step_000001")
-    line = one_error_line(qurl("train", "--set", "learner.tp=2", "--set", f"run.dir={tmp_path}",
-                               "--set", "run.name=busy", "--set", "run.torch_threads=1"))
+    line = one_error_line(qurl("train", "--set", "learner.tp=2", "--set", f"deploy.dir={tmp_path}",
+                               "--set", "run.name=busy", "--set", "deploy.torch_threads=1"))
     assert f"{tmp_path / 'busy'} already holds a run" in line
 
 
@@ -81,7 +81,7 @@ def test_torchrun_two_ranks_bad_data_one_qurl_line_status_2(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), "-m", "qurl", "train", "--set", "learner.tp=2",
-         "--set", f"data.train={bad_jsonl(tmp_path)}", "--set", f"run.dir={tmp_path}"],
+         "--set", f"data.train={bad_jsonl(tmp_path)}", "--set", f"deploy.dir={tmp_path}"],
         capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
     ours = [ln for ln in out.stderr.splitlines() if "qurl: error:" in ln]
     assert len(ours) == 1 and f"{tmp_path / 'bad.jsonl'}:3: bad JSON" in ours[0], out.stderr

@@ -12,8 +12,8 @@ import pytest
 from pipeline_helpers import tiny_cfg
 from qurl.config import load_config
 from qurl.metrics import read_metrics
-from qurl.pipeline import compare as compare_mod
-from qurl.pipeline.compare import (ARMS, arm_configs, compare, summarize, summarize_seeds,
+from qurl.studies import compare as compare_mod
+from qurl.studies.compare import (ARMS, arm_configs, compare, summarize, summarize_seeds,
                                    write_table)
 
 
@@ -22,11 +22,11 @@ def test_arm_configs_share_everything_but_the_arm(tmp_path):
     arms = arm_configs(cfg, tmp_path)
     assert list(arms) == [name for name, _ in ARMS]
     a, s = arms["async1-int8-acr-uaq"], arms["sync-int8-acr-uaq"]
-    assert (a.rollout.mode, a.rollout.max_staleness, s.rollout.mode) == ("async", 1, "sync")
+    assert (a.deploy.rollout, a.rollout.max_staleness, s.deploy.rollout) == ("workers", 1, "inline")
     assert a.run.seed == s.run.seed == 7 and a.run.steps == s.run.steps == 5
     assert a.algo.uaq_scale == 1.5 and arms["sync-bf16"].algo.uaq_scale == 1.0
     assert arms["sync-int8-naive"].algo.loss == "naive"
-    assert all(c.run.dir == str(tmp_path) and c.run.name == n for n, c in arms.items())
+    assert all(c.deploy.dir == str(tmp_path) and c.run.name == n for n, c in arms.items())
     two = arm_configs(cfg, tmp_path, ["async1-int8-acr-uaq", "sync-int8-acr-uaq"])
     assert list(two) == ["sync-int8-acr-uaq", "async1-int8-acr-uaq"]  # ARMS order
     with pytest.raises(ValueError, match="unknown"):
@@ -121,14 +121,14 @@ def test_cli_refuses_bad_seed_lists(seeds, capsys):
 def test_two_arm_compare_runs_real_processes(tmp_path, runs_dir):
     """`compare` with two arms: each runs as its own `qurl train` process to the end, the table
     has a row per arm with a measured (finite, positive) speed and the plots are written."""
-    cfg = tiny_cfg(tmp_path, "unused", 2, **{"run.torch_threads": 1})
-    out = runs_dir("cmp")  # the arms' run.dir: base model from the session's shared cache
+    cfg = tiny_cfg(tmp_path, "unused", 2, **{"deploy.torch_threads": 1})
+    out = runs_dir("cmp")  # the arms' deploy.dir: base model from the session's shared cache
     path = compare(cfg, out, arms=["sync-int8-acr-uaq", "async1-int8-acr-uaq"])
     text = path.read_text()
     for arm, threads in (("sync-int8-acr-uaq", "1"), ("async1-int8-acr-uaq", "1+1")):
         recs = read_metrics(out / arm / "metrics.jsonl")
         assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
-        assert f"| {arm} | {threads} | 2 |" in text  # run.torch_threads=1: one per process
+        assert f"| {arm} | {threads} | 2 |" in text  # deploy.torch_threads=1: one per process
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| async1")]
     assert float(rows[0][6]) > 0 and math.isfinite(float(rows[0][7]))  # steps/h, speedup
     assert (out / "compare_step.png").stat().st_size > 0

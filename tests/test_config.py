@@ -1,8 +1,14 @@
-"""Config tree: presets, TOML + --set overrides, validation naming the field, resume immutables."""
+"""Config tree: presets, TOML + --set overrides, validation naming the field, resume immutables,
+documented and typed fields, and config.toml files written before the redesign."""
+import dataclasses
+from pathlib import Path
+
 import pytest
 
-from qurl.config import (PRESETS, ConfigError, Config, from_toml, immutable_changes, load_config,
-                         override, to_toml)
+from qurl.config import (DEPLOYMENT_SECTIONS, PRESETS, TRAINING_SECTIONS, ConfigError, Config,
+                         field_doc, from_toml, immutable_changes, load_config, override, to_toml)
+
+OLD = Path(__file__).parent / "old_configs"
 
 
 def test_presets_validate_and_paper_numbers():
@@ -19,9 +25,9 @@ def test_presets_validate_and_paper_numbers():
 
 
 def test_set_overrides_are_typed():
-    cfg = load_config(sets=["optim.lr=1e-3", "run.wandb=true", "rollout.sglang_urls=http://a:1,http://b:2"])
-    assert cfg.optim.lr == 1e-3 and cfg.run.wandb is True
-    assert cfg.rollout.sglang_urls == ("http://a:1", "http://b:2")
+    cfg = load_config(sets=["optim.lr=1e-3", "deploy.wandb=online", "sglang.urls=http://a:1,http://b:2"])
+    assert cfg.optim.lr == 1e-3 and cfg.deploy.wandb == "online"
+    assert cfg.sglang.urls == ("http://a:1", "http://b:2")
 
 
 @pytest.mark.parametrize("pair,field", [
@@ -29,6 +35,10 @@ def test_set_overrides_are_typed():
     ("optim.lr=abc", "optim.lr"), ("nosuch.x=1", "nosuch.x"), ("algo.nosuch=1", "algo.nosuch"),
     ("algo.mini_batches=3", "algo.mini_batches"), ("learner.dp=0", "learner.dp"),
     ("learner.dp=3", "learner.dp"), ("rollout.precision=fp8_block", "rollout.precision"),  # 16*8/2 = 64 rows per mini-batch do not split 3 ways
+    ("deploy.wandb=yes", "deploy.wandb"), ("model.dtype=fp16", "model.dtype"),
+    ("rollout.max_staleness=1", "rollout.max_staleness"),  # inline rollout is synchronous
+    ("optim.betas=0.9", "optim.betas"), ("data.format=custom", "data.fields"),
+    ("deploy.stream_key=short", "deploy.stream_key"), ("rollout.top_p=1.5", "rollout.top_p"),
 ])
 def test_bad_values_name_the_field(pair, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -36,7 +46,7 @@ def test_bad_values_name_the_field(pair, field):
 
 
 def test_toml_round_trip(tmp_path):
-    cfg = load_config("paper-dapo-7b", sets=["rollout.sglang_args=--mem-fraction-static,0.8"])
+    cfg = load_config("paper-dapo-7b", sets=["sglang.args=--mem-fraction-static,0.8"])
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
     assert from_toml(Config(), path) == cfg
@@ -47,39 +57,92 @@ def test_immutable_changes_named():
     b = override(a, {"learner.tp": 2, "optim.lr": 1e-5})
     changes = immutable_changes(a, b)
     assert len(changes) == 1 and changes[0].startswith("learner.tp")
-    c = override(a, {"learner.dp": 2, "learner.distributed_optimizer": True})
+    c = override(a, {"learner.dp": 2, "deploy.distributed_optimizer": True})
     assert [x.split(":")[0] for x in immutable_changes(a, c)] == ["learner.dp",
-                                                                 "learner.distributed_optimizer"]
+                                                                 "deploy.distributed_optimizer"]
 
 
 def test_auto_threads_give_every_run_the_whole_node(monkeypatch):
-    """run.torch_threads=0 (the default): the node's cores divided among the processes that
+    """deploy.torch_threads=0 (the default): the node's cores divided among the processes that
     compute at once. Sync: the learner ranks only. Async with η ≥ 1 (or several workers) on CPU:
     learner ranks + local workers. η = 0 and one worker alternate, so each may use every core."""
     import torch
 
-    from qurl.setup import busy_processes, set_threads
+    from qurl.placement import busy_processes, learner_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
-    before = torch.get_num_threads()
-    try:
-        sync = load_config()
-        assert sync.run.torch_threads == 0
-        assert busy_processes(sync, 1) == 1 and set_threads(sync, 1) == 8 == torch.get_num_threads()
-        assert set_threads(sync, busy_processes(sync, 2)) == 4  # TP=2 on this node
-        multi = load_config(sets=["learner.nnodes=2", "learner.nproc_per_node=2", "learner.tp=4"])
-        assert busy_processes(multi, 4) == 2  # only this node's ranks share its cores
-        a = ["rollout.mode=async", "rollout.max_staleness=1", "rollout.num_workers=3"]
-        if not torch.cuda.is_available():
-            assert busy_processes(load_config(sets=a), 1) == 4  # learner + 3 workers
-            assert set_threads(load_config(sets=a), 4) == 2
-        assert busy_processes(load_config(sets=a), 1, workers=False) == 1  # evaluation only
-        eta0 = load_config(sets=["rollout.mode=async", "rollout.max_staleness=0"])
-        assert busy_processes(eta0, 1) == 1
-        remote = load_config(sets=a + ["rollout.workers=external"])
-        assert busy_processes(remote, 1) == 1  # workers on other machines
-        assert set_threads(load_config(sets=["run.torch_threads=3"]), 4) == 3  # explicit wins
-        with pytest.raises(ConfigError, match="run.torch_threads=-1"):
-            load_config(sets=["run.torch_threads=-1"])
-    finally:
-        torch.set_num_threads(before)
+    sync = load_config()
+    assert sync.deploy.torch_threads == 0
+    assert busy_processes(sync) == 1 and learner_threads(sync) == 8
+    assert learner_threads(load_config(sets=["learner.tp=2"])) == 4  # TP=2 on this node
+    multi = load_config(sets=["deploy.nnodes=2", "deploy.nproc_per_node=2", "learner.tp=4"])
+    assert busy_processes(multi) == 2  # only this node's ranks share its cores
+    a = ["deploy.rollout=workers", "rollout.max_staleness=1", "deploy.engines=3"]
+    if not torch.cuda.is_available():
+        assert busy_processes(load_config(sets=a)) == 4  # learner + 3 workers
+        assert learner_threads(load_config(sets=a)) == 2
+    assert busy_processes(load_config(sets=a), workers=False) == 1  # evaluation only
+    eta0 = load_config(sets=["deploy.rollout=workers", "rollout.max_staleness=0"])
+    assert busy_processes(eta0) == 1
+    remote = load_config(sets=["deploy.rollout=external", "rollout.max_staleness=1", "deploy.engines=3"])
+    assert busy_processes(remote) == 1  # workers on other machines
+    assert learner_threads(load_config(sets=["deploy.torch_threads=3"] + a)) == 3  # explicit wins
+    with pytest.raises(ConfigError, match="deploy.torch_threads=-1"):
+        load_config(sets=["deploy.torch_threads=-1"])
+
+
+def test_multi_node_default_ranks_share_only_their_node(monkeypatch):
+    """The fix of issue 14: with deploy.nproc_per_node left at its default, a rank of a 2-node
+    TP-8 learner shares its node's cores with the 3 other ranks there (not with 7, nor alone),
+    the same count `qurl launch` plans its torchrun with."""
+    from qurl.launch import plan
+    from qurl.placement import learner_ranks_per_node, learner_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    cfg = load_config(sets=["deploy.nnodes=2", "learner.tp=8"])
+    assert learner_ranks_per_node(cfg) == 4 and learner_threads(cfg) == 4
+    learner = plan(cfg, [], nodes=["a", "b"], gpus_per_node=8)[0].commands[-1]
+    assert "--nproc-per-node=4" in learner.argv
+    with pytest.raises(ConfigError, match="deploy.nnodes=3"):
+        learner_ranks_per_node(load_config(sets=["deploy.nnodes=3", "learner.tp=8"]))
+
+
+def test_every_field_is_documented_and_training_fields_are_few():
+    cfg = Config()
+    n_training = 0
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            assert field_doc(type(obj), f.name), f"{section.name}.{f.name} has no docstring"
+        n_training += len(dataclasses.fields(obj)) if section.name in TRAINING_SECTIONS else 0
+    assert set(TRAINING_SECTIONS) | set(DEPLOYMENT_SECTIONS) == {f.name for f in dataclasses.fields(cfg)}
+    assert n_training <= 55
+
+
+@pytest.mark.parametrize("old,new", [("rollout.num_workers=2", "deploy.engines"),
+                                     ("model.preset=small", "model.base"),
+                                     ("rollout.mode=async", "deploy.rollout")])
+def test_old_names_on_the_command_line_name_the_new_field(old, new):
+    with pytest.raises(ConfigError, match=f"renamed to {new}"):
+        load_config(sets=[old])
+
+
+def test_old_config_toml_files_still_read(tmp_path):
+    """A run directory written before the redesign resumes: its config.toml maps to today's fields."""
+    from qurl.runs import read_config
+
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.toml").write_text((OLD / "default.toml").read_text())
+    assert read_config(run) == load_config()
+    (run / "config.toml").write_text((OLD / "async_external.toml").read_text())
+    cfg = read_config(run)
+    assert (cfg.deploy.rollout, cfg.deploy.engines, cfg.rollout.max_staleness) == ("external", 2, 1)
+    assert (cfg.deploy.wandb, cfg.deploy.torch_threads, cfg.model.base) == ("online", 2, "/models/qwen")
+    assert (cfg.data.fields, cfg.optim.betas, cfg.deploy.host) == (("q", "a"), (0.8, 0.95), "10.0.0.1")
+    assert (cfg.deploy.weight_port, cfg.eval.max_new_tokens, cfg.sglang.tp) == (29600, 48, 2)
+    assert cfg.deploy.nproc_per_node == 0  # the old default 1 meant "tp*dp/nnodes"
+    bad = (OLD / "async_external.toml").read_text().replace('host = "10.0.0.1"', 'host = "10.0.0.9"')
+    (run / "config.toml").write_text(bad)
+    with pytest.raises(ConfigError, match="learner.master_addr and stream.host differ"):
+        read_config(run)

@@ -323,3 +323,13 @@ def test_worked_solutions_check_out(style):
         worked_solution(Example("u", "47+38=", "86"))
     with pytest.raises(ValueError, match="not an arithmetic question"):
         worked_solution(Example("u", "what is 2+2?", "4"))
+
+
+def test_at_most_returns_every_distinct_question_of_a_small_task():
+    """1-digit sums of two operands have < 200 distinct train questions: at_most=True returns the
+    ones found (a prefix of any larger request) instead of raising."""
+    with pytest.raises(ValueError, match="could only draw"):
+        arithmetic_task(2000, seed=0, split="train", digits=1, n_operands=2)
+    few = arithmetic_task(2000, seed=0, split="train", digits=1, n_operands=2, at_most=True)
+    assert 50 < len(few) < 200 and len({e.prompt for e in few}) == len(few)
+    assert few[:10] == arithmetic_task(10, seed=0, split="train", digits=1, n_operands=2)

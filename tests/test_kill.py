@@ -29,7 +29,7 @@ from qurl.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-ASYNC = {"rollout.mode": "async", "rollout.max_staleness": 1}
+ASYNC = {"deploy.rollout": "workers", "rollout.max_staleness": 1}
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -129,10 +129,10 @@ def test_sigkill_worker_is_replaced_and_no_prompt_is_lost(run_root):
 
 
 def test_external_worker_outlives_a_killed_controller_and_reconnects(run_root):
-    """rollout.workers=external: the worker is started by hand. SIGKILL the controller; the worker
+    """deploy.rollout=external: the worker is started by hand. SIGKILL the controller; the worker
     keeps running, finds the resumed controller in controller.json, reconnects, and the epoch is
     still trained exactly once."""
-    extra = {**ASYNC, "rollout.workers": "external", "data.train_size": 24}
+    extra = {**ASYNC, "deploy.rollout": "external", "data.train_size": 24}
     sets = tiny_sets(run_root, "ext", 6, **extra)
     cfg = tiny_cfg(run_root, "ext", 6, **extra)
     run_dir = run_root / "ext"

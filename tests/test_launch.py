@@ -46,7 +46,7 @@ def test_dry_run_two_node_example(capsys):
 
 def test_slurm_style_placement_from_node_list():
     cfg = load_config("paper-deepscaler-1.5b", sets=[
-        "model.path=/m", "learner.tp=2", "rollout.precision=fp8", "rollout.sglang_tp=4"])
+        "model.base=/m", "learner.tp=2", "rollout.precision=fp8", "sglang.tp=4"])
     plans = plan(cfg, ["--preset", "paper-deepscaler-1.5b"], nodes=["gpu-a", "gpu-b"])
     learner = plans[0].commands[-1]
     # servers (tp 4) fill the free GPUs: 2-5 next to the learner's 0-1 on node 0, all 8 of node 1;
@@ -54,7 +54,7 @@ def test_slurm_style_placement_from_node_list():
     assert learner.role == "learner" and "--master-addr=gpu-a" in learner.argv
     assert learner.env == {"CUDA_VISIBLE_DEVICES": "0,1"} and "--nproc-per-node=2" in learner.argv
     sets = [learner.argv[i + 1] for i, a in enumerate(learner.argv) if a == "--set"]
-    assert sets == ["learner.master_addr=gpu-a", "rollout.sglang_urls=http://gpu-a:30000,"
+    assert sets == ["deploy.host=gpu-a", "sglang.urls=http://gpu-a:30000,"
                     "http://gpu-b:30000,http://gpu-b:30001"]
     assert [c.role for c in plans[0].commands] == ["export", "sglang", "learner"]
     assert plans[0].commands[1].env == {"CUDA_VISIBLE_DEVICES": "2,3,4,5"}
@@ -63,10 +63,10 @@ def test_slurm_style_placement_from_node_list():
     assert s0.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"} and "w8a8_fp8" in s0.argv
     assert plans[1].commands[2].env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     # presets set only learner.tp: nproc_per_node (default 1) follows it
-    dapo = plan(load_config("paper-dapo-7b", sets=["model.path=/m"]), [], nodes=["x", "y"])
+    dapo = plan(load_config("paper-dapo-7b", sets=["model.base=/m"]), [], nodes=["x", "y"])
     assert "--nproc-per-node=4" in dapo[0].commands[-1].argv
     # data parallel: tp 4 x dp 2 = the 8 GPUs of node 0; the servers go to node 1
-    dp2 = plan(load_config("paper-dapo-7b", sets=["model.path=/m", "learner.dp=2"]), [],
+    dp2 = plan(load_config("paper-dapo-7b", sets=["model.base=/m", "learner.dp=2"]), [],
                nodes=["x", "y"])
     assert "--nproc-per-node=8" in dp2[0].commands[-1].argv
     assert dp2[0].commands[-1].env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
@@ -76,13 +76,13 @@ def test_slurm_style_placement_from_node_list():
 
 @pytest.mark.parametrize("sets,msg", [
     (["learner.tp=8"], "learner.tp * learner.dp=8: must equal"),
-    (["learner.tp=2", "learner.dp=4", "learner.nproc_per_node=4"],
+    (["learner.tp=2", "learner.dp=4", "deploy.nproc_per_node=4"],
      "learner.tp * learner.dp=8: must equal"),
-    (["rollout.sglang_urls=http://elsewhere:1"], "host 'elsewhere' is not a node"),
-    (["rollout.sglang_urls=10.0.0.2:30000"], "is not http://host:port"),
-    (["model.preset=tiny"], "model.preset='tiny'"),
-    (["rollout.sglang_tp=16"], "rollout.sglang_tp=16 > --gpus-per-node"),
-    (["rollout.sglang_urls=" + ",".join(f"http://10.0.0.2:{30000 + k}" for k in range(5))],
+    (["sglang.urls=http://elsewhere:1"], "host 'elsewhere' is not a node"),
+    (["sglang.urls=10.0.0.2:30000"], "is not http://host:port"),
+    (["model.base=tiny"], "model.base='tiny'"),
+    (["sglang.tp=16"], "sglang.tp=16 > --gpus-per-node"),
+    (["sglang.urls=" + ",".join(f"http://10.0.0.2:{30000 + k}" for k in range(5))],
      "node 10.0.0.2: servers need more than 8 GPUs"),
 ])
 def test_placement_errors_name_the_field(sets, msg):
@@ -102,20 +102,20 @@ def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
                 {"CUDA_VISIBLE_DEVICES": "0"}),
     ])
     assert run_node(node) == 0 and mark.read_text() == "x"  # returns once the learner exits
-    assert main_launch(["--set", "learner.tp=3", "--set", "learner.nnodes=2", "--dry-run"]) == 2
+    assert main_launch(["--set", "learner.tp=3", "--set", "deploy.nnodes=2", "--dry-run"]) == 2
 
 
 def test_async_workers_take_the_gpus_after_the_learners():
-    from qurl.launch import worker_gpu
+    from qurl.placement import worker_gpu
 
-    two = load_config("cpu-tiny", sets=["learner.tp=2", "rollout.num_workers=3"])
+    two = load_config("cpu-tiny", sets=["learner.tp=2", "deploy.engines=3"])
     assert [worker_gpu(two, s, 8) for s in range(3)] == [2, 3, 4]  # learner ranks on GPUs 0, 1
     assert [worker_gpu(two, s, 4) for s in range(3)] == [2, 3, 0]  # too few: wrap and share
     one = load_config("cpu-tiny")
     assert worker_gpu(one, 0, 1) == 0  # one GPU: everyone shares it
-    nccl = load_config("cpu-tiny", sets=["sync.backend=nccl", "rollout.num_workers=2"])
+    nccl = load_config("cpu-tiny", sets=["deploy.worker_backend=nccl", "deploy.engines=2"])
     assert [worker_gpu(nccl, s, 3) for s in range(2)] == [1, 2]
-    with pytest.raises(ValueError, match="sync.backend='nccl': worker 1 needs GPU 2"):
+    with pytest.raises(ValueError, match="deploy.worker_backend='nccl': worker 1 needs GPU 2"):
         worker_gpu(nccl, 1, 2)  # an NCCL group cannot hold two ranks on one GPU
     with pytest.raises(ValueError, match="n_gpus=0"):
         worker_gpu(one, 0, 0)

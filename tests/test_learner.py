@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qurl.algo.loss import policy_loss
-from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
+from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
 from tiny_hf import build, hf_state
 
@@ -213,7 +213,7 @@ def test_train_step_matches_transformers_adamw_reference(runs, kind: str) -> Non
     params = list(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": 0.01},
                              {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.adam_eps)
+                            lr=OPTIM.lr, betas=tuple(OPTIM.betas), eps=OPTIM.adam_eps)
     with torch.no_grad():
         prox = _hf_logp(model, batch["tokens"])
     losses, norms, mb = [], [], B // 2
@@ -291,7 +291,7 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
     """Two steps with learner.tp=tp, learner.dp=dp, then exact resume."""
     from qurl.learner.dist import broadcast_object, init_learner_dist
 
-    lc = LearnerConfig(tp=tp, dp=dp, distributed_optimizer=distributed)
+    lc, dc = LearnerConfig(tp=tp, dp=dp), DeployConfig(distributed_optimizer=distributed)
     init_learner_dist(lc, rank, ws)
     hf = build("qwen2")
 
@@ -299,7 +299,7 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
         from qurl.learner.megatron import MegatronLearner
 
         return MegatronLearner(None, ModelConfig(dtype=dtype), ALGO, OPTIM, lc, total_steps=4,
-                               seed=0, hf_state=hf_state(hf), hf_config=hf.config)
+                               seed=0, deploy=dc, hf_state=hf_state(hf), hf_config=hf.config)
 
     a = make()
     b1, b2 = _batch(hf, seed=2), _batch(hf, seed=3)

@@ -164,3 +164,16 @@ def test_warmstart_rejects_bad_input(micro_dir, tmp_path):
     with pytest.raises(ValueError, match=r"pairs\[0\].*exceed"):
         sft_warmstart(micro_dir, [("x" * 600, "y")], steps=1, lr=1e-3, batch_size=2, seed=0,
                       out_dir=tmp_path)
+
+
+def test_base_model_key_follows_the_recipe_not_the_rl_prompt_count():
+    """One warm-started base per recipe: the cache key ignores data.train_size (the warm start has
+    its own fixed questions) but changes with everything the warm start reads."""
+    from qurl.config import load_config
+    from qurl.models.base import _base_key
+
+    key = _base_key(load_config())
+    assert _base_key(load_config(sets=["data.train_size=16"])) == key
+    for changed in ("run.seed=1", "model.warmstart_steps=40", "model.warmstart_lr=1e-3",
+                    "data.digits=2", "data.operands=2", "data.template=boxed", "model.base=small"):
+        assert _base_key(load_config(sets=[changed])) != key, changed

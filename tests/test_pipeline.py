@@ -163,7 +163,7 @@ def test_eta0_async_reproduces_sync(run_root):
 
     steps = 3
     train(tiny_cfg(run_root, "sync", steps))
-    train_async(tiny_cfg(run_root, "async0", steps, **{"rollout.mode": "async"}))
+    train_async(tiny_cfg(run_root, "async0", steps, **{"deploy.rollout": "workers"}))
     sync = read_metrics(run_root / "sync" / "metrics.jsonl")
     asyn = read_metrics(run_root / "async0" / "metrics.jsonl")
     assert [r["kind"] for r in sync] == [r["kind"] for r in asyn]
@@ -240,8 +240,8 @@ def _stray_peer(run_dir, stop: threading.Event, sent: dict) -> None:
 def test_eta1_two_workers_stale_tokens_exactly_once_and_stray_peer(run_root):
     from qurl.pipeline.controller import train_async
 
-    cfg = tiny_cfg(run_root, "async1", 4, **{"rollout.mode": "async", "rollout.max_staleness": 1,
-                                              "rollout.num_workers": 2})
+    cfg = tiny_cfg(run_root, "async1", 4, **{"deploy.rollout": "workers", "rollout.max_staleness": 1,
+                                              "deploy.engines": 2})
     run_dir = run_root / "async1"
     stop, sent = threading.Event(), {}
     stray = threading.Thread(target=_stray_peer, args=(run_dir, stop, sent), daemon=True)

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qurl.engines.factory import make_engine
 from qurl.engines.sglang import (SGLangEngine, SGLangError, SGLangUnavailable, ServerSpec, Timeouts,
                                  parse_generate, server_command)
 from qurl.sync.group import free_port
-from qurl.sync.sender import engine_chunks
+from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
@@ -226,8 +227,8 @@ def test_attached_server_malformed_replies_and_launch_failures(tmp_path):
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", f"rollout.sglang_urls={url}",
-                                            f"run.dir={tmp_path}"])
+        cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", f"sglang.urls={url}",
+                                            f"deploy.dir={tmp_path}"])
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # attach waits for health itself; this just avoids
             try:                             # counting the fake's torch import in its timeout
@@ -235,7 +236,7 @@ def test_attached_server_malformed_replies_and_launch_failures(tmp_path):
                 break
             except OSError:
                 time.sleep(0.2)
-        eng = SGLangEngine.from_config(cfg, str(_model_dir(tmp_path)))
+        eng = make_engine(cfg, str(_model_dir(tmp_path)))
         eng.timeouts, eng.max_restarts = Timeouts(control_s=5, generate_s=1.5, group_s=20,
                                                   launch_s=5, health_s=2), 0
         req = [GenRequest("m", [1, 2], SamplingParams(max_new_tokens=3))]
@@ -298,12 +299,12 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     try:
         _wait_healthy(url)
         cfg = load_config("cpu-tiny", sets=[
-            f"run.dir={tmp_path}", "run.name=sg", "run.steps=2", "run.eval_every=0",
-            "run.progress=false", "model.warmstart_steps=0", "data.eval_size=4",
+            f"deploy.dir={tmp_path}", "run.name=sg", "run.steps=2", "run.eval_every=0",
+            "deploy.progress=false", "model.warmstart_steps=0", "data.eval_size=4",
             "model.dtype=float32",  # the checkpoint's model state is then the synced masters
-            "rollout.engine=sglang", "rollout.precision=fp8_block", f"rollout.sglang_urls={url}",
+            "rollout.engine=sglang", "rollout.precision=fp8_block", f"sglang.urls={url}",
             "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4",
-            "rollout.eval_max_new_tokens=4"])
+            "eval.max_new_tokens=4"])
         final = train(cfg)
         served = _get(url, "/_fake/requests")
     finally:
@@ -327,7 +328,7 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
 
 @pytest.mark.slow
 def test_async_worker_drives_its_sglang_server(tmp_path, runs_dir):
-    """rollout.mode=async with rollout.engine=sglang: the worker's engine is the SGLang adapter on
+    """deploy.rollout=workers with rollout.engine=sglang: the worker's engine is the SGLang adapter on
     its one server; every version goes controller -> worker (pipeline weight group) -> server
     (the adapter's group), and every prompt of the epoch is trained exactly once."""
     from transformers import AutoConfig
@@ -344,15 +345,15 @@ def test_async_worker_drives_its_sglang_server(tmp_path, runs_dir):
     try:
         _wait_healthy(url)
         cfg = tiny_cfg(runs_dir("asg"), "asg", 4, **{
-            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.num_workers": 1,
-            "rollout.engine": "sglang", "rollout.sglang_urls": url, "rollout.precision": "int8",
+            "deploy.rollout": "workers", "rollout.max_staleness": 1, "deploy.engines": 1,
+            "rollout.engine": "sglang", "sglang.urls": url, "rollout.precision": "int8",
             "model.dtype": "float32"})  # the checkpoint's model state is then the synced masters
         final = train_async(cfg)
         served = _get(url, "/_fake/requests")
     finally:
         proc.kill()
         proc.wait()
-    run = Path(cfg.run.dir) / "asg"
+    run = Path(cfg.deploy.dir) / "asg"
     assert 0.0 <= final["accuracy"] <= 1.0
     assert_each_prompt_once(cfg, run)
     assert len(served) >= 4 * 4 * 4  # every rollout request went to the server (none for eval)

@@ -23,7 +23,7 @@ from qurl.engines.sglang import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangEngi
                                  ServerSpec)
 from qurl.models.export8bit import export_8bit
 from qurl.models.hf import build_model, read_state_dict
-from qurl.sync.sender import engine_chunks
+from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
 from qurl.weights import WeightSync
 from tests.sglang_real import (TIMEOUTS, checksums, fuse_like_sglang, held_like, launch,
@@ -302,7 +302,7 @@ def test_server_killed_mid_update_recovers(bf16_server, models):
     (Last of the bf16 flows: it replaces the module's server process.)"""
     eng, _ = bf16_server
     root, src, v0, v1 = models
-    eng.bucket_bytes = 1 << 20
+    eng.weights.bucket_bytes = 1 << 20
     eng._form_group()  # a sender with small buckets: several announcements per sync
     victim = eng.servers[0].proc
     real = eng._announce
@@ -355,12 +355,12 @@ def _train(tmp: Path, name: str, *sets: str) -> list[dict]:
 
     from tests.sglang_real import CPU_FLAGS, SGL_PY
 
-    base = ["run.steps=3", "run.eval_every=0", "run.ckpt_every=0", "run.progress=false",
+    base = ["run.steps=3", "run.eval_every=0", "deploy.ckpt_every=0", "deploy.progress=false",
             "model.warmstart_steps=0", "data.eval_size=8", "data.train_size=64",
             "rollout.engine=sglang", "rollout.precision=bf16", "rollout.prompts_per_step=4",
-            "rollout.group_size=4", "rollout.max_new_tokens=12", "rollout.eval_max_new_tokens=12",
-            "rollout.sglang_args=" + ",".join(CPU_FLAGS), f"run.dir={tmp}", f"run.name={name}",
-            "run.torch_threads=1"]
+            "rollout.group_size=4", "rollout.max_new_tokens=12", "eval.max_new_tokens=12",
+            "sglang.args=" + ",".join(CPU_FLAGS), f"deploy.dir={tmp}", f"run.name={name}",
+            "deploy.torch_threads=1"]
     argv = [sys.executable, "-m", "qurl.cli", "train"]
     for kv in base + list(sets):
         argv += ["--set", kv]
@@ -395,5 +395,5 @@ def test_qurl_train_sync_on_real_sglang(env, tmp_path):
 
 
 def test_qurl_train_async_one_worker_on_real_sglang(env, tmp_path):
-    _check_run(_train(tmp_path, "async", "rollout.mode=async", "rollout.max_staleness=1",
-                      "rollout.num_workers=1"))
+    _check_run(_train(tmp_path, "async", "deploy.rollout=workers", "rollout.max_staleness=1",
+                      "deploy.engines=1"))

@@ -48,7 +48,7 @@ def test_arm_configs_differ_only_in_precision_loss_and_uaq(tmp_path):
     assert arms["fp8-acr-uaq"].algo.uaq_scale == 1.5  # config had UAQ off: the study's default s
     assert {a.run.steps for a in arms.values()} == {7}
     assert {a.algo.tis_cap for a in arms.values()} == {1.3}
-    assert {a.run.dir for a in arms.values()} == {str(tmp_path)}
+    assert {a.deploy.dir for a in arms.values()} == {str(tmp_path)}
     assert sorted(a.run.name for a in arms.values()) == sorted(ARM_NAMES)
 
 

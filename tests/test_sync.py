@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from qurl.quant.formats import dequantize_fp8_block, quantize_fp8_block
-from qurl.quant.named import quantize_named
+from qurl.quant.named import engine_chunks, quantize_named
 from qurl.sync.buckets import (BucketLayout, align_order, bucket_buffer, group_pairs, layout_of,
                                pack, plan_buckets, unpack)
 from qurl.sync.arena import ArenaQuantizer, ChunkArena
 from qurl.sync.group import WeightGroup, free_port
-from qurl.sync.sender import BucketAnnouncement, WeightSender, engine_chunks
+from qurl.sync.sender import BucketAnnouncement, WeightSender
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:
@@ -176,8 +176,8 @@ def test_engine_wire_dtype_follows_the_engine(tmp_path):
 
     def wire(meta: dict, *args: str):
         (tmp_path / "config.json").write_text(json.dumps(meta))
-        cfg = load_config(sets=["rollout.engine=sglang", "rollout.sglang_urls=http://h:1"])
-        cfg = replace(cfg, rollout=replace(cfg.rollout, sglang_args=tuple(args)))
+        cfg = load_config(sets=["rollout.engine=sglang", "sglang.urls=http://h:1"])
+        cfg = replace(cfg, sglang=replace(cfg.sglang, args=tuple(args)))
         return engine_wire_dtype(cfg, tmp_path)
 
     assert engine_wire_dtype(load_config(), tmp_path / "absent") is None  # local: never reads

@@ -29,13 +29,13 @@ def runs_root(runs_dir):
 
 def small_cfg(tmp_path, name, steps, **extra):
     sets = {
-        "run.dir": str(tmp_path), "run.name": name, "run.steps": steps, "run.eval_every": 0,
-        "run.ckpt_every": 1, "run.progress": False, "model.warmstart_steps": 40,
+        "deploy.dir": str(tmp_path), "run.name": name, "run.steps": steps, "run.eval_every": 0,
+        "deploy.ckpt_every": 1, "deploy.progress": False, "model.warmstart_steps": 40,
         # one-digit sums: a briefly warm-started model is right sometimes, so rewards, advantages
         # and gradients are non-zero and exact resume is a real claim
         "data.digits": 1, "data.operands": 2, "data.train_size": 100,
         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
-        "rollout.eval_max_new_tokens": 16, "data.eval_size": 8,
+        "eval.max_new_tokens": 16, "data.eval_size": 8,
         "optim.lr": 1e-3,
     }
     sets.update(extra)

@@ -42,8 +42,8 @@ def _load(cfg: Config, source: str, split: str, n: int) -> list[Example]:
                                n_operands=d.operands)
     # each eval set is detected from its own rows unless the fields are spelled out
     fmt = d.format if split == "train" or d.format == "custom" else "auto"
-    return load_dataset(resolve_data_path(source), fmt, question_field=d.question_field or None,
-                        answer_field=d.answer_field or None,
+    question, answer = d.fields if d.fields else (None, None)
+    return load_dataset(resolve_data_path(source), fmt, question_field=question, answer_field=answer,
                         limit=(n or None) if split == "eval" else None)
 
 

@@ -67,13 +67,15 @@ def arithmetic_task(
     ops: str = "+-",
     eval_fraction: float = 0.1,
     allow_negative: bool = False,
+    at_most: bool = False,
 ) -> list[Example]:
     """n distinct arithmetic questions of the given split, deterministic in all arguments.
 
     digits: digits per operand (1 means 0..9, d > 1 means 10^(d-1)..10^d-1).
     n_operands: numbers per question (>= 2). ops: operators to draw from, a subset of "+-*".
     allow_negative: when False, questions with a negative intermediate or final result are redrawn.
-    Raises ValueError when the split cannot supply n distinct questions at this difficulty.
+    Raises ValueError when the split cannot supply n distinct questions at this difficulty, or
+    with at_most=True returns the fewer it found (a prefix of what a larger n would give).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -98,6 +100,8 @@ def arithmetic_task(
     while len(out) < n:
         budget -= 1
         if budget < 0:
+            if at_most:
+                break
             raise ValueError(
                 f"could only draw {len(out)} distinct {split} questions of {n} requested with "
                 f"digits={digits}, n_operands={n_operands}, ops={ops!r}; lower n or raise the difficulty"

@@ -32,8 +32,14 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
             else torch.device("cpu")
         return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
     from qurl.engines.sglang import SGLangEngine
+    from qurl.runs import run_dir_for
 
-    return SGLangEngine.from_config(cfg, model_dir, slot=slot, group_host=host)
+    d = cfg.deploy
+    return SGLangEngine.from_section(
+        cfg.sglang, model_dir, precision=cfg.rollout.precision, run_dir=run_dir_for(cfg),
+        count=d.engines, uaq_scale=cfg.algo.uaq_scale, group_host=host or d.host,
+        group_port=d.weight_port if slot is None else 0,  # async workers: one group each
+        bucket_bytes=int(d.bucket_mb * (1 << 20)), slot=slot)
 
 
 _SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
@@ -45,7 +51,7 @@ def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None
     biases; everything with precision bf16), which is the dtype the weight sync sends them in
     (qurl.quant.named.travels_as). None for the local engine: it computes in fp32, as the masters.
 
-    SGLang servers: `--dtype` from rollout.sglang_args, else SGLang's "auto" rule (0.5.23,
+    SGLang servers: `--dtype` from sglang.args, else SGLang's "auto" rule (0.5.23,
     configs/model_config.py): the checkpoint's dtype, and an fp32 checkpoint served in fp16 (bf16
     for Gemma models). A server launched with another dtype still loads what it is sent (its
     weight loaders cast), at the cost of a second rounding."""
@@ -53,7 +59,7 @@ def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None
 
     if cfg.rollout.engine != "sglang":
         return None
-    args = list(cfg.rollout.sglang_args)
+    args = list(cfg.sglang.args)
     flag = "auto"
     for i, a in enumerate(args):
         if a == "--dtype" and i + 1 < len(args):
@@ -69,6 +75,6 @@ def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None
         else:
             flag = str(name)
     if flag not in _SGLANG_DTYPES:
-        raise ValueError(f"rollout.sglang_args --dtype {flag!r}: expected auto or one of "
+        raise ValueError(f"sglang.args --dtype {flag!r}: expected auto or one of "
                          f"{', '.join(_SGLANG_DTYPES)}")
     return getattr(torch, _SGLANG_DTYPES[flag])

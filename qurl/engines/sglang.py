@@ -46,11 +46,11 @@ weight_updater.py`); recheck them when the pinned release changes:
 
 Design. One `SGLangEngine` drives N servers as one Engine (engines/base.py). Requests are spread
 over the servers (least in flight). Each sync (`load_weights`) pauses every server (abort mode),
-opens the update session, broadcasts the chunks bucket by bucket through qurl.sync.WeightSender to the
-weight group (learner rank 0 + every server rank) while one HTTP call per server per bucket is in
-flight, closes the session, flushes caches and continues. Requests interrupted by the pause come
-back with their partial output; they are resubmitted as prompt + generated prefix with the
-remaining token budget, and the pieces are stitched with per-token versions (partial rollout).
+opens the update session, broadcasts the chunks bucket by bucket (qurl/sync/broadcaster.py, the
+routine the async controller uses too) to the weight group (learner rank 0 + every server rank)
+while one HTTP call per server per bucket is in flight, closes the session, flushes caches and
+continues. Requests interrupted by the pause come back with their partial output; they are
+resubmitted as prompt + generated prefix with the remaining token budget, and the pieces are stitched with per-token versions (partial rollout).
 A server that stops answering is restarted (when qurl launched it), the weight group is formed
 anew, and the current weights are sent again (so the engine keeps the last synced chunks in CPU
 memory: the size of the 8-bit model). Every HTTP call has a timeout; a malformed reply is an
@@ -81,9 +81,11 @@ from urllib.parse import urlparse
 
 import torch
 
+from qurl.config import SGLangConfig
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
-from qurl.sync.group import WeightGroup, free_port
-from qurl.sync.sender import BucketAnnouncement, SyncStats, WeightSender
+from qurl.sync.broadcaster import Broadcaster, GroupFormError, GroupSpec
+from qurl.sync.group import free_port
+from qurl.sync.sender import BucketAnnouncement, SyncStats
 from qurl.types import GenRequest, GenResult
 
 # precision (+ fp8 scaling) -> (SGLang --quantization, qurl sync format)
@@ -309,7 +311,7 @@ class SGLangEngine:
                  max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
                  tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health") -> None:
         """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
-        validate token ids against it); from_config reads both from the model directory.
+        validate token ids against it); from_section reads both from the model directory.
         `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
         one-token generation) or "/model_info" (model loaded; for servers that cannot generate,
         such as 8-bit SGLang on a CPU)."""
@@ -319,9 +321,12 @@ class SGLangEngine:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(QUANTIZATION)}")
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.precision, self.backend, self.load_format = precision, backend, load_format
+        self.precision = precision
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
-        self.group_host, self.group_port, self.bucket_bytes = group_host, group_port, bucket_bytes
+        # the weight group: this process is rank 0, every TP rank of every server a peer
+        self.weights = Broadcaster(group_host, group_port, backend, name="qurl_weights",
+                                   bucket_bytes=bucket_bytes, load_format=load_format,
+                                   timeout_s=(timeouts or Timeouts()).group_s)
         self.timeouts = timeouts or Timeouts()
         self.max_restarts, self.poll_s, self.keep_weights = max_restarts, poll_s, keep_weights
         log = Path(log_dir) if log_dir else None
@@ -338,8 +343,6 @@ class SGLangEngine:
         self._version = 0
         self._weights: list[tuple[str, torch.Tensor]] | None = None  # last synced chunks
         self._disk: str | None = None  # or: last update_weights_from_disk path
-        self._group: WeightGroup | None = None
-        self._group_gen = 0
         self.restarts = 0
         self.last_sync: SyncStats | None = None
         try:
@@ -358,44 +361,40 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- construction helpers
     @classmethod
-    def from_config(cls, cfg: Any, model_dir: str, *, slot: int | None = None,
-                    group_host: str = "") -> "SGLangEngine":
-        """Attach to `cfg.rollout.sglang_urls`, or export `model_dir` as an 8-bit checkpoint
-        (UAQ-scaled) and launch local servers on free ports: `cfg.rollout.num_workers` of them
-        for the sync loop (slot None), or the one server of async worker `slot` (its URL is
-        sglang_urls[slot]). group_host: the address the servers reach this process's weight
-        group on (default learner.master_addr)."""
-        r = cfg.rollout
-        quant, fmt = QUANTIZATION[r.precision]
-        run_dir = Path(cfg.run.dir) / cfg.run.name  # qurl.runs.run_dir_for
-        urls, count = list(r.sglang_urls), r.num_workers
+    def from_section(cls, sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: Path,
+                     count: int, uaq_scale: float, group_host: str, group_port: int,
+                     bucket_bytes: int, slot: int | None = None) -> "SGLangEngine":
+        """Attach to `sg.urls`, or export `model_dir` as an 8-bit checkpoint (UAQ-scaled, under
+        run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
+        None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
+        group_port: where the servers reach this process's weight group (port 0 = a free one)."""
+        quant, fmt = QUANTIZATION[precision]
+        urls = list(sg.urls)
         if slot is not None:
-            if urls and len(urls) != r.num_workers:
-                raise ValueError(f"rollout.sglang_urls has {len(urls)} servers: async mode needs one "
-                                 f"per worker (rollout.num_workers={r.num_workers})")
+            if urls and len(urls) != count:
+                raise ValueError(f"sglang.urls has {len(urls)} servers: asynchronous rollout needs "
+                                 f"one per worker (deploy.engines={count})")
             urls, count = urls[slot:slot + 1], 1
         if urls:
-            specs = [ServerSpec(u, tp=r.sglang_tp) for u in urls]
+            specs = [ServerSpec(u, tp=sg.tp) for u in urls]
         else:
             from qurl.models.export8bit import export_8bit
 
             name = f"sglang_{fmt}" if slot is None else f"sglang_{fmt}_w{slot}"  # no shared writes
-            ckpt = export_8bit(model_dir, run_dir / name, fmt, uaq_scale=cfg.algo.uaq_scale)
+            ckpt = export_8bit(model_dir, run_dir / name, fmt, uaq_scale=uaq_scale)
             specs = []
             for _ in range(count):
                 port = free_port()
-                specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=r.sglang_tp,
-                                        command=server_command(str(ckpt), port=port, tp=r.sglang_tp,
-                                                               quantization=quant,
-                                                               extra=r.sglang_args)))
+                specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=sg.tp,
+                                        command=server_command(str(ckpt), port=port, tp=sg.tp,
+                                                               quantization=quant, extra=sg.args)))
         from transformers import AutoConfig, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         vocab = int(AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vocab_size)
-        return cls(specs, precision=r.precision, group_host=group_host or cfg.learner.master_addr,
-                   group_port=cfg.sync.port if slot is None else 0,  # workers: one group each
-                   bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)), log_dir=run_dir / "logs",
-                   tokenizer=tok, vocab_size=vocab)
+        return cls(specs, precision=precision, group_host=group_host, group_port=group_port,
+                   bucket_bytes=bucket_bytes, log_dir=run_dir / "logs", tokenizer=tok,
+                   vocab_size=vocab)
 
     @property
     def version(self) -> int:
@@ -425,44 +424,47 @@ class SGLangEngine:
                                          {"new_version": str(version), "abort_all_requests": False},
                                          self.timeouts.control_s), self.timeouts.control_s * 2)
 
-    def _form_group(self) -> None:
-        """(Re)form the weight group: learner rank 0 + every TP rank of every server."""
-        old, self._group = self._group, None
-        if old is not None:
-            for s in self.servers:  # best effort: a restarted server has no such group
+    def _leave_group(self, timeout_s: float) -> None:
+        """Tell the servers to drop the current group (best effort: a restarted server has
+        none) and close our side."""
+        if self.weights.group is not None:
+            for s in self.servers:
                 try:
-                    s.post_json("/destroy_weights_update_group", {"group_name": old.group_name},
-                                self.timeouts.control_s)
+                    s.post_json("/destroy_weights_update_group",
+                                {"group_name": self.weights.group.group_name}, timeout_s)
                 except SGLangError:
                     pass
-            old.close()
-        self._group_gen += 1
-        name = f"qurl_weights_{self._group_gen}"
-        port = self.group_port if (self.group_port and self._group_gen == 1) else free_port()
-        world = 1 + sum(s.spec.tp for s in self.servers)
+        self.weights.close()
+
+    def _form_group(self) -> None:
+        """(Re)form the weight group: this process + every TP rank of every server."""
+        self._leave_group(self.timeouts.control_s)
         offsets = [1 + sum(s.spec.tp for s in self.servers[:i]) for i in range(len(self.servers))]
-        ex = ThreadPoolExecutor(max_workers=len(self.servers))
-        futs = [ex.submit(s.post_json, "/init_weights_update_group",
-                          {"master_address": self.group_host, "master_port": port,
-                           "rank_offset": off, "world_size": world, "group_name": name,
-                           "backend": self.backend}, self.timeouts.group_s)
-                for s, off in zip(self.servers, offsets)]
+
+        def invite(spec: GroupSpec) -> Callable[[], None]:
+            ex = ThreadPoolExecutor(max_workers=len(self.servers))
+            futs = [ex.submit(s.post_json, "/init_weights_update_group",
+                              {"master_address": spec.host, "master_port": spec.port,
+                               "rank_offset": off, "world_size": spec.world,
+                               "group_name": spec.name, "backend": spec.backend},
+                              self.timeouts.group_s)
+                    for s, off in zip(self.servers, offsets)]
+
+            def wait() -> None:
+                ex.shutdown(wait=True)
+                for f in futs:
+                    f.result()
+            return wait
+
         try:
-            self._group = WeightGroup(self.group_host, port, 0, world, self.backend, name,
-                                      timeout_s=self.timeouts.group_s)
-        except RuntimeError as e:
-            errors = [str(f.exception()) for f in futs if f.done() and f.exception()]
-            raise SGLangError(f"weight group {name} did not form: {e}; servers said: {errors}") from e
-        finally:
-            ex.shutdown(wait=True)
-        for f in futs:
-            f.result()
-        self._sender = WeightSender(self._group, bucket_bytes=self.bucket_bytes,
-                              load_format=self.load_format)
+            self.weights.form(1 + sum(s.spec.tp for s in self.servers), invite,
+                              timeout_s=self.timeouts.group_s)
+        except GroupFormError as e:
+            raise SGLangError(str(e)) from e
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send engine chunks (already 8-bit: see qurl.sync.sender.engine_chunks) to every server
+        """Send engine chunks (already 8-bit: see qurl.quant.named.engine_chunks) to every server
         as `version`. Recovers dead servers (restart + new group + resend) up to max_restarts."""
         chunks = list(chunks)
         with self._hold():
@@ -480,7 +482,7 @@ class SGLangEngine:
     def _announce(self, version: int) -> Callable[[BucketAnnouncement], Callable[[], None]]:
         def announce(ann: BucketAnnouncement) -> Callable[[], None]:
             body = {"names": ann.layout.names, "dtypes": ann.layout.dtypes,
-                    "shapes": ann.layout.shapes, "group_name": self._group.group_name,
+                    "shapes": ann.layout.shapes, "group_name": self.weights.group.group_name,
                     "flush_cache": False, "abort_all_requests": False,
                     "weight_version": str(version) if ann.last else None,
                     "load_format": "flattened_bucket" if ann.load_format == "flattened_bucket"
@@ -508,7 +510,7 @@ class SGLangEngine:
                 self._each(self._restore_w8a8, 2 * c)
             t1 = time.perf_counter()
             try:
-                stats = self._sender.send(chunks, version, announce=self._announce(version))
+                stats = self.weights.send(chunks, version, announce=self._announce(version))
             except RuntimeError as e:  # the group broke (a server died mid-broadcast): recoverable
                 if isinstance(e, SGLangError):
                     raise
@@ -697,14 +699,6 @@ class SGLangEngine:
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:
         """Leave the weight group and stop the servers qurl launched (attached ones keep running)."""
-        if self._group is not None:
-            for s in self.servers:
-                try:
-                    s.post_json("/destroy_weights_update_group",
-                                {"group_name": self._group.group_name}, 5.0)
-                except SGLangError:
-                    pass
-            self._group.close()
-            self._group = None
+        self._leave_group(5.0)
         for s in self.servers:
             s.stop()

@@ -118,9 +118,9 @@ class Evaluator:
             self.fp_sync.push(learner.named_weights(), self.fp_engine, version)
         if engine is None:
             return None
-        ecfg, kw = self.cfg.eval, dict(max_new_tokens=self.cfg.rollout.eval_max_new_tokens,
+        ecfg, kw = self.cfg.eval, dict(max_new_tokens=self.cfg.eval.max_new_tokens,
                                        run_seed=self.cfg.run.seed,
-                                       reward_timeout_s=self.cfg.data.reward_timeout_s)
+                                       reward_timeout_s=self.cfg.deploy.reward_timeout_s)
         codec = PromptCodec(engine.tokenizer, self.cfg.data.template)
         rec: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
         quant = score_engine(engine, self.sets, codec, ecfg, **kw)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from qurl.config import ConfigError, LearnerConfig
+from qurl.config import ConfigError, DeployConfig, LearnerConfig
 from qurl.errors import InputError
 
 
@@ -38,26 +38,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_backend(learner: LearnerConfig) -> str:
-    if learner.backend == "auto":
+def resolve_backend(deploy: DeployConfig) -> str:
+    if deploy.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if learner.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("learner.backend='nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
-    return learner.backend
+    if deploy.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("deploy.backend='nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
+    return deploy.backend
 
 
 def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
+                      deploy: DeployConfig = DeployConfig(),
                       timeout_min: float = 30.0) -> None:
     """Join the default process group (if not yet) and build megatron's TP and DP groups."""
     if world_size != learner.tp * learner.dp:
         raise ConfigError(f"learner.tp={learner.tp} x learner.dp={learner.dp}: needs world_size "
                          f"{learner.tp * learner.dp}, got {world_size}")
-    backend = resolve_backend(learner)
+    backend = resolve_backend(deploy)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
-        addr = os.environ.get("MASTER_ADDR", learner.master_addr)
-        port = os.environ.get("MASTER_PORT", str(learner.master_port))
+        addr = os.environ.get("MASTER_ADDR", deploy.host)
+        port = os.environ.get("MASTER_PORT", str(deploy.learner_port))
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_min))

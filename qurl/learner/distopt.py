@@ -13,7 +13,7 @@ end in one flat fp32 buffer of N elements, padded to a multiple of the DP size D
     group buffer  [ p0 | p1 | p2 | ... | pad ]       N_pad = ceil(N / D) · D
     DP rank d owns [d · N_pad/D, (d+1) · N_pad/D)
 
-- `distributed=True` (learner.distributed_optimizer): the master weights and both Adam moments exist
+- `distributed=True` (deploy.distributed_optimizer): the master weights and both Adam moments exist
   only for the owned slice, 12 bytes/param / D per rank instead of 12. A step: flatten the grads ->
   reduce-scatter (sum) over DP -> global grad norm -> clip -> AdamW on the slice -> all-gather the
   slices -> copy into the model's parameters (bf16 or fp32).
@@ -125,7 +125,7 @@ class DistributedAdamW:
         self.opt = torch.optim.AdamW(
             [{"params": [self.groups[0].master], "weight_decay": optim.weight_decay},
              {"params": [self.groups[1].master], "weight_decay": 0.0}],
-            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.adam_eps, fused=True)
+            lr=optim.lr, betas=tuple(optim.betas), eps=optim.adam_eps, fused=True)
         self._scratch: torch.Tensor | None = None  # fp64 chunk for the grad norm on CPU
 
     @property

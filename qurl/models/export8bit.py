@@ -1,7 +1,7 @@
 """Write (and read back) 8-bit checkpoints in the formats SGLang loads, for the rollout engines.
 
 Before launch the engines need the policy as an 8-bit checkpoint; later syncs send the very same
-codes and scales (qurl.sync.sender.engine_chunks makes both), so an engine never holds bf16
+codes and scales (qurl.quant.named.engine_chunks makes both), so an engine never holds bf16
 linears. Three formats, with the exact parameter names and `config.json` `quantization_config`
 that SGLang 0.5.23 reads (`srt/layers/quantization/w8a8_int8.py`, `w8a8_fp8.py`, `fp8.py`,
 `srt/configs/model_config.py`, which takes the method from `quantization_config.quant_method`):
@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 
 from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
-from qurl.quant.named import FP8_BLOCK, dequantize_named, is_quantized_linear
+from qurl.quant.named import FP8_BLOCK, dequantize_named, engine_chunks, is_quantized_linear
 from qurl.quant.uaq import apply_uaq
-from qurl.sync.sender import engine_chunks
 
 FORMATS = ("int8", "fp8", "fp8_block")
 SGLANG_QUANTIZATION = {"int8": "w8a8_int8", "fp8": "w8a8_fp8", "fp8_block": "fp8"}

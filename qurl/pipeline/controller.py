@@ -42,6 +42,7 @@ from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.loop import RankZero, train_loop
 from qurl.pipeline.dispatch import Dispatcher
+from qurl.placement import learner_threads
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.quant.named import dequantize_named
 from qurl.types import Trajectory
@@ -80,18 +81,17 @@ class Controller:
         if z.run.state is not None:
             self._restore(z.run.state)
         self.trained_log = TrainedLog(self.run_dir / TRAINED_FILE, z.run.start)
-        key = load_or_create_key(self.run_dir, cfg.stream.key)
+        key = load_or_create_key(self.run_dir, cfg.deploy.stream_key)
         self.fleet = Fleet(cfg, self.run_dir, key, z.run.model_dir,
                            vocab_size=self.engine.vocab_size,
-                           spawn=cfg.rollout.workers == "local",
+                           spawn=cfg.deploy.rollout == "workers",
                            # each local worker gets the learner's share of the node's cores
-                           # (qurl.setup.set_threads, called by open_run)
-                           worker_threads=torch.get_num_threads())
+                           worker_threads=learner_threads(cfg))
         self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
         # What passes through is sent in the workers' engines' dtype (bf16/fp16 for SGLang); the
         # evaluation engine loads the same chunks, so it scores the actor the workers run.
-        self.sync = WeightSync(cfg.rollout.precision, int(cfg.sync.bucket_mb * (1 << 20)),
+        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.bucket_mb * (1 << 20)),
                                engine_wire_dtype(cfg, z.run.model_dir))
         self.eval_version: int | None = None  # the version the evaluation engine holds
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record

@@ -33,13 +33,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from qurl.config import Config
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
+from qurl.sync.broadcaster import Broadcaster, GroupSpec
 
 log = logging.getLogger("qurl.fleet")
 
@@ -62,11 +63,12 @@ class Fleet:
         from qurl.stream.channel import Receiver, Sender
 
         self.cfg, self.run_dir, self.key = cfg, Path(run_dir), key
-        self.n = cfg.rollout.num_workers
-        s = cfg.stream
+        d = cfg.deploy
+        self.n = d.engines
         self.senders: list[Sender | None] = [None] * self.n  # connected on the worker's hello
-        self.inbox = Receiver(f"tcp://{s.host}:{s.traj_port}", key, bind=True,
-                              kinds=("trajectory", "control"), hwm=s.hwm, vocab_size=vocab_size,
+        self.inbox = Receiver(f"tcp://{d.host}:{d.inbox_port}", key, bind=True,
+                              kinds=("trajectory", "control"), hwm=d.stream_hwm,
+                              vocab_size=vocab_size,
                               max_len=cfg.rollout.max_new_tokens)
         self.session = secrets.token_hex(8)
         write_session(self.run_dir, {
@@ -74,9 +76,10 @@ class Fleet:
             "num_workers": self.n, "pid": os.getpid()})
         self.slots = [_SlotState() for _ in range(self.n)]
         self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads) if spawn else None
-        self.gen = 0
-        self.group = None
-        self.sender = None
+        self.weights = Broadcaster(d.host, d.weight_port, d.worker_backend,
+                                   name=f"qurl_weights_{self.session}",
+                                   bucket_bytes=int(d.bucket_mb * (1 << 20)),
+                                   timeout_s=GROUP_TIMEOUT_S)
         self.need_group = True
         self._replaced: list[int] = []
         self.sync_acks: list[dict[str, Any]] = []  # "synced" acks since the caller last took them
@@ -155,7 +158,7 @@ class Fleet:
         if old is not None:
             old.close(linger_ms=0)
         self.senders[slot] = Sender(endpoint, self.key, bind=False, name=f"controller-slot{slot}",
-                                    hwm=self.cfg.stream.hwm, linger_ms=0)
+                                    hwm=self.cfg.deploy.stream_hwm, linger_ms=0)
 
     def poll(self, timeout_ms: int = 0) -> list[Any]:
         """Receive for up to timeout_ms; handle control messages, return trajectory messages."""
@@ -202,31 +205,27 @@ class Fleet:
             for msg in self.poll(200):
                 on_traj(msg)
 
+    @property
+    def gen(self) -> int:
+        """The weight group's generation (0 before the first one formed)."""
+        return self.weights.gen
+
     def _form_group(self) -> None:
-        from qurl.sync.group import WeightGroup, free_port
-        from qurl.sync.sender import WeightSender
+        def invite(spec: GroupSpec) -> Callable[[], None]:
+            msg = {"op": "group", "gen": spec.gen, "host": spec.host, "port": spec.port,
+                   "world": spec.world, "backend": spec.backend, "name": spec.name,
+                   "timeout_s": GROUP_TIMEOUT_S}
+            for i in range(self.n):
+                if not self.send_control(i, {**msg, "rank": i + 1}):
+                    raise RuntimeError(f"could not invite worker slot {i} to the weight group")
+            return lambda: None  # workers answer through their acks, not here
 
         self._close_group()
-        self.gen += 1
-        host = self.cfg.stream.host
-        port = self.cfg.sync.port + self.gen if self.cfg.sync.port else free_port(host)
-        invite = {"op": "group", "gen": self.gen, "host": host, "port": port, "world": self.n + 1,
-                  "backend": self.cfg.sync.backend,
-                  "name": f"qurl_weights_{self.session}_{self.gen}",
-                  "timeout_s": GROUP_TIMEOUT_S}
-        for i in range(self.n):
-            if not self.send_control(i, {**invite, "rank": i + 1}):
-                raise RuntimeError(f"could not invite worker slot {i} to the weight group")
-        self.group = WeightGroup(host, port, 0, self.n + 1, backend=self.cfg.sync.backend,
-                                 group_name=invite["name"], timeout_s=GROUP_TIMEOUT_S)
-        self.sender = WeightSender(self.group,
-                                   bucket_bytes=int(self.cfg.sync.bucket_mb * (1 << 20)))
+        self.weights.form(self.n + 1, invite)
         self.counts["groups_formed"] += 1
 
     def _close_group(self) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group = self.sender = None
+        self.weights.close()
         for s in self.slots:
             s.ready = False
 
@@ -240,7 +239,7 @@ class Fleet:
                     raise RuntimeError(f"weight announcement to slot {i} not sent")
 
         try:
-            stats = self.sender.send(iter(chunks), version, announce=announce)
+            stats = self.weights.send(iter(chunks), version, announce=announce)
         except Exception:
             self.need_group = True
             self._close_group()

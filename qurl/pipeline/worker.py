@@ -80,25 +80,26 @@ class _Abort(Exception):
 
 class RolloutWorker:
     def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0,
-                 host: str = "", reconnect_s: float = RECONNECT_S) -> None:
+                 host: str = "", reconnect_s: float = RECONNECT_S, threads: int = 0) -> None:
+        """threads: torch CPU threads, as the controller decided for the workers it starts;
+        0 (a worker started by hand on its own machine) = deploy.torch_threads or every core."""
         from qurl.engines.factory import make_engine
         from qurl.pipeline.session import read_key
         from qurl.rollout import PromptCodec
         from qurl.runs import read_config
-        from qurl.setup import busy_processes, set_threads
+        from qurl.placement import set_threads, threads_for
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
         info = _wait_for_session(self.run_dir)  # written after the config and the key
         self.cfg = read_config(self.run_dir)
-        # run.torch_threads or this node's share (the controller passes its own count as --threads)
-        set_threads(self.cfg, busy_processes(self.cfg, 1))
+        set_threads(threads or threads_for(self.cfg, busy=1))
         self.key = read_key(self.run_dir)
         if not 0 <= self.slot < int(info["num_workers"]):
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
         if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
-            from qurl.launch import worker_gpu  # one GPU per worker, after the learner's
+            from qurl.placement import worker_gpu  # one GPU per worker, after the learner's
 
             torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count()))
         self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
@@ -123,7 +124,7 @@ class RolloutWorker:
         self.tasks.clear()  # a new controller re-dispatches from its own ledger
         self.gen_seen = -1
         self.session = str(info["session"])
-        hwm = self.cfg.stream.hwm
+        hwm = self.cfg.deploy.stream_hwm
         if self.inbox is None:
             self.inbox = Receiver(f"tcp://{self.host}:0", self.key, bind=True,
                                   kinds=("prompt", "control"), vocab_size=self.engine.vocab_size,
@@ -306,7 +307,7 @@ class RolloutWorker:
             examples.append(Example(uid=meta["key"], prompt="", answer=meta["answer"]))
         v_start = int(self.engine.version)
         groups, gen = generate_groups(self.engine, requests, examples, self.codec,
-                                      reward_timeout_s=self.cfg.data.reward_timeout_s,
+                                      reward_timeout_s=self.cfg.deploy.reward_timeout_s,
                                       between_steps=self._between_steps)
         trajs = [t for g in groups for t in g]
         meta, tensors = pack_trajectories(trajs)
@@ -365,15 +366,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="without --parent-pid: after this long without a word from the controller, "
                         "look for a new one in controller.json")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0: the config's run.torch_threads)")
+                   help="torch CPU threads (the controller passes its decision; 0: "
+                        "deploy.torch_threads, else every core)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host,
-                           reconnect_s=args.reconnect_s)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+                           reconnect_s=args.reconnect_s, threads=args.threads)
     # the controller ends workers with SIGTERM: exit through `finally`, so the SGLang servers this
     # worker launched (in their own sessions) are stopped with it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

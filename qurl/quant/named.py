@@ -19,6 +19,10 @@ in [-7, 7] and `_scale` holds one fp32 scale per group of 128 input columns: [ou
 
 Invariant: `dequantize_named(dict(quantize_named(chunks, fmt)))` has exactly the names of `chunks`,
 with linears equal to their quantization round trip and everything else identical.
+
+`quantize_named` is the one quantizer of every path to an engine: `engine_chunks` (below) adds the
+dtype each chunk travels in (`travels_as`) for checkpoints and tests, and the weight sync writes
+the same values into its wire buckets (qurl/sync/arena.py).
 """
 
 from __future__ import annotations
@@ -85,6 +89,28 @@ def travels_as(name: str, t: torch.Tensor, wire_dtype: torch.dtype | None) -> to
             or t.dtype in (torch.int8, torch.float8_e4m3fn) or _scale_owner(name) is not None):
         return t.dtype
     return wire_dtype
+
+
+ENGINE_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
+
+
+def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
+                  wire_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time.
+
+    Scales are always fp32 and 8-bit codes keep their dtype; every other floating tensor is cast
+    to `wire_dtype` when given (bf16 for fmt "bf16" by default); see `quant.named.travels_as`.
+    """
+    if fmt not in ENGINE_FORMATS:
+        raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(ENGINE_FORMATS)}")
+    if fmt == "bf16" and wire_dtype is None:
+        wire_dtype = torch.bfloat16
+    for name, t in named:
+        quantized = fmt in ("int8", "fp8", "fp8_block")
+        out = list(quantize_named([(name, t)], fmt)) if quantized else [(name, t)]
+        for n, x in out:
+            dtype = x.dtype if fmt == "none" else travels_as(n, x, wire_dtype)
+            yield n, x if x.dtype == dtype else x.to(dtype)
 
 
 def dequantize_named(

@@ -14,10 +14,10 @@ declared stress setting, 4-bit weight-only group-wise rollout (qurl.quant.int4).
 is the importance ratio between the learner's recomputed pre-update policy and the engine that
 sampled; C = algo.tis_cap.
 
-Each (seed, arm) runs as its own `qurl train` process through `qurl.pipeline.compare.run_arm`
+Each (seed, arm) runs as its own `qurl train` process through `qurl.studies.compare.run_arm`
 under `<out>/seed<S>/<arm>/`; a finished arm with the same config is reused, so an interrupted
 study continues where it stopped. `--jobs N` runs N arms at once (give each a thread:
-`--set run.torch_threads=1`); the base model of each seed is built once, by its first arm.
+`--set deploy.torch_threads=1`); the base model of each seed is built once, by its first arm.
 
 What it writes into `<out>/` (see qurl/studies/tables.py for the exact definitions):
 `ablation.md` / `ablation.csv` (one row per arm over seeds), `ablation_seeds.csv` (one row per
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from qurl.config import Config, override
+from qurl.config import LOCAL_BASES, Config, override
 from qurl.metrics import read_metrics
 
 BASELINE = "bf16-ppo"
@@ -78,15 +78,15 @@ def arm_configs(cfg: Config, out_dir: Path, arms: list[str]) -> dict[str, Config
     out = {}
     for name in arms:
         sets = {"algo.uaq_scale": uaq, **sets_of[name]}
-        out[name] = override(cfg, {**sets, "rollout.mode": "sync", "run.dir": str(out_dir),
-                                   "run.name": name, "run.progress": False})
+        out[name] = override(cfg, {**sets, "deploy.rollout": "inline", "deploy.dir": str(out_dir),
+                                   "run.name": name, "deploy.progress": False})
     return out
 
 
 def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[str],
               jobs: int = 1) -> dict[int, dict[str, list[dict]]]:
     """Run (or reuse) every (seed, arm); returns {seed: {arm: metrics records}}."""
-    from qurl.pipeline.compare import run_arm
+    from qurl.studies.compare import run_arm
     from qurl.models.base import build_base
 
     if len(set(seeds)) != len(seeds) or not seeds:
@@ -100,15 +100,15 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
         todo.extend(seed_cfgs.values())
 
     # one warm start per seed, built by the first of its arms to start (the others wait for it)
-    base_locks = {c.run.dir: threading.Lock() for c in todo}
+    base_locks = {c.deploy.dir: threading.Lock() for c in todo}
 
     def one(arm_cfg: Config) -> None:
-        if cfg.model.preset != "path":
-            with base_locks[arm_cfg.run.dir]:
+        if cfg.model.base in LOCAL_BASES:
+            with base_locks[arm_cfg.deploy.dir]:
                 build_base(arm_cfg)
         print(f"[ablation] seed {arm_cfg.run.seed} {arm_cfg.run.name}: {arm_cfg.run.steps} steps",
               flush=True)
-        run_arm(arm_cfg, Path(arm_cfg.run.dir))
+        run_arm(arm_cfg, Path(arm_cfg.deploy.dir))
         print(f"[ablation] seed {arm_cfg.run.seed} {arm_cfg.run.name}: done", flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

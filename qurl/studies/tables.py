@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from qurl.pipeline.compare import _fmt, _md_table, _mean, _sd
+from qurl.studies.compare import _fmt, _md_table, _mean, _sd
 
 WINDOW = 10
 COLLAPSE_FRAC = 0.5

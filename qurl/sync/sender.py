@@ -1,8 +1,8 @@
 """Learner side of a weight sync: engine chunks -> byte buckets -> broadcast (transport only).
 
 One sync of version v, run on learner rank 0 (the quantizing is the caller's: the production
-syncs quantize into wire-bucket arenas, qurl/sync/arena.py; `engine_chunks` is the lazy form of
-the same rule, for checkpoints and tests):
+syncs quantize into wire-bucket arenas, qurl/sync/arena.py; `quant.named.engine_chunks` is the
+lazy form of the same rule, for checkpoints and tests):
 
     named_weights()  ->  ArenaQuantizer / engine_chunks(fmt)  ->  WeightSender.send:
         plan_buckets(budget)  ->  for each bucket:
@@ -45,33 +45,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from qurl.quant.named import quantize_named, travels_as
 from qurl.sync.arena import timed_items
 from qurl.sync.buckets import Bucket, BucketLayout, bucket_buffer, pack, plan_buckets
 from qurl.sync.group import WeightGroup
 
-SYNC_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
 LOAD_FORMATS = ("flattened_bucket", "per_tensor")
-
-
-def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
-                  wire_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time.
-
-    Scales are always fp32 and 8-bit codes keep their dtype; every other floating tensor is cast
-    to `wire_dtype` when given (bf16 for fmt "bf16" by default); see `quant.named.travels_as`.
-    """
-    if fmt not in SYNC_FORMATS:
-        raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(SYNC_FORMATS)}")
-    if fmt == "bf16" and wire_dtype is None:
-        wire_dtype = torch.bfloat16
-    for name, t in named:
-        quantized = fmt in ("int8", "fp8", "fp8_block")
-        out = list(quantize_named([(name, t)], fmt)) if quantized else [(name, t)]
-        for n, x in out:
-            dtype = x.dtype if fmt == "none" else travels_as(n, x, wire_dtype)
-            yield n, x if x.dtype == dtype else x.to(dtype)
-
 
 @dataclass(frozen=True)
 class BucketAnnouncement:

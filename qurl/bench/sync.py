@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from qurl.config import SyncConfig
+from qurl.config import DeployConfig
 from qurl.quant.formats import all_finite
+from qurl.quant.named import engine_chunks
 from qurl.sync.arena import ArenaQuantizer, ChunkArena
 from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import WeightReceiver
-from qurl.sync.sender import WeightSender, engine_chunks
+from qurl.sync.sender import WeightSender
 
 # Synthetic shapes: qurl's `small` preset (~104M) and Qwen2.5-0.5B's (~494M, tied embeddings).
 SHAPES = {"small": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384),
@@ -130,7 +131,7 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
     if shapes not in SHAPES:
         raise ValueError(f"shapes={shapes!r}: must be one of {', '.join(SHAPES)}")
     if bucket_mb is None:
-        bucket_mb = SyncConfig().bucket_mb
+        bucket_mb = DeployConfig().bucket_mb
     named = synthetic_named(**SHAPES[shapes])
     n_params = sum(t.numel() for _, t in named)
     ctx = mp.get_context("spawn")

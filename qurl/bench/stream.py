@@ -19,7 +19,7 @@ connection set-up) divided by the time between the first and the last receipt. F
 also measures, on one core and without sockets, the MAC alone and the validation+unpack alone, which
 shows what bounds the authenticated path, and the fraction of the run the receiver spent checking.
 hash_threads (default 4) threads per end hash the MAC pieces; the receiver's payload checks run
-while they hash. Usage: `python -m qurl.stream.bench --total-mb 2048 [--response-len 8192]`.
+while they hash. Usage: `python -m qurl.bench.stream --total-mb 2048 [--response-len 8192]`.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ the moment it appeared (seconds since the arm's process started). Then `<out>/co
   count, and the ratio of each arm to its sync counterpart;
 - the arm's whole wall time (process included);
 - the torch CPU threads it ran on (`threads`: learner, or learner+workers). By default
-  (run.torch_threads = 0, see qurl.setup.set_threads) every arm gets the whole machine: the sync
+  (deploy.torch_threads = 0, see qurl/placement.py) every arm gets the whole machine: the sync
   loop generates and trains on every core, an async run splits the cores between its learner and
   its workers. (One thread per process instead would leave the sync arm's other cores idle and
   flatter async.)
@@ -52,15 +52,15 @@ from qurl.config import Config, override, to_toml
 from qurl.metrics import read_metrics
 
 ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("sync-bf16", {"rollout.mode": "sync", "rollout.precision": "bf16", "algo.loss": "decoupled",
+    ("sync-bf16", {"deploy.rollout": "inline", "rollout.precision": "bf16", "algo.loss": "decoupled",
                    "algo.uaq_scale": 1.0}),
-    ("sync-int8-acr-uaq", {"rollout.mode": "sync", "rollout.precision": "int8",
+    ("sync-int8-acr-uaq", {"deploy.rollout": "inline", "rollout.precision": "int8",
                            "algo.loss": "acr"}),
-    ("async1-bf16", {"rollout.mode": "async", "rollout.max_staleness": 1,
+    ("async1-bf16", {"deploy.rollout": "workers", "rollout.max_staleness": 1,
                      "rollout.precision": "bf16", "algo.loss": "decoupled", "algo.uaq_scale": 1.0}),
-    ("async1-int8-acr-uaq", {"rollout.mode": "async", "rollout.max_staleness": 1,
+    ("async1-int8-acr-uaq", {"deploy.rollout": "workers", "rollout.max_staleness": 1,
                              "rollout.precision": "int8", "algo.loss": "acr"}),
-    ("sync-int8-naive", {"rollout.mode": "sync", "rollout.precision": "int8", "algo.loss": "naive",
+    ("sync-int8-naive", {"deploy.rollout": "inline", "rollout.precision": "int8", "algo.loss": "naive",
                          "algo.uaq_scale": 1.0}),
 )
 
@@ -78,8 +78,8 @@ def arm_configs(cfg: Config, out_dir: Path, arms: list[str] | None = None) -> di
             continue
         sets = dict(sets)
         sets.setdefault("algo.uaq_scale", uaq)
-        out[name] = override(cfg, {**sets, "run.dir": str(out_dir), "run.name": name,
-                                   "run.progress": False})
+        out[name] = override(cfg, {**sets, "deploy.dir": str(out_dir), "run.name": name,
+                                   "deploy.progress": False})
     return out
 
 
@@ -215,7 +215,7 @@ def write_table(rows: list[dict[str, Any]], out_dir: Path) -> Path:
     md = _md_table(rows, cols)
     path = out_dir / "compare.md"
     path.write_text("# qurl compare\n\nSame seed, data and step budget for every arm; "
-                    "steps/hour counts the training loop only (see qurl/pipeline/compare.py).\n\n"
+                    "steps/hour counts the training loop only (see qurl/studies/compare.py).\n\n"
                     + "\n".join(md) + "\n")
     return path
 
@@ -274,7 +274,7 @@ def write_seed_table(summary: list[dict[str, Any]], rows_by_seed: dict[int, list
            f"Seeds {', '.join(map(str, rows_by_seed))}; per arm: final accuracy (mean, sd), its "
            "difference to the sync arm of the same precision paired by seed (mean, sd), the mean "
            "training reward of the last 5 steps and its paired difference, steps/hour and speedup "
-           "vs sync (see qurl/pipeline/compare.py).", ""]
+           "vs sync (see qurl/studies/compare.py).", ""]
           + _md_table(summary, cols) + ["", "## Every seed", ""]
           + _md_table(per_seed, ["seed", "arm", "threads", "acc_initial", "acc_final",
                                  "steps_per_hour", "speedup_vs_sync"]))

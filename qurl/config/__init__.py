@@ -1,0 +1,25 @@
+"""The one config tree of qurl: frozen dataclasses, presets as Python functions, TOML + `--set` overrides.
+
+A run is fully described by a `Config` (tree.py: eight training sections, then `sglang` and
+`deploy`, every field typed and documented). It is built from a preset (`cpu-tiny` by default,
+presets.py), then a TOML file (`--config f.toml`, same section names), then `--set a.b=c`
+overrides, and checked (load.py, rules.py) with errors that name the field. The resolved tree is
+written to the run directory as `config.toml` and read back on resume (compat.py reads files
+written before the redesign), where fields in `IMMUTABLE_ON_RESUME` must not change.
+"""
+from qurl.config.load import (IMMUTABLE_ON_RESUME, from_toml, get_field, immutable_changes,
+                              load_config, override, parse_sets, to_toml, validate)
+from qurl.config.presets import PRESETS
+from qurl.config.rules import ConfigError
+from qurl.config.tree import (DEPLOYMENT_SECTIONS, LOCAL_BASES, TRAINING_SECTIONS, AlgoConfig,
+                              Config, DataConfig, DeployConfig, EvalConfig, LearnerConfig,
+                              ModelConfig, OptimConfig, RolloutConfig, RunConfig, SGLangConfig,
+                              field_doc)
+
+__all__ = [
+    "IMMUTABLE_ON_RESUME", "PRESETS", "DEPLOYMENT_SECTIONS", "LOCAL_BASES", "TRAINING_SECTIONS",
+    "AlgoConfig", "Config", "ConfigError", "DataConfig", "DeployConfig", "EvalConfig",
+    "LearnerConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig", "SGLangConfig",
+    "field_doc", "from_toml", "get_field", "immutable_changes", "load_config", "override",
+    "parse_sets", "to_toml", "validate",
+]

@@ -1,0 +1,180 @@
+"""Building a Config: preset -> TOML file -> `--set` overrides -> checks, and writing it back.
+
+Every value enters through `override`, which coerces it to the field's declared type and checks
+the field's own rules (its `Literal` choices, its `Min`/`MoreThan` bound) at once, so an error
+names the field and the value that broke it. `validate` re-checks a whole tree (for trees built
+in code) and then the cross-field rules of `qurl.config.rules`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+
+from qurl.config.compat import RENAMED, upgrade
+from qurl.config.rules import ConfigError, check_rules
+from qurl.config.tree import Config, Min, MoreThan
+
+# Fields a resumed run may not change: they define the weights and their layout.
+IMMUTABLE_ON_RESUME = (
+    "model.base", "model.dtype", "learner.tp", "learner.dp", "algo.uaq_scale",
+    "rollout.group_size", "run.seed", "data.train", "deploy.distributed_optimizer",
+)
+
+
+def _hints(section_cls: type) -> dict[str, Any]:
+    return get_type_hints(section_cls, include_extras=True)
+
+
+def _check_field(value: Any, typ: Any, key: str) -> None:
+    """The field's own rules: Literal choices and Min/MoreThan bounds."""
+    if get_origin(typ) is Annotated:
+        base, *marks = get_args(typ)
+        _check_field(value, base, key)
+        for m in marks:
+            if isinstance(m, Min) and not value >= m.value:
+                raise ConfigError(f"{key}={value!r}: must be >= {m.value:g}")
+            if isinstance(m, MoreThan) and not value > m.value:
+                raise ConfigError(f"{key}={value!r}: must be > {m.value:g}")
+    elif get_origin(typ) is Literal and value not in get_args(typ):
+        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(map(str, get_args(typ)))}")
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Turn a TOML value or a `--set` string into the field's declared type, then check it."""
+    origin = get_origin(typ)
+    if origin is Annotated:
+        out = _coerce(value, get_args(typ)[0], key)
+        _check_field(out, typ, key)
+        return out
+    if origin is Literal:
+        choices = get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(map(str, choices))}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if value else []
+        return tuple(_coerce(v, get_args(typ)[0], key) for v in value)
+    if not isinstance(value, str):
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected {typ.__name__}")
+    try:
+        if typ is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return typ(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r}: expected {typ.__name__}") from None
+
+
+def get_field(cfg: Config, dotted: str) -> Any:
+    section, _, name = dotted.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def override(cfg: Config, updates: dict[str, Any]) -> Config:
+    """Apply {"section.field": value} updates; unknown or renamed fields are errors."""
+    sections = {f.name: f for f in fields(cfg)}
+    new_sections: dict[str, Any] = {}
+    for key, value in updates.items():
+        if key in RENAMED:
+            raise ConfigError(f"{key}: renamed to {RENAMED[key]} (see README, 'Config')")
+        section, dot, name = key.partition(".")
+        if not dot or section not in sections:
+            raise ConfigError(f"{key}: unknown config section (known: {', '.join(sections)})")
+        current = new_sections.get(section, getattr(cfg, section))
+        hints = _hints(type(current))
+        if name not in hints:
+            raise ConfigError(f"{key}: unknown field of [{section}] (known: {', '.join(hints)})")
+        new_sections[section] = replace(current, **{name: _coerce(value, hints[name], key)})
+    return replace(cfg, **new_sections)
+
+
+def validate(cfg: Config) -> Config:
+    """Check every field against its type's rules, then the cross-field rules; return cfg."""
+    for section in fields(cfg):
+        obj = getattr(cfg, section.name)
+        for name, typ in _hints(type(obj)).items():
+            _check_field(getattr(obj, name), typ, f"{section.name}.{name}")
+    check_rules(cfg)
+    return cfg
+
+
+def parse_sets(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {pair!r}: expected section.field=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    flat = {}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+        flat.update({f"{section}.{k}": v for k, v in values.items()})
+    return flat
+
+
+def from_toml(cfg: Config, path: str | Path, *, old_names: bool = False) -> Config:
+    """Override `cfg` with a TOML file's [section] tables. `old_names=True` (a run directory's
+    own config.toml, written by an older qurl) maps the fields renamed since then first."""
+    flat = _read_toml(path)
+    if old_names:
+        flat = upgrade(flat, where=str(path))
+    return override(cfg, flat)
+
+
+def to_toml(cfg: Config) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (tuple, list)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for section in fields(cfg):
+        lines.append(f"[{section.name}]")
+        for k, v in dataclasses.asdict(getattr(cfg, section.name)).items():
+            lines.append(f"{k} = {fmt(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def immutable_changes(old: Config, new: Config) -> list[str]:
+    return [f"{k}: {get_field(old, k)!r} -> {get_field(new, k)!r}"
+            for k in IMMUTABLE_ON_RESUME if get_field(old, k) != get_field(new, k)]
+
+
+def load_config(preset: str = "cpu-tiny", toml: str | Path | None = None,
+                sets: list[str] | None = None) -> Config:
+    """Preset -> TOML file -> `--set` overrides -> validate."""
+    from qurl.config.presets import PRESETS
+
+    if preset not in PRESETS:
+        raise ConfigError(f"preset {preset!r}: unknown (known: {', '.join(PRESETS)})")
+    cfg = PRESETS[preset]()
+    if toml is not None:
+        cfg = from_toml(cfg, toml)
+    if sets:
+        cfg = override(cfg, parse_sets(sets))
+    return validate(cfg)

@@ -1,0 +1,87 @@
+"""Named starting points for a Config: the CPU default and the paper's three recipes.
+
+The paper recipes (docs/paper_recipes.md has their sources and what qurl changes) name Hugging
+Face checkpoints; without a hub on the machine, `model.base` must be a local copy (`qurl fetch`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from qurl.config.load import override
+from qurl.config.tree import Config
+
+
+def cpu_tiny() -> Config:
+    """The embedded default: INT8 rollout + ACR + UAQ on a tiny Qwen2 learning synthetic arithmetic.
+
+    One-digit, three-operand sums/differences ("7-3+5="): 250 SFT steps put the tiny model near 50%
+    greedy accuracy — right often enough that most groups of 8 carry both rewards — and 60 RL
+    steps at lr 3e-5 (16 prompts x 8 samples, 2 mini-batches) fit in a few CPU minutes."""
+    return Config()
+
+
+def paper_ppo_gsm8k() -> Config:
+    """Paper Table: PPO on GSM8K, Qwen2.5-0.5B-Instruct, lr 1e-5, no UAQ (updates are already large)."""
+    return override(Config(), {
+        "run.name": "paper-ppo-gsm8k", "run.steps": 500, "run.eval_every": 50,
+        "deploy.ckpt_every": 50,
+        "model.base": "Qwen/Qwen2.5-0.5B-Instruct", "model.dtype": "bfloat16",
+        "model.warmstart_steps": 0,
+        "data.train": "data/gsm8k_train.parquet", "data.eval": "gsm8k_test", "data.format": "gsm8k",
+        "data.eval_size": 0, "data.template": "chat",
+        "rollout.engine": "sglang", "rollout.group_size": 8, "rollout.prompts_per_step": 64,
+        "rollout.max_new_tokens": 512, "eval.max_new_tokens": 512,
+        "algo.mini_batches": 4, "algo.uaq_scale": 1.0, "optim.lr": 1e-5,
+        "learner.tp": 1,
+    })
+
+
+def paper_deepscaler_1p5b() -> Config:
+    """Paper: GRPO on DeepScaleR-Preview, DeepSeek-R1-Distill-Qwen-1.5B, lr 1e-6, UAQ s=1.5,
+    k3 KL 1e-3, 8 samples per prompt, 8k context; INT8 rollout + ACR (C=2)."""
+    return override(Config(), {
+        "run.name": "paper-deepscaler-1.5b", "run.steps": 1200, "run.eval_every": 50,
+        "deploy.ckpt_every": 50,
+        "model.base": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+        "model.dtype": "bfloat16", "model.warmstart_steps": 0,
+        "data.train": "data/deepscaler.json",
+        "data.eval": "aime24,amc23,math500,minerva_math,olympiadbench", "data.format": "deepscaler",
+        "data.eval_size": 0, "data.template": "chat",
+        "eval.greedy": False, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 0.6,
+        "eval.top_p": 0.95, "eval.max_new_tokens": 8192,
+        "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 8,
+        "rollout.prompts_per_step": 128, "rollout.max_new_tokens": 8192,
+        "rollout.temperature": 0.6,
+        "algo.loss": "acr", "algo.advantage": "grpo", "algo.agg": "token-mean", "algo.kl_coef": 1e-3,
+        "algo.mini_batches": 4, "algo.uaq_scale": 1.5, "algo.tis_cap": 2.0,
+        "optim.lr": 1e-6, "optim.weight_decay": 0.01, "learner.tp": 2,
+    })
+
+
+def paper_dapo_7b() -> Config:
+    """Paper: DAPO on DAPO-Math-17k, Qwen2.5-Math-7B, lr 1e-6, UAQ s=1.5, clip-higher 0.2/0.28,
+    dynamic sampling, token-mean loss, overlong shaping, 16 samples x 512 prompts, no KL."""
+    return override(Config(), {
+        "run.name": "paper-dapo-7b", "run.steps": 1200, "run.eval_every": 50,
+        "deploy.ckpt_every": 50,
+        "model.base": "Qwen/Qwen2.5-Math-7B", "model.dtype": "bfloat16",
+        "model.warmstart_steps": 0,
+        "data.train": "data/dapo-math-17k.parquet", "data.eval": "aime24", "data.format": "dapo",
+        "data.eval_size": 0, "data.template": "chat",
+        "eval.greedy": True, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 1.0,
+        "eval.top_p": 0.7, "eval.max_new_tokens": 20480,
+        "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 16,
+        "rollout.prompts_per_step": 512, "rollout.max_new_tokens": 20480, "sglang.tp": 2,
+        "algo.loss": "acr", "algo.eps_low": 0.2, "algo.eps_high": 0.28, "algo.agg": "token-mean",
+        "algo.dynamic_sampling": True, "algo.overlong_buffer": 4096, "algo.mini_batches": 16,
+        "algo.uaq_scale": 1.5, "optim.lr": 1e-6, "optim.weight_decay": 0.1, "optim.warmup_steps": 10,
+        "learner.tp": 4,
+    })
+
+
+PRESETS: dict[str, Callable[[], Config]] = {
+    "cpu-tiny": cpu_tiny,
+    "paper-deepscaler-1.5b": paper_deepscaler_1p5b,
+    "paper-dapo-7b": paper_dapo_7b,
+    "paper-ppo-gsm8k": paper_ppo_gsm8k,
+}

@@ -1,0 +1,57 @@
+"""The rules that tie config fields together (a single field's rules live on its type, in tree.py).
+
+Each rule names the fields it reads, so the error a user meets says which settings disagree.
+"""
+from __future__ import annotations
+
+from qurl.config.tree import Config
+from qurl.errors import InputError
+
+
+class ConfigError(InputError):
+    """A config value is wrong; the message names the field."""
+
+
+def check_rules(cfg: Config) -> None:
+    """Raise ConfigError for the first cross-field rule `cfg` breaks."""
+    r, a, e = cfg.rollout, cfg.algo, cfg.eval
+    if r.top_p > 1:
+        raise ConfigError(f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    if e.top_p > 1:
+        raise ConfigError(f"eval.top_p={e.top_p}: must be in (0, 1]")
+    # The batch always holds prompts_per_step full groups (dynamic sampling refills it), so these
+    # two checks keep every step divisible into mini-batches x data-parallel ranks.
+    batch = r.prompts_per_step * r.group_size
+    if batch % a.mini_batches:
+        raise ConfigError(
+            f"algo.mini_batches={a.mini_batches}: must divide prompts_per_step*group_size={batch}")
+    if (batch // a.mini_batches) % cfg.learner.dp:
+        raise ConfigError(f"learner.dp={cfg.learner.dp}: must divide the mini-batch of "
+                          f"{batch // a.mini_batches} sequences (prompts_per_step*group_size"
+                          f"/algo.mini_batches)")
+    if r.precision == "w4a16" and r.engine != "local":
+        raise ConfigError("rollout.precision='w4a16': the weight-only 4-bit stress format of the "
+                          "ablation study runs on the local engine only (rollout.engine='local')")
+    if r.precision == "fp8_block" and r.engine != "sglang":
+        raise ConfigError("rollout.precision='fp8_block': SGLang's block-scaled FP8 needs "
+                          "rollout.engine='sglang' (the local engine runs int8/fp8 per channel)")
+    if r.max_staleness and cfg.deploy.rollout == "inline":
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness}: inline rollout is synchronous; "
+                          "asynchronous rollout needs deploy.rollout='workers' or 'external'")
+    if not e.greedy and not e.samples:
+        raise ConfigError("eval.greedy=false and eval.samples=0: the evaluation would measure nothing")
+    for k in e.pass_k:
+        if not 1 <= k <= e.samples:
+            raise ConfigError(f"eval.pass_k={list(e.pass_k)}: each k must be in [1, eval.samples="
+                              f"{e.samples}]")
+    if e.samples and not e.temperature > 0:
+        raise ConfigError(f"eval.temperature={e.temperature}: must be > 0 for sampled evaluation")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: must be two numbers in [0, 1)")
+    if cfg.data.format == "custom" and len(cfg.data.fields) != 2:
+        raise ConfigError("data.fields: format=custom needs the question and answer columns, "
+                          "e.g. data.fields=problem,solution")
+    if cfg.data.fields and len(cfg.data.fields) != 2:
+        raise ConfigError(f"data.fields={list(cfg.data.fields)}: must be two names, question,answer")
+    if cfg.deploy.stream_key and len(cfg.deploy.stream_key.encode()) < 16:
+        raise ConfigError("deploy.stream_key: must be at least 16 bytes (or empty for a random run key)")

@@ -1,0 +1,295 @@
+"""The config tree: what a run learns (eight training sections) and where it runs (`sglang`, `deploy`).
+
+Every field carries its type, its default and a docstring (the string under it, read by
+`field_doc`). Choices are `Literal` types and bounds are `Annotated[..., Min(x)]` / `MoreThan(x)`,
+so a field states its own rules and `qurl.config.load` checks them all from the types alone; the
+few rules that tie two fields together live in `qurl.config.rules`.
+
+The training sections (run, model, data, rollout, algo, eval, optim, learner) decide the numbers
+a run produces for a given seed. `sglang` and `deploy` decide only where the processes run, how
+they find each other and what is written on the side: two runs that differ only there learn the
+same policy (up to float summation order across a different process layout).
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Annotated, Literal
+
+
+@dataclass(frozen=True)
+class Min:
+    """Bound a numeric field from below, inclusive: `Annotated[int, Min(1)]` means >= 1."""
+    value: float
+
+
+@dataclass(frozen=True)
+class MoreThan:
+    """Bound a numeric field from below, exclusive: `Annotated[float, MoreThan(0)]` means > 0."""
+    value: float
+
+
+Positive = Annotated[int, Min(1)]
+Count = Annotated[int, Min(0)]
+PositiveFloat = Annotated[float, MoreThan(0)]
+Precision = Literal["bf16", "int8", "fp8", "fp8_block", "w4a16"]
+Backend = Literal["auto", "gloo", "nccl"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "qurl-cpu-tiny"
+    """The run's directory under deploy.dir: config.toml, metrics.jsonl, checkpoints/, logs/."""
+    seed: Count = 0
+    """Seeds the base model's warm start, the data order and every sampling request."""
+    steps: Positive = 60
+    """RL steps; each trains on prompts_per_step x group_size samples in algo.mini_batches updates."""
+    eval_every: Count = 20
+    """Evaluate every this many steps; 0 = only before the first step and after the last."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    base: str = "tiny"
+    """The policy RL starts from: `tiny` (3.4M) or `small` (104M), Qwen2 models built and
+    warm-started here, or the path of a Hugging Face checkpoint directory."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Learner compute: bfloat16 (fp32 master weights and AdamW moments) or float32. On a CPU with
+    AVX512-BF16 a bf16 matmul is 2.6x an fp32 one: the tiny learner's step is 1.75x faster."""
+    warmstart_steps: Count = 250
+    """Supervised steps on worked solutions before RL, for `tiny`/`small` only (RL needs a policy
+    that is sometimes right); 0 = none."""
+    warmstart_lr: PositiveFloat = 3e-3
+    """Learning rate of that warm start."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = "synthetic"
+    """Training prompts: `synthetic` arithmetic, or a jsonl/json/parquet file."""
+    eval: str = "synthetic"
+    """Evaluation sets, comma-separated: `synthetic`, shipped set names (qurl/data/sets/) or files."""
+    format: Literal["auto", "gsm8k", "math", "deepscaler", "dapo", "minerva", "olympiadbench",
+                    "custom"] = "auto"
+    """Row layout of the files: which columns hold question and answer (`auto` guesses)."""
+    fields: tuple[str, ...] = ()
+    """`question,answer` column names; required by format=custom, overrides the format's."""
+    template: Literal["plain", "boxed", "chat"] = "plain"
+    """Prompt wrapping: the bare question, + an instruction to answer in \\boxed{}, or the chat template."""
+    digits: Positive = 1
+    """Synthetic arithmetic: digits per operand."""
+    operands: Positive = 3
+    """Synthetic arithmetic: numbers per question."""
+    train_size: Count = 2000
+    """Training questions (synthetic: generated; files: the first N); 0 = all of a file."""
+    eval_size: Count = 200
+    """Evaluation questions per set (the first N); 0 = all."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["local", "sglang"] = "local"
+    """Who generates: qurl's in-process engine, or SGLang servers (the product path)."""
+    precision: Precision = "int8"
+    """Rollout weights: bf16, int8 or fp8 per output channel, fp8_block (128x128 scales; SGLang
+    only), or w4a16 (int4 weight-only, groups of 128; local engine only: the ablation study's
+    declared stress format)."""
+    group_size: Positive = 8
+    """G: samples per prompt; GRPO's advantage is each reward against its group's."""
+    prompts_per_step: Positive = 16
+    """Prompts per RL step: the batch is prompts_per_step x group_size samples."""
+    max_new_tokens: Positive = 32
+    """Response length limit of a rollout sample."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature of rollout."""
+    top_p: Annotated[float, MoreThan(0)] = 1.0
+    """Nucleus sampling of rollout, in (0, 1]."""
+    max_staleness: Count = 0
+    """η: a batch may come from weights at most this many updates old (async rollout); 0 =
+    on-policy, the batch of step t generated by the weights after step t-1."""
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    loss: Literal["ppo", "naive", "decoupled", "tis", "acr"] = "acr"
+    """Policy loss (DESIGN.md): ppo (ratio to the learner's own pre-update policy, no IS weight),
+    naive (ratio to the engine's behaviour policy), decoupled, tis (truncated IS weight, cap C),
+    acr (decoupled with the Adaptive Clipping Range)."""
+    eps_low: PositiveFloat = 0.2
+    """Lower clip range ε_low of the ratio."""
+    eps_high: PositiveFloat = 0.2
+    """Upper clip range ε_high (DAPO's clip-higher raises it)."""
+    tis_cap: Annotated[float, Min(1)] = 2.0
+    """C: the cap of the truncated importance weight π_prox/π_behav (tis and acr)."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation over tokens; seq-mean-token-sum-norm is Dr.GRPO's constant normaliser
+    (rollout.max_new_tokens)."""
+    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    """grpo: (r - mean) / std within the group; drgrpo: r - mean."""
+    kl_coef: Annotated[float, Min(0)] = 0.0
+    """Weight of the k3 KL to the initial policy; 0 = off."""
+    mini_batches: Positive = 2
+    """Optimizer updates per step (>= 2, so clipping and ACR can bind)."""
+    epochs: Positive = 1
+    """Passes over the batch per step."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose accuracies are all equal and sample more prompts until the batch
+    holds prompts_per_step groups (qurl/dynamic_sampling.py)."""
+    max_sample_rounds: Positive = 16
+    """Dynamic sampling: rollouts per step at most before the step fails."""
+    overlong_buffer: Count = 0
+    """DAPO soft overlong penalty: the window in tokens before max_new_tokens; 0 = off."""
+    overlong_penalty: Annotated[float, Min(0)] = 1.0
+    """DAPO soft overlong penalty at the limit."""
+    uaq_scale: PositiveFloat = 1.5
+    """s of update-aware invariant scaling (UAQ); 1.0 = off."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    greedy: bool = True
+    """Accuracy of the temperature-0 answer."""
+    samples: Count = 0
+    """k of Avg@k: samples per problem at `temperature`; 0 = no sampled evaluation."""
+    pass_k: tuple[int, ...] = ()
+    """pass@k values reported from those samples (unbiased estimator; each k <= samples)."""
+    temperature: Annotated[float, Min(0)] = 0.6
+    """Sampling temperature of the sampled evaluation."""
+    top_p: Annotated[float, MoreThan(0)] = 1.0
+    """Nucleus sampling of the sampled evaluation, in (0, 1]."""
+    max_new_tokens: Positive = 32
+    """Response length limit of an evaluation answer."""
+    fp_policy: bool = True
+    """Also score the full-precision policy (the master weights in an unquantized local engine)
+    beside the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: PositiveFloat = 3e-5
+    """AdamW learning rate."""
+    weight_decay: Annotated[float, Min(0)] = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, ...] = (0.9, 0.999)
+    """AdamW (β1, β2)."""
+    adam_eps: PositiveFloat = 1e-8
+    """AdamW ε."""
+    grad_clip: Annotated[float, Min(0)] = 1.0
+    """Global gradient-norm clip; 0 = off."""
+    warmup_steps: Count = 0
+    """Linear learning-rate warmup, in optimizer updates."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after warmup."""
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    tp: Positive = 1
+    """Tensor-parallel size of the Megatron learner."""
+    dp: Positive = 1
+    """Data-parallel size; the learner has tp x dp ranks."""
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """The SGLang engine's own settings (qurl/engines/sglang.py takes only this section)."""
+    urls: tuple[str, ...] = ()
+    """Attach to these running servers; empty = launch deploy.engines servers locally."""
+    args: tuple[str, ...] = ()
+    """Extra flags for `python -m sglang.launch_server`."""
+    tp: Positive = 1
+    """Tensor-parallel size of each launched server."""
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """Where a run executes, how its processes meet, and what it writes on the side."""
+    # ---- files and logs
+    dir: str = "runs"
+    """Root of run directories (runs/<run.name>/) and of the built-base-model cache (runs/_base/)."""
+    ckpt_every: Count = 20
+    """Checkpoint every this many steps; 0 = only at the end."""
+    keep_ckpts: Positive = 2
+    """Checkpoints kept on disk (the newest)."""
+    progress: bool = True
+    """A progress bar on stderr."""
+    wandb: Literal["off", "offline", "online"] = "off"
+    """Also log metrics to Weights & Biases."""
+    # ---- processes
+    rollout: Literal["inline", "workers", "external"] = "inline"
+    """Where rollout runs: inline = learner rank 0 drives the engines between steps (synchronous,
+    needs rollout.max_staleness=0); workers = the controller starts one worker process per engine,
+    streaming over ZeroMQ, and restarts them; external = such workers started elsewhere
+    (`python -m qurl.pipeline.worker --run-dir ... --slot i`) connect to deploy.host."""
+    engines: Positive = 1
+    """Rollout engines: SGLang servers (inline) or worker processes, one engine each."""
+    torch_threads: Count = 0
+    """torch CPU threads per process; 0 = the node's cores shared by the processes computing at
+    once (qurl/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
+    reward_timeout_s: PositiveFloat = 5.0
+    """Time limit of scoring one answer (math verification can hang on adversarial output)."""
+    # ---- learner ranks
+    nnodes: Positive = 1
+    """Learner nodes."""
+    nproc_per_node: Count = 0
+    """Learner ranks per node; 0 = learner.tp x learner.dp / nnodes."""
+    backend: Backend = "auto"
+    """The learner's torch.distributed backend: auto = nccl with CUDA, else gloo."""
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and AdamW moments over data-parallel ranks (ZeRO-1)."""
+    transformer_engine: Literal["auto", "on", "off"] = "auto"
+    """Transformer Engine layers (CUDA only): auto = when it imports and CUDA is present."""
+    # ---- addresses
+    host: str = "127.0.0.1"
+    """Node 0's address as the others reach it: the learner's rendezvous, the controller's
+    ZeroMQ inbox and every weight-broadcast group."""
+    learner_port: Positive = 29500
+    """The learner ranks' torch.distributed rendezvous port."""
+    inbox_port: Count = 0
+    """The controller's ZeroMQ inbox (trajectories, worker control); 0 = a free port."""
+    weight_port: Count = 0
+    """Rendezvous port of the weight-broadcast group; 0 = a free port."""
+    # ---- the wire
+    stream_hwm: Positive = 1000
+    """ZeroMQ high-water mark: messages queued per socket before senders wait."""
+    stream_key: str = ""
+    """Shared HMAC key of the stream (>= 16 bytes); empty = random per run, kept in the run dir."""
+    bucket_mb: PositiveFloat = 64.0
+    """Weight-broadcast bucket size in MiB."""
+    worker_backend: Literal["gloo", "nccl"] = "gloo"
+    """Controller -> workers weight group: gloo (CPU tensors; right for SGLang workers, which
+    forward to their servers) or nccl (each worker on a GPU of its own with a local engine)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
+
+
+TRAINING_SECTIONS = ("run", "model", "data", "rollout", "algo", "eval", "optim", "learner")
+DEPLOYMENT_SECTIONS = ("sglang", "deploy")
+LOCAL_BASES = ("tiny", "small")  # model.base values built here rather than read from a path
+
+
+@cache
+def field_doc(section_cls: type, name: str) -> str:
+    """The docstring written under field `name` of a config section class ('' when missing)."""
+    tree = ast.parse(inspect.getsource(section_cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and stmt.target.id == name and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            return inspect.cleandoc(nxt.value.value)
+    return ""

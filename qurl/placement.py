@@ -1,0 +1,76 @@
+"""Where qurl's processes compute: learner ranks per node, CPU threads, the GPU of a rollout worker.
+
+CPU threads. torch's OpenMP threads spin in barriers, so two processes that each take every core
+of a node run ~25x slower than one. A node's cores are therefore divided among the qurl processes
+computing at the same time on it (`busy_processes`): the learner's ranks on this node, plus the
+local rollout workers when their generation overlaps training (asynchronous rollout on CPU with
+η >= 1 or several workers). `deploy.torch_threads` overrides the division. The sync loop
+generates and trains one after the other, so both get every core; an async run splits them, so
+`qurl compare` gives every arm the same machine. The controller decides its workers' count once
+(`learner_threads`) and passes it on their command line; a worker never recomputes it.
+
+GPUs. On a learner node the learner's ranks hold GPUs 0..P-1; async workers with a local engine
+take the next ones in slot order (`worker_gpu`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from qurl.config import Config, ConfigError
+
+
+def learner_ranks_per_node(cfg: Config) -> int:
+    """The learner's ranks on each learner node: deploy.nproc_per_node, or (0, the default)
+    learner.tp x learner.dp / deploy.nnodes, which must then divide evenly."""
+    world, d = cfg.learner.tp * cfg.learner.dp, cfg.deploy
+    if d.nproc_per_node:
+        return d.nproc_per_node
+    if world % d.nnodes:
+        raise ConfigError(f"deploy.nnodes={d.nnodes}: does not divide the learner's "
+                          f"learner.tp*learner.dp={world} ranks; set deploy.nproc_per_node")
+    return world // d.nnodes
+
+
+def busy_processes(cfg: Config, *, workers: bool = True) -> int:
+    """qurl processes computing at once on a learner node: its learner ranks, plus the local
+    rollout workers when their generation overlaps training (not counted with workers=False)."""
+    overlap = (workers and cfg.deploy.rollout == "workers" and not torch.cuda.is_available()
+               and (cfg.rollout.max_staleness > 0 or cfg.deploy.engines > 1))
+    return learner_ranks_per_node(cfg) + (cfg.deploy.engines if overlap else 0)
+
+
+def threads_for(cfg: Config, busy: int) -> int:
+    """deploy.torch_threads when set, else this machine's cores divided among `busy` processes."""
+    if cfg.deploy.torch_threads > 0:
+        return cfg.deploy.torch_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, busy))
+
+
+def learner_threads(cfg: Config, *, workers: bool = True) -> int:
+    """The thread count of a learner rank, and of the local workers its controller starts (they
+    get the same share): this node's cores over `busy_processes`."""
+    return threads_for(cfg, busy_processes(cfg, workers=workers))
+
+
+def set_threads(n: int) -> int:
+    """Pin torch's CPU threads for this process; returns n."""
+    torch.set_num_threads(n)
+    return n
+
+
+def worker_gpu(cfg: Config, slot: int, n_gpus: int) -> int:
+    """The GPU of async worker `slot`'s local engine on the controller's node: the learner's
+    ranks hold GPUs 0..P-1 there, workers take the next ones in slot order, wrapping around
+    (and sharing) when the node has too few — except with deploy.worker_backend=nccl, whose group
+    of the controller (GPU 0) and the workers needs a GPU per member: too few is then an error."""
+    if n_gpus < 1:
+        raise ValueError(f"n_gpus={n_gpus}: a worker GPU needs at least one GPU")
+    first = learner_ranks_per_node(cfg)
+    if cfg.deploy.worker_backend == "nccl" and first + slot >= n_gpus:
+        raise ValueError(f"deploy.worker_backend='nccl': worker {slot} needs GPU {first + slot} "
+                         f"(after the learner's {first}) but this node has {n_gpus}; use "
+                         "deploy.worker_backend=gloo or fewer deploy.engines")
+    return (first + slot) % n_gpus
