@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from qurl.config import PRESETS, Config, load_config, override, parse_sets, validate
+from qurl.config import PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
 from qurl.errors import InputError
 
 _TORCHRUN_QUIET_S = 10.0  # how long a rank > 0 under torchrun leaves rank 0 to report a shared error

@@ -109,3 +109,13 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
         seeds_csv = list(csv.DictReader(f))
     assert len(seeds_csv) == 8
     assert [r["collapse_step"] for r in seeds_csv if r["arm"] == "int8-naive"] == ["26", ""]
+
+
+@pytest.mark.parametrize("argv,said", [(["--arms", "int2-naive"], "int2-naive"),
+                                       (["--jobs", "0"], "--jobs 0")])
+def test_study_cli_refuses_bad_arms_and_jobs_in_one_line(argv, said, capsys):
+    from qurl.cli import main
+
+    assert main(["study", "ablation", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0]
