@@ -87,7 +87,7 @@ def override(cfg: Config, updates: dict[str, Any]) -> Config:
     new_sections: dict[str, Any] = {}
     for key, value in updates.items():
         if key in RENAMED:
-            raise ConfigError(f"{key}: renamed to {RENAMED[key]} (see README, 'Config')")
+            raise ConfigError(f"{key}: renamed to {RENAMED[key]} (README, 'Configuration')")
         section, dot, name = key.partition(".")
         if not dot or section not in sections:
             raise ConfigError(f"{key}: unknown config section (known: {', '.join(sections)})")
