@@ -323,11 +323,11 @@ class SGLangEngine:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.precision = precision
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self.timeouts = timeouts or Timeouts()
         # the weight group: this process is rank 0, every TP rank of every server a peer
         self.weights = Broadcaster(group_host, group_port, backend, name="qurl_weights",
                                    bucket_bytes=bucket_bytes, load_format=load_format,
-                                   timeout_s=(timeouts or Timeouts()).group_s)
-        self.timeouts = timeouts or Timeouts()
+                                   timeout_s=self.timeouts.group_s)
         self.max_restarts, self.poll_s, self.keep_weights = max_restarts, poll_s, keep_weights
         log = Path(log_dir) if log_dir else None
         if log:
