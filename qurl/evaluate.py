@@ -18,6 +18,7 @@ from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.evaluation.suite import Evaluator
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
+from qurl.models.registry import resolve_base
 from qurl.ranks import launch
 from qurl.runs import CheckpointDir, read_config, run_dir_for
 from qurl.placement import learner_threads, set_threads
@@ -29,7 +30,7 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
     set_threads(learner_threads(cfg, workers=False))
     init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
     model_dir = str(run_dir_for(cfg) / "base_model") if cfg.model.base in LOCAL_BASES \
-        else cfg.model.base
+        else resolve_base(cfg.model.base)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
     learner.load(Path(ckpt))

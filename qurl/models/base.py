@@ -1,4 +1,5 @@
-"""The base model RL starts from: a given checkpoint (`model.base` = its path) or one built here.
+"""The base model RL starts from: a given checkpoint (`model.base` = its path, or the name of a
+model `qurl fetch` got: `qurl.models.registry`) or one built here.
 
 The CPU default has no hub to download from, so its base model is made here: a tiny Qwen2 with a
 character tokenizer, warm-started by a short supervised fine-tune on worked solutions of the
@@ -36,10 +37,12 @@ def _base_key(cfg: Config) -> str:
 def prepare_base_model(cfg: Config, run_dir: Path) -> str:
     """Return the HF checkpoint dir RL starts from (inside the run dir for built models)."""
     from qurl.models.hf import check_checkpoint
+    from qurl.models.registry import resolve_base
 
     if cfg.model.base not in LOCAL_BASES:
-        check_checkpoint(cfg.model.base)
-        return cfg.model.base
+        path = resolve_base(cfg.model.base)
+        check_checkpoint(path)
+        return path
     target = Path(run_dir) / "base_model"
     if (target / "config.json").exists():
         return str(target)
