@@ -13,7 +13,7 @@ import pytest
 from qurl.data.sets import SETS_DIR
 
 from qurl.data.cursor import DataCursor
-from qurl.data.datasets import Example, load_dataset
+from qurl.data.datasets import DataError, Example, load_dataset
 from qurl.data.synthetic import arithmetic_task, in_eval_split, worked_solution
 from qurl.data.templates import BOXED_INSTRUCTION, render_prompt
 
@@ -333,3 +333,20 @@ def test_at_most_returns_every_distinct_question_of_a_small_task():
     few = arithmetic_task(2000, seed=0, split="train", digits=1, n_operands=2, at_most=True)
     assert 50 < len(few) < 200 and len({e.prompt for e in few}) == len(few)
     assert few[:10] == arithmetic_task(10, seed=0, split="train", digits=1, n_operands=2)
+
+
+def test_plain_question_answer_rows_are_detected(tmp_path):
+    """A user's own set with plain `question` / `answer` strings loads with format auto (`qa`),
+    numbers kept exact, while a `####` answer is still read as GSM8K."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"question": "What is 3+4?", "answer": "7"}\n'
+                    '{"question": "Half of 5?", "answer": 2.5}\n'
+                    '{"question": "Name x if x+1=3.", "answer": "\\\\frac{4}{2}"}\n')
+    exs = load_dataset(path)
+    assert [(e.uid, e.prompt, e.answer) for e in exs] == [
+        ("mine:0", "What is 3+4?", "7"), ("mine:1", "Half of 5?", "2.5"),
+        ("mine:2", "Name x if x+1=3.", "\\frac{4}{2}")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "1"}\n{"question": "q2"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: field 'answer' missing"):
+        load_dataset(bad)

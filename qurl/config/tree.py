@@ -71,8 +71,8 @@ class DataConfig:
     """Training prompts: `synthetic` arithmetic, or a jsonl/json/parquet file."""
     eval: str = "synthetic"
     """Evaluation sets, comma-separated: `synthetic`, shipped set names (qurl/data/sets/) or files."""
-    format: Literal["auto", "gsm8k", "math", "deepscaler", "dapo", "minerva", "olympiadbench",
-                    "custom"] = "auto"
+    format: Literal["auto", "gsm8k", "qa", "math", "deepscaler", "dapo", "minerva",
+                    "olympiadbench", "custom"] = "auto"
     """Row layout of the files: which columns hold question and answer (`auto` guesses)."""
     fields: tuple[str, ...] = ()
     """`question,answer` column names; required by format=custom, overrides the format's."""

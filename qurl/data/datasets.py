@@ -7,6 +7,7 @@ them under different names, so a *preset* maps each known format onto (question,
 | fmt          | question field                        | answer field                          |
 | ------------ | ------------------------------------- | ------------------------------------- |
 | `gsm8k`      | `question`                            | `answer`, the number after `####`     |
+| `qa`         | `question`                            | `answer`, a plain string or number    |
 | `math`       | `problem` (MATH500, AIME, AMC alike)  | `answer`                              |
 | `deepscaler` | `problem`                             | `answer`                              |
 | `dapo`       | `prompt` (chat list: the user turn)   | `reward_model.ground_truth`           |
@@ -60,6 +61,7 @@ class Example:
 _MATH = ("problem", "answer")
 PRESETS: dict[str, tuple[str, str]] = {
     "gsm8k": ("question", "answer"),
+    "qa": ("question", "answer"),
     "math": _MATH,
     "math500": _MATH,
     "aime": _MATH,
@@ -134,6 +136,9 @@ def _detect_format(row: dict[str, Any]) -> str:
         return "math"
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
+    if "question" in row and isinstance(row.get("answer"), (str, int, float)) and \
+            not isinstance(row.get("answer"), bool):
+        return "qa"  # plain question / answer strings, the common layout of user math sets
     if "problem" in row and "solution" in row:
         return "minerva"
     if "question" in row and isinstance(row.get("final_answer"), list):
