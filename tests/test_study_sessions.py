@@ -35,7 +35,7 @@ def _strip(rec: dict) -> dict:
 @pytest.mark.slow
 def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     """Three 2-step `qurl train` processes: bf16 (session 1), int8-mis (session 2), the resume."""
-    cfg = tiny_cfg(tmp_path, "unused", 2, **{"deploy.torch_threads": 1})
+    cfg = tiny_cfg(tmp_path, "unused", 2, **{"deploy.torch_threads": 1, "eval.samples": 2})
     out, runs = tmp_path / "study", tmp_path / "runs"
     (runs / "seed0").mkdir(parents=True)  # the session's shared cache of warm-started base models
     (runs / "seed0" / "_base").symlink_to(runs_dir("study-base") / "_base", target_is_directory=True)
@@ -53,6 +53,7 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     assert sorted(p.name for p in arm_dir(out, "int8-mis", 0).iterdir()) == sorted(FILES)
     # the table holds every committed arm: the earlier session's bf16 too, as the baseline
     assert "| bf16-ppo | 1 | 2 |" in md and "| int8-mis | 1 | 2 |" in md
+    assert "avg@2 over 8 held-out questions" in md  # Avg@k is the headline when measured
     mis = read_metrics(arm_dir(out, "int8-mis", 0) / "metrics.jsonl")
     assert all("mask_frac_high" in r for r in mis if r["kind"] == "train")
     ablation(cfg, out, seeds=[0], arms=["bf16-ppo", "int8-mis"], runs_dir=runs)  # nothing to run
