@@ -120,7 +120,9 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
 
 
 @pytest.mark.parametrize("argv,said", [(["--arms", "int2-naive"], "int2-naive"),
-                                       (["--jobs", "0"], "--jobs 0")])
+                                       (["--jobs", "0"], "--jobs 0"),
+                                       (["--table-only", "--out", "/nonexistent/qurl-study"],
+                                        "no finished arm")])
 def test_study_cli_refuses_bad_arms_and_jobs_in_one_line(argv, said, capsys):
     from qurl.cli import main
 
