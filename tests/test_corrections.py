@@ -126,3 +126,20 @@ def test_config_fields_reach_the_loss():
     # ρ = 4 is masked with icepop_high = 3 and kept with the default 5
     loss, _, st = _run([[4.0, 1.0]], 1.0, [1.0], [[1, 1]], kw.pop("preset"), **kw)
     assert loss == pytest.approx(-0.5, rel=1e-6) and st["mask_frac_high"] == 0.5
+
+
+def test_every_run_records_what_each_correction_would_cut():
+    # seq 0: ρ = 0.4, 6 (∏ = 2.4, g = 1.549); seq 1: ρ = 1, 1, 1.3 (∏ = 1.3, g = 1.3^(1/3) = 1.091)
+    rhos, m = [[0.4, 6.0, NAN], [1.0, 1.0, 1.3]], [[1, 1, 0], [1, 1, 1]]
+    _, _, st = _run(rhos, 1.0, [1.0, 1.0], m, "ppo")
+    assert st["cut/tis"] == 1 / 5  # 6 > C = 2
+    assert st["cut/mis"] == 1 / 5  # the same token, dropped instead
+    assert st["cut/icepop"] == 2 / 5  # 0.4 < 0.5 and 6 > 5
+    assert st["cut/seqtis"] == 2 / 5  # seq 0: 2.4 > C_seq = 2
+    assert st["cut/geomask"] == 1.0  # both g outside [0.99, 1.01]
+    assert st["is_weight_mean"] == 1.0 and st["tis_trunc_frac"] == 0.0  # ppo itself cuts nothing
+    _, _, st = _run(rhos, 1.0, [1.0, 1.0], m, "seqtis")
+    assert st["is_weight_mean"] == pytest.approx((2 * 2 + 3 * 1.3) / 5, rel=1e-6)
+    assert st["cut/seqtis"] == st["tis_trunc_frac"] == 2 / 5
+    _, _, st = _run(rhos, 1.0, [1.0, 1.0], m, "icepop", icepop_high=8.0)  # bounds apply to cut/ too
+    assert st["cut/icepop"] == st["mask_frac_low"] == 1 / 5

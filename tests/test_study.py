@@ -21,7 +21,8 @@ def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: fl
     for i, r in enumerate(rewards, start=1):
         recs.append({"kind": "train", "step": i, "reward": r, "kl_behav_prox": kl,
                      "flip_frac": flip, "clip_frac_low": clip, "clip_frac_high": clip / 2,
-                     "tis_trunc_frac": 0.0, "acr_widened_frac": 0.0, "is_ratio_max": 1.5})
+                     "tis_trunc_frac": 0.0, "acr_widened_frac": 0.0, "is_ratio_max": 1.5,
+                     "cut/icepop": 0.01 * i, "cut/geomask": 0.5})
     for j, a in enumerate(accs[1:], start=1):
         recs.append({"kind": "eval", "step": n * j // (len(accs) - 1), "accuracy": a})
     return recs
@@ -161,3 +162,6 @@ def test_avg_at_k_is_the_headline_and_eval_se_and_field_pairs(tmp_path):
     assert "avg@4 over 400 held-out questions" in md
     # icepop final 0.50, 0.54, 0.58: 54 ± 4 points; eval se 100·sqrt(0.54·0.46/400) = 2.49
     assert "| int8-icepop | 3 | 12 | 40 | 54 ± 4 | -8 ± 1.15 | 2.49 |" in md
+    # what each correction would cut: steps 1..12 have cut/icepop = 0.01·step, mean 0.065
+    assert by["int8-acr"]["cut_icepop"] == pytest.approx(0.065) and by["int8-acr"]["cut_geomask"] == 0.5
+    assert "| int8-acr | — | 0.065 | — | — | 0.5 | — |" in md

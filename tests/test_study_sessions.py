@@ -55,7 +55,8 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     assert "| bf16-ppo | 1 | 2 |" in md and "| int8-mis | 1 | 2 |" in md
     assert "avg@2 over 8 held-out questions" in md  # Avg@k is the headline when measured
     mis = read_metrics(arm_dir(out, "int8-mis", 0) / "metrics.jsonl")
-    assert all("mask_frac_high" in r for r in mis if r["kind"] == "train")
+    keys = {"mask_frac_high", "cut/geomask", "is_weight_mean"}
+    assert all(keys <= set(r) for r in mis if r["kind"] == "train")
     ablation(cfg, out, seeds=[0], arms=["bf16-ppo", "int8-mis"], runs_dir=runs)  # nothing to run
     assert "seed 0 bf16-ppo: committed in" in capsys.readouterr().out
     assert not (runs / "seed0" / "bf16-ppo").exists()

@@ -31,8 +31,10 @@ Where the sources disagree, the choice made here (DESIGN.md §1 lists the source
   algo.geo_mask_keep, bounds algo.geo_mask_bounds.
 - Masked IS is one-sided (TRL: only ρ > C is dropped). The two-sided variant of verl/slime is
   IcePop with the lower bound set (`icepop`, [α, β]).
-- Sequence TIS's cap is its own field (algo.seq_tis_cap), C_seq = 2 by default (verl's; TRL uses 3, SkyRL 5); it is
-  truncated from above only.
+- Sequence TIS's cap is its own field (algo.seq_tis_cap), C_seq = 2 by default (verl's; TRL uses
+  3, SkyRL 5); it is truncated from above only, so a long sequence with mean log ρ < 0 (on average
+  E_behav[log ρ] = −KL(π_behav‖π_prox) per token) gets a weight far below 1 without being "cut":
+  `is_weight_mean` shows it.
 - A masked token keeps its place in the loss's denominator (token-mean counts it: it contributes
   0 to the sum), as everywhere but verl's `rollout_rs` rejection mode. Dropping it from the
   denominator would make the loss scale depend on how much the correction masks.
@@ -40,7 +42,10 @@ Where the sources disagree, the choice made here (DESIGN.md §1 lists the source
 Diagnostics (fractions over the valid tokens, recorded per step): `tis_trunc_frac` — tokens whose
 weight was truncated at its cap (ρ_t > C for tis/acr; every token of a sequence with ∏ρ > C_seq for
 seqtis); `mask_frac_low` / `mask_frac_high` — tokens whose weight was set to 0 because ρ_t (g_i for
-geomask) fell below the lower bound / above the upper one (icepop, mis, geomask).
+geomask) fell below the lower bound / above the upper one (icepop, mis, geomask);
+`is_weight_mean` — the mean weight w over valid tokens (1 for ppo/naive); and, on every
+preset, `cut/<c>` for c in CUT_PRESETS: the share correction c would truncate or mask on the same
+tokens (so a bf16 or ACR run shows how hard IcePop or the geometric mask would bite).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ import torch
 
 PRESETS: tuple[str, ...] = ("ppo", "naive", "decoupled", "tis", "acr", "icepop", "mis", "seqtis",
                             "geomask")
+CUT_PRESETS: tuple[str, ...] = ("tis", "icepop", "mis", "seqtis", "geomask")  # reported as cut/<c>
 ICEPOP_KEEP: tuple[str, ...] = ("rho", "one")
 GEO_MASK_KEEP: tuple[str, ...] = ("one", "rho", "geo")
 LOG_IS_CLAMP = 50.0  # log ρ bound for untruncated weights (e^50·e^20 fits in fp32)

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from qurl.algo.corrections import PRESETS, Correction, is_weights
+from qurl.algo.corrections import CUT_PRESETS, PRESETS, Correction, is_weights
 from qurl.algo.stats import masked_fraction, ratio_stats
 
 AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -193,7 +193,9 @@ def policy_loss(
     lower clip cuts the gradient), clip_frac_high (A>0 and R>U), tis_trunc_frac (weight truncated at
     its cap: ρ>C under tis/acr, ∏ρ>C_seq under seqtis, else 0), acr_widened_frac (A>0 and ρ>C under
     acr, else 0), mask_frac_low/high (weight zeroed below/above the bounds under icepop, mis,
-    geomask, else 0), is_ratio_mean, is_ratio_max,
+    geomask, else 0), is_weight_mean (mean IS weight w), cut/<c> for c in tis, icepop, mis, seqtis, geomask (the share of tokens
+    correction c, with these bounds, would truncate or mask on this batch, whatever the preset: how
+    hard each correction bites on an arm's own rollouts), is_ratio_mean, is_ratio_max,
     kl_behav_prox (k3, see qurl.algo.stats), kl_ref (token mean, when ref_logp is given), and the
     ratio stats per staleness bucket. For ppo/naive the ratio stats still compare prox_logp (if
     given) with behav_logp: they measure the engine/learner gap the loss ignores. With no valid token
@@ -252,6 +254,10 @@ def policy_loss(
         stats["acr_widened_frac"] = masked_fraction(wts.truncated & (a > 0), m) if preset == "acr" else 0.0
         stats["mask_frac_low"] = masked_fraction(wts.masked_low, m)
         stats["mask_frac_high"] = masked_fraction(wts.masked_high, m)
+        stats["is_weight_mean"] = float(w[m].double().mean())
+        for name in CUT_PRESETS:  # what each correction would cut on these tokens, whatever the preset
+            cut = wts if name == preset else is_weights(log_is, m, name, corr)
+            stats[f"cut/{name}"] = masked_fraction(cut.truncated | cut.masked_low | cut.masked_high, m)
         if kl_tok is not None:
             stats["kl_ref"] = float(kl_tok.detach()[m].mean())
         stats.update(ratio_stats(prox, behav, m, st))

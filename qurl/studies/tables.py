@@ -21,8 +21,11 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   `kl_behav_prox` (k3 estimate of KL(π_behav‖π_prox)), `flip_frac` (share of 8-bit codes that
   changed at a sync), `clip_frac_low/high`, `tis_trunc_frac` (share of tokens whose IS weight the
   correction truncated at its cap: tis, acr, seqtis), `mask_frac_low/high` (share it masked, weight
-  0, below / above its bounds: icepop, mis, geomask; qurl/algo/corrections.py), `acr_widened_frac`
-  and `is_ratio_max` (the largest ρ = π_prox/π_behav of the step).
+  0, below / above its bounds: icepop, mis, geomask; qurl/algo/corrections.py), `acr_widened_frac`,
+  `is_ratio_max` (the largest ρ = π_prox/π_behav of the step) and `is_weight_mean` (w_mean: the
+  mean IS weight). **cut_<c>**: mean over steps of `cut/<c>`, the share of tokens correction c
+  (tis, icepop, mis, seqtis, geomask, at the run's bounds) would truncate or mask on the arm's own
+  rollouts, whatever the arm's loss: how hard each correction bites at that format's mismatch.
 - **acc_vs_base**: an arm's final accuracy minus the baseline's in the same seed, over the seeds
   where both ran (a paired difference: the seed's base model and data are shared): mean, sample sd
   and standard error sd/sqrt(seeds). With d the per-seed differences, se = sd(d)/sqrt(n); a
@@ -35,6 +38,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from qurl.algo.corrections import CUT_PRESETS
 from qurl.studies.compare import _fmt, _md_table, _mean, _sd
 
 WINDOW = 10
@@ -42,7 +46,9 @@ COLLAPSE_FRAC = 0.5
 STEP_MEANS = {"kl": "kl_behav_prox", "flip": "flip_frac", "clip_low": "clip_frac_low",
               "clip_high": "clip_frac_high", "trunc": "tis_trunc_frac",
               "mask_low": "mask_frac_low", "mask_high": "mask_frac_high",
-              "acr_widened": "acr_widened_frac", "rho_max": "is_ratio_max"}
+              "acr_widened": "acr_widened_frac", "rho_max": "is_ratio_max",
+              "w_mean": "is_weight_mean",
+              **{f"cut_{c}": f"cut/{c}" for c in CUT_PRESETS}}
 FIELD_CORRECTIONS = ("icepop", "mis", "seqtis", "geomask")
 
 
@@ -190,6 +196,13 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
              "for Avg@k). Trunc / masked: share of tokens whose IS weight the correction "
              "truncated / zeroed. Collapse, KL and fractions as defined in qurl/studies/tables.py.",
              "", *_md_table(table, list(table[0]))]
+    cuts = [{"arm": r["arm"], **{c: _fmt(r[f"cut_{c}"]) for c in CUT_PRESETS},
+             "mean IS weight": _fmt(r["w_mean"])} for r in summary
+            if any(math.isfinite(r[f"cut_{c}"]) for c in CUT_PRESETS)]
+    if cuts:
+        lines += ["", "Share of tokens each correction would truncate or mask on the arm's own "
+                  "rollouts (mean over steps, at the run's bounds), and the mean IS weight of the "
+                  "arm's own loss:", "", *_md_table(cuts, list(cuts[0]))]
     if diffs:
         lines += ["", "Paired differences (same seed), mean ± standard error over seeds, and sd:",
                   "", *_md_table(diffs, list(diffs[0]))]
