@@ -23,7 +23,7 @@ the first four arms of int8 and fp8; `--arms` names arms or groups: `<q>` (its f
 
 Spanning sessions. The results go to `<out>/<arm>/seed<S>/{config.toml, metrics.jsonl}` (see
 qurl/studies/store.py) as soon as an arm finishes; the run directories, with base models and
-checkpoints, go to `--runs` (default runs/study/<name of out>/seed<S>/<arm>/) and are never
+checkpoints, go to `--runs` (default <deploy.dir>/study/<name of out>; seed<S>/<arm>/ in it), never
 committed. Running the study again runs only the (seed, arm) pairs not yet finished in `<out>`
 (an interrupted run is resumed from its last checkpoint when its run directory is still there, see
 qurl/studies/runner.py), then rebuilds the tables and plot from every finished arm in `<out>`,
