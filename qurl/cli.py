@@ -6,7 +6,7 @@
                                     checkpoint on every eval set, 8-bit engine and fp policy
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
-    qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--set ...] --out DIR
+    qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--set ...] --out DIR [--runs DIR]
                                     bf16 ppo vs int8/fp8 naive, tis, acr, acr+UAQ over seeds
     qurl bench engine|stream|sync   side-by-side throughput numbers
     qurl fetch NAME|all [--dir data]  download a paper training set (docs/data.md)
@@ -136,7 +136,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: must be >= 1")
     ablation(load_config(args.preset, args.config, args.set), args.out, seeds=args.seeds,
-             arms=arms, jobs=args.jobs)
+             arms=arms, runs_dir=args.runs, jobs=args.jobs, table_only=args.table_only)
     return 0
 
 
@@ -189,11 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("study", help="studies over many runs: ablation (qurl/studies/)")
     p.add_argument("what", choices=("ablation",))
     _add_config_args(p)
-    p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--out", default="runs/ablation", help="results: tables, plot and each finished "
+                   "arm's config.toml + metrics.jsonl (<out>/<arm>/seed<S>/, small: commit them); "
+                   "arms finished there are not run again")
+    p.add_argument("--runs", default=None, help="run directories (base models, checkpoints; never "
+                   "committed); default <deploy.dir>/study/<name of --out>")
+    p.add_argument("--table-only", action="store_true",
+                   help="run nothing: rebuild the tables and plot from the arms in --out")
     p.add_argument("--arms", default="", help="comma-separated arms (bf16-ppo, int8-naive, "
-                   "int8-tis, int8-acr, int8-acr-uaq, the same with fp8 and w4a16; int8 / fp8 / "
-                   "w4a16 = their four arms; default: bf16 + int8 + fp8, w4a16 being the stress "
-                   "setting)")
+                   "int8-tis, int8-acr, int8-acr-uaq, int8-icepop, int8-mis, int8-seqtis, "
+                   "int8-geomask, the same with fp8 and w4a16); groups: int8 / fp8 / w4a16 = their "
+                   "four paper arms, int8-field / fp8-field / w4a16-field = their four field "
+                   "corrections; default: bf16 + the paper arms of int8 and fp8")
     p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], metavar="S,S,...")
     p.add_argument("--jobs", type=int, default=1,
                    help="arms run at once (each its own process; pair with deploy.torch_threads)")

@@ -2,7 +2,8 @@
 
 Panels: training reward and held-out accuracy (8-bit engine and full-precision policy);
 KL(behav‖prox) — the quantization/staleness mismatch — overall and split by staleness; clip
-fractions and the share of tokens whose upper bound ACR widened (and TIS truncation); flip fraction
+fractions and the share of tokens whose upper bound ACR widened (and whose IS weight was
+truncated or masked by the correction); flip fraction
 of the 8-bit codes per sync (UAQ-scaled vs other layers). A panel whose metric the run did not
 record is drawn empty with a note, not skipped.
 """
@@ -17,7 +18,8 @@ PANELS: list[tuple[str, list[str]]] = [
     ("accuracy (eval): 8-bit engine, fp policy", ["eval:accuracy", "eval:eval_fp/mean/greedy"]),
     ("KL(behav || prox)", ["kl_behav_prox", "kl_behav_prox/s0", "kl_behav_prox/s1",
                            "kl_behav_prox/s2plus"]),
-    ("clipping / ACR", ["clip_frac_low", "clip_frac_high", "tis_trunc_frac", "acr_widened_frac"]),
+    ("clipping / ACR", ["clip_frac_low", "clip_frac_high", "tis_trunc_frac", "acr_widened_frac",
+                        "mask_frac_low", "mask_frac_high"]),
     ("flip fraction of 8-bit codes", ["flip_frac", "flip_frac/uaq_scaled", "flip_frac/unscaled"]),
     ("max pi_prox / pi_behav", ["is_ratio_max"]),
 ]

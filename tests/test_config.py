@@ -39,6 +39,10 @@ def test_set_overrides_are_typed():
     ("rollout.max_staleness=1", "rollout.max_staleness"),  # inline rollout is synchronous
     ("optim.betas=0.9", "optim.betas"), ("data.format=custom", "data.fields"),
     ("deploy.stream_key=short", "deploy.stream_key"), ("rollout.top_p=1.5", "rollout.top_p"),
+    ("algo.icepop_bounds=1.5,5", "algo.icepop_bounds"), ("algo.icepop_bounds=0.5", "algo.icepop_bounds"),
+    ("algo.geo_mask_bounds=0,1.01", "algo.geo_mask_bounds"),
+    ("algo.geo_mask_bounds=0.99,0.999", "algo.geo_mask_bounds"),
+    ("algo.geo_mask_keep=g", "algo.geo_mask_keep"), ("algo.seq_tis_cap=0.9", "algo.seq_tis_cap"),
 ])
 def test_bad_values_name_the_field(pair, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -116,7 +120,7 @@ def test_every_field_is_documented_and_training_fields_are_few():
             assert field_doc(type(obj), f.name), f"{section.name}.{f.name} has no docstring"
         n_training += len(dataclasses.fields(obj)) if section.name in TRAINING_SECTIONS else 0
     assert set(TRAINING_SECTIONS) | set(DEPLOYMENT_SECTIONS) == {f.name for f in dataclasses.fields(cfg)}
-    assert n_training <= 55
+    assert n_training <= 60  # 55 before issue 22's five correction fields (algo.icepop_bounds, ...)
 
 
 @pytest.mark.parametrize("old,new", [("rollout.num_workers=2", "deploy.engines"),

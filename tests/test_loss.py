@@ -68,19 +68,45 @@ def test_worked_example_other_presets() -> None:
     assert -loss == pytest.approx(-1.5, rel=1e-6) and -grad == pytest.approx(-1.5, rel=1e-6)
 
 
-def _reference(logp, prox, behav, adv, mask, preset, el, eh, cap, agg, norm_len=None):
+def _ref_weight(preset, rho, rhos, cap, corr):
+    """The IS weight of one token (ratio rho) in a sequence whose valid tokens have ratios rhos,
+    straight from DESIGN.md §1 (float64, products and means taken directly, not in log space)."""
+    c = {"icepop_low": 0.5, "icepop_high": 5.0, "icepop_keep": "rho", "seq_tis_cap": 2.0,
+         "geo_mask_low": 0.99, "geo_mask_high": 1.01, "geo_mask_keep": "one", **(corr or {})}
+    if preset in ("ppo", "naive"):
+        return 1.0
+    if preset == "decoupled":
+        return rho
+    if preset in ("tis", "acr"):
+        return min(rho, cap)
+    if preset == "icepop":
+        keep = c["icepop_low"] <= rho <= c["icepop_high"]
+        return (rho if c["icepop_keep"] == "rho" else 1.0) if keep else 0.0
+    if preset == "mis":
+        return rho if rho <= cap else 0.0
+    if preset == "seqtis":
+        return min(math.prod(rhos), c["seq_tis_cap"])
+    assert preset == "geomask"
+    g = math.prod(rhos) ** (1 / len(rhos))
+    if not c["geo_mask_low"] <= g <= c["geo_mask_high"]:
+        return 0.0
+    return {"one": 1.0, "rho": rho, "geo": g}[c["geo_mask_keep"]]
+
+
+def _reference(logp, prox, behav, adv, mask, preset, el, eh, cap, agg, norm_len=None, corr=None):
     """Per-token float64 loop straight from the DESIGN.md table: (loss, dloss/dlogp)."""
     B, T = len(logp), len(logp[0])
     obj = [[0.0] * T for _ in range(B)]
     dobj = [[0.0] * T for _ in range(B)]
     for i in range(B):
+        rhos = [math.exp(prox[i][t] - behav[i][t]) for t in range(T) if mask[i][t]]
         for t in range(T):
             if not mask[i][t]:
                 continue
             rho = math.exp(prox[i][t] - behav[i][t])
             den = behav[i][t] if preset == "naive" else prox[i][t]
             R = math.exp(logp[i][t] - den)
-            w = {"ppo": 1.0, "naive": 1.0, "decoupled": rho}.get(preset, min(rho, cap))
+            w = _ref_weight(preset, rho, rhos, cap, corr)
             U = (1 + eh) / min(1.0, cap / rho) if preset == "acr" else 1 + eh
             A = adv[i][t]
             obj[i][t] = w * min(R * A, min(max(R, 1 - el), U) * A)
@@ -112,15 +138,25 @@ def _batch(seed: int, B: int = 4, T: int = 7, spread: float = 1.0):
     return logp, prox, behav, adv, mask
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+# bounds wide enough that the random batch (log ρ ~ N(0, 1)) has tokens and sequences on both sides
+CORR_CASES = [("icepop", {}), ("icepop", {"icepop_low": 0.7, "icepop_high": 1.5, "icepop_keep": "one"}),
+              ("mis", {}), ("seqtis", {"seq_tis_cap": 1.5}),
+              ("geomask", {"geo_mask_low": 0.6, "geo_mask_high": 1.6}),
+              ("geomask", {"geo_mask_low": 0.6, "geo_mask_high": 1.6, "geo_mask_keep": "rho"}),
+              ("geomask", {"geo_mask_low": 0.6, "geo_mask_high": 1.6, "geo_mask_keep": "geo"})]
+
+
+@pytest.mark.parametrize("preset,corr", [(p, {}) for p in PRESETS] + CORR_CASES)
 @pytest.mark.parametrize("agg", AGGS)
-def test_matches_float64_reference(preset: str, agg: str) -> None:
+def test_matches_float64_reference(preset: str, corr: dict, agg: str) -> None:
     logp, prox, behav, adv, mask = _batch(10 * PRESETS.index(preset) + AGGS.index(agg))
     lp = logp.clone().requires_grad_(True)
-    loss, _ = policy_loss(lp, prox, behav, adv, mask, preset=preset, agg=agg, eps_low=0.2, eps_high=0.28)
+    loss, _ = policy_loss(lp, prox, behav, adv, mask, preset=preset, agg=agg, eps_low=0.2,
+                          eps_high=0.28, **corr)
     loss.backward()
     ref_loss, ref_grad = _reference(logp.double().tolist(), prox.double().tolist(), behav.double().tolist(),
-                                    adv.tolist(), mask.tolist(), preset, 0.2, 0.28, 2.0, agg)  # fmt: skip
+                                    adv.tolist(), mask.tolist(), preset, 0.2, 0.28, 2.0, agg,
+                                    corr=corr)  # fmt: skip
     assert float(loss.detach()) == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     torch.testing.assert_close(lp.grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
 
@@ -229,13 +265,14 @@ def test_kl_to_reference_k3() -> None:
     torch.testing.assert_close((g1 - g0).double(), 0.1 * dk, rtol=1e-4, atol=1e-8)
 
 
-def test_gradient_only_through_logp() -> None:
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gradient_only_through_logp(preset: str) -> None:
     logp, prox, behav, adv, mask = _batch(7)
     prox.requires_grad_(True)
     behav.requires_grad_(True)
     adv.requires_grad_(True)
     lp = logp.clone().requires_grad_(True)
-    policy_loss(lp, prox, behav, adv, mask)[0].backward()
+    policy_loss(lp, prox, behav, adv, mask, preset=preset)[0].backward()
     assert prox.grad is None and behav.grad is None and adv.grad is None and lp.grad is not None
 
 
@@ -292,6 +329,11 @@ def test_bad_input_raises() -> None:
         ({}, {"eps_low": 1.0}, "eps_low"),
         ({}, {"eps_high": -0.1}, "eps_high"),
         ({}, {"tis_cap": 0.5}, "tis_cap"),
+        ({}, {"seq_tis_cap": 0.5}, "seq_tis_cap"),
+        ({}, {"icepop_low": 1.5}, "icepop"),
+        ({}, {"geo_mask_high": 0.9}, "geo_mask"),
+        ({}, {"icepop_keep": "g"}, "icepop_keep"),
+        ({}, {"geo_mask_keep": "two"}, "geo_mask_keep"),
         ({}, {"preset": "grpo"}, "preset"),
         ({}, {"agg": "sum"}, "agg"),
         ({}, {"kl_coef": 0.1}, "ref_logp"),

@@ -21,7 +21,8 @@ def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: fl
     for i, r in enumerate(rewards, start=1):
         recs.append({"kind": "train", "step": i, "reward": r, "kl_behav_prox": kl,
                      "flip_frac": flip, "clip_frac_low": clip, "clip_frac_high": clip / 2,
-                     "tis_trunc_frac": 0.0, "acr_widened_frac": 0.0, "is_ratio_max": 1.5})
+                     "tis_trunc_frac": 0.0, "acr_widened_frac": 0.0, "is_ratio_max": 1.5,
+                     "cut/icepop": 0.01 * i, "cut/geomask": 0.5})
     for j, a in enumerate(accs[1:], start=1):
         recs.append({"kind": "eval", "step": n * j // (len(accs) - 1), "accuracy": a})
     return recs
@@ -30,6 +31,8 @@ def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: fl
 def test_select_arms_groups_and_errors():
     assert select_arms("") == list(DEFAULT_ARMS)
     assert len(DEFAULT_ARMS) == 9 and not any(a.startswith("w4a16") for a in DEFAULT_ARMS)
+    assert select_arms("int8-field,fp8-mis") == ["int8-icepop", "int8-mis", "int8-seqtis",
+                                                 "int8-geomask", "fp8-mis"]
     assert select_arms("w4a16,bf16-ppo")[1:] == ["w4a16-naive", "w4a16-tis", "w4a16-acr",
                                                  "w4a16-acr-uaq"]
     assert select_arms("int8") == ["int8-naive", "int8-tis", "int8-acr", "int8-acr-uaq"]
@@ -50,6 +53,10 @@ def test_arm_configs_differ_only_in_precision_loss_and_uaq(tmp_path):
     assert {a.algo.tis_cap for a in arms.values()} == {1.3}
     assert {a.deploy.dir for a in arms.values()} == {str(tmp_path)}
     assert sorted(a.run.name for a in arms.values()) == sorted(ARM_NAMES)
+    for c in ("icepop", "mis", "seqtis", "geomask"):  # the field's corrections: UAQ off, like tis
+        for q in ("int8", "fp8", "w4a16"):
+            a = arms[f"{q}-{c}"]
+            assert (a.rollout.precision, a.algo.loss, a.algo.uaq_scale) == (q, c, 1.0)
 
 
 def test_collapse_step_needs_a_fall_that_does_not_recover():
@@ -104,7 +111,9 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
     assert set(pairs) == {"int8-naive − bf16-ppo", "int8-acr − int8-tis"}  # no acr-uaq arm here
     assert pairs["int8-acr − int8-tis"]["acc_mean"] == pytest.approx(0.04)  # (0.03, 0.05)
     md = write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
-    assert "| int8-naive | 2 | 40 | 50 | 40 ± 28.3 | -25 ± 21.2 |" in md
+    # Δ vs bf16: mean −25 points, se = sd/√2 = 21.2/√2 = 15
+    assert "| int8-naive | 2 | 40 | 50 | 40 ± 28.3 | -25 ± 15 |" in md
+    assert by["int8-naive"]["acc_vs_base_se"] == pytest.approx(math.sqrt(0.045) / math.sqrt(2))
     with (tmp_path / "ablation_seeds.csv").open() as f:
         seeds_csv = list(csv.DictReader(f))
     assert len(seeds_csv) == 8
@@ -112,10 +121,47 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
 
 
 @pytest.mark.parametrize("argv,said", [(["--arms", "int2-naive"], "int2-naive"),
-                                       (["--jobs", "0"], "--jobs 0")])
+                                       (["--jobs", "0"], "--jobs 0"),
+                                       (["--table-only", "--out", "/nonexistent/qurl-study"],
+                                        "no finished arm")])
 def test_study_cli_refuses_bad_arms_and_jobs_in_one_line(argv, said, capsys):
     from qurl.cli import main
 
     assert main(["study", "ablation", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said in err[0]
+
+
+def test_avg_at_k_is_the_headline_and_eval_se_and_field_pairs(tmp_path):
+    """With eval.samples = k the table reports Avg@k (less noisy than greedy); eval se is
+    sqrt(p(1-p)/n); each field correction is paired with ACR of its format."""
+    def run(avg_final, greedy_final, n=400.0):
+        recs = _records([0.6] * 12, [0.5, greedy_final])
+        for r in recs:
+            if r["kind"] == "eval":
+                r.update({"n": n, "eval/mean/greedy": r["accuracy"],
+                          "eval/mean/avg@4": avg_final if r["step"] else 0.4})
+        return recs
+
+    records = {s: {"bf16-ppo": run(0.60 + d, 0.7), "int8-acr": run(0.55 + d, 0.3),
+                   "int8-icepop": run(0.50 + 2 * d, 0.2)} for s, d in ((0, 0.0), (1, 0.02), (2, 0.04))}
+    rows = seed_rows(records)
+    assert {r["acc_metric"] for r in rows} == {"avg@4"} and rows[0]["greedy_final"] == 0.7
+    by = {r["arm"]: r for r in summarize(rows, "bf16-ppo")}
+    assert by["bf16-ppo"]["acc_final"] == pytest.approx(0.62)  # Avg@4, not greedy 0.7
+    assert by["bf16-ppo"]["acc_initial"] == pytest.approx(0.4)
+    assert by["bf16-ppo"]["eval_se"] == pytest.approx(math.sqrt(0.62 * 0.38 / 400))
+    # icepop − bf16 per seed: −0.10, −0.08, −0.06: mean −0.08, sd 0.02, se 0.02/√3
+    assert by["int8-icepop"]["acc_vs_base"] == pytest.approx(-0.08)
+    assert by["int8-icepop"]["acc_vs_base_se"] == pytest.approx(0.02 / math.sqrt(3))
+    pairs = {p["difference"]: p for p in pair_rows(rows, "bf16-ppo")}
+    # icepop − acr per seed: −0.05, −0.03, −0.01
+    assert pairs["int8-icepop − int8-acr"]["acc_mean"] == pytest.approx(-0.03)
+    assert pairs["int8-icepop − int8-acr"]["acc_se"] == pytest.approx(0.02 / math.sqrt(3))
+    md = write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
+    assert "avg@4 over 400 held-out questions" in md
+    # icepop final 0.50, 0.54, 0.58: 54 ± 4 points; eval se 100·sqrt(0.54·0.46/400) = 2.49
+    assert "| int8-icepop | 3 | 12 | 40 | 54 ± 4 | -8 ± 1.15 | 2.49 |" in md
+    # what each correction would cut: steps 1..12 have cut/icepop = 0.01·step, mean 0.065
+    assert by["int8-acr"]["cut_icepop"] == pytest.approx(0.065) and by["int8-acr"]["cut_geomask"] == 0.5
+    assert "| int8-acr | — | 0.065 | — | — | 0.5 | — |" in md

@@ -1,4 +1,4 @@
-"""The clipped policy-gradient surrogate of QuRL and its baselines: one function, five presets.
+"""The clipped policy-gradient surrogate of QuRL and its baselines: one function, nine presets.
 
 Per valid token (A advantage, R = π_θ/π_den, ρ = π_prox/π_behav, ε_lo/ε_hi clip, C cap), the
 objective maximised is `w · min(R·A, clip(R, 1−ε_lo, U)·A)` with
@@ -10,6 +10,7 @@ objective maximised is `w · min(R·A, clip(R, 1−ε_lo, U)·A)` with
 | `decoupled` | π_prox           | ρ              | 1+ε_hi             |
 | `tis`       | π_prox           | min(ρ, C)      | 1+ε_hi             |
 | `acr`       | π_prox           | min(ρ, C)      | (1+ε_hi)/r, r = min(1, C/ρ) |
+| `icepop`, `mis`, `seqtis`, `geomask` | π_prox | see qurl.algo.corrections | 1+ε_hi |
 
 `ppo` is standard PPO (the paper's Eq 1, verl's default): the denominator is the learner's own
 recomputed pre-update policy π_prox and there is no IS weight, so whatever separates the rollout
@@ -19,7 +20,11 @@ PPO denominator as if it were the policy, which the paper shows collapses. `deco
 Hilton et al.'s decoupled PPO (AReaL), `tis` caps the weight (FlashRL's truncated IS), and `acr` is
 QuRL's Adaptive Clipping Range (Eq 9): when the weight is truncated (ρ > C, so r < 1) the upper clip
 is widened so that the bound on π_θ/π_behav for A>0 tokens is again exactly (1+ε_hi), i.e.
-w·U = ρ·(1+ε_hi). A<0 tokens only meet the lower clip, so TIS and ACR agree on them.
+w·U = ρ·(1+ε_hi). A<0 tokens only meet the lower clip, so TIS and ACR agree on them. The field's
+other corrections — IcePop (token mask outside [α, β]), masked IS (drop ρ > C), sequence-level TIS
+(min(∏ρ, C_seq) on the whole sequence) and the geometric sequence mask — are decoupled PPO with
+their weight; their equations and the choices where frameworks disagree are in
+qurl.algo.corrections.
 
 The loss is the negated objective, aggregated over tokens (`agg`):
 - `token-mean` (DAPO): Σ_valid / #valid tokens;
@@ -41,16 +46,21 @@ Invariants:
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
 
+from qurl.algo.corrections import CUT_PRESETS, PRESETS, Correction, is_weights
 from qurl.algo.stats import masked_fraction, ratio_stats
 
-PRESETS: tuple[str, ...] = ("ppo", "naive", "decoupled", "tis", "acr")
 AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LOG_R_CLAMP = 20.0  # |log π_θ/π_den| bound: e^20 ≈ 4.9e8, far past any clip range
-LOG_IS_CLAMP = 50.0  # log ρ bound for the untruncated `decoupled` weight (e^50·e^20 fits in fp32)
+
+
+def loss_options(algo: Any) -> dict[str, Any]:
+    """policy_loss's keyword arguments from an AlgoConfig: preset, clip, caps, bounds, agg, kl."""
+    return dict(preset=algo.loss, eps_low=algo.eps_low, eps_high=algo.eps_high, agg=algo.agg,
+                kl_coef=algo.kl_coef, **vars(Correction.of(algo)))
 
 
 def loss_denominator(mask: torch.Tensor, agg: str = "token-mean") -> float:
@@ -109,7 +119,6 @@ def _validate(
     preset: str,
     eps_low: float,
     eps_high: float,
-    tis_cap: float,
     agg: str,
     ref_logp: torch.Tensor | None,
     kl_coef: float,
@@ -137,8 +146,6 @@ def _validate(
         raise ValueError(f"eps_low must be in (0, 1), got {eps_low}")
     if not eps_high > 0:
         raise ValueError(f"eps_high must be > 0, got {eps_high}")
-    if not tis_cap >= 1:
-        raise ValueError(f"tis_cap (C) must be >= 1, got {tis_cap}")
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logp is None:
@@ -158,6 +165,13 @@ def policy_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     tis_cap: float = 2.0,
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
+    icepop_keep: str = "rho",
+    seq_tis_cap: float = 2.0,
+    geo_mask_low: float = 0.99,
+    geo_mask_high: float = 1.01,
+    geo_mask_keep: str = "one",
     agg: str = "token-mean",
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
@@ -172,16 +186,27 @@ def policy_loss(
     rollout engine; adv: [B] or [B, T]; mask: [B, T], 1/True for response tokens; ref_logp: [B, T];
     staleness: [B] or [B, T] int versions behind (for stats only). `denom`: see `loss_denominator`.
 
+    icepop_low/high, icepop_keep, seq_tis_cap, geo_mask_low/high, geo_mask_keep: the other
+    corrections' bounds and choices (qurl.algo.corrections; `loss_options` reads them from the config).
+
     Stats (floats, fractions over valid tokens): loss, tokens, clip_frac_low (A<0 and R<1−ε_lo: the
-    lower clip cuts the gradient), clip_frac_high (A>0 and R>U), tis_trunc_frac (ρ>C under tis/acr,
-    else 0), acr_widened_frac (A>0 and ρ>C under acr, else 0), is_ratio_mean, is_ratio_max,
+    lower clip cuts the gradient), clip_frac_high (A>0 and R>U), tis_trunc_frac (weight truncated at
+    its cap: ρ>C under tis/acr, ∏ρ>C_seq under seqtis, else 0), acr_widened_frac (A>0 and ρ>C under
+    acr, else 0), mask_frac_low/high (weight zeroed below/above the bounds under icepop, mis,
+    geomask, else 0), is_weight_mean (mean IS weight w), cut/<c> for c in tis, icepop, mis, seqtis, geomask (the share of tokens
+    correction c, with these bounds, would truncate or mask on this batch, whatever the preset: how
+    hard each correction bites on an arm's own rollouts), is_ratio_mean, is_ratio_max,
     kl_behav_prox (k3, see qurl.algo.stats), kl_ref (token mean, when ref_logp is given), and the
     ratio stats per staleness bucket. For ppo/naive the ratio stats still compare prox_logp (if
     given) with behav_logp: they measure the engine/learner gap the loss ignores. With no valid token
     (allowed only with `denom`) the loss is 0 and stats hold just loss and tokens.
     """
-    _validate(logp, prox_logp, behav_logp, adv, mask, preset, eps_low, eps_high, tis_cap, agg,
+    _validate(logp, prox_logp, behav_logp, adv, mask, preset, eps_low, eps_high, agg,
               ref_logp, kl_coef, staleness, norm_len)  # fmt: skip
+    corr = Correction(tis_cap=tis_cap, icepop_low=icepop_low, icepop_high=icepop_high,
+                      icepop_keep=icepop_keep, seq_tis_cap=seq_tis_cap, geo_mask_low=geo_mask_low,
+                      geo_mask_high=geo_mask_high, geo_mask_keep=geo_mask_keep)
+    corr.check()
     m = mask.bool()
     B, T = logp.shape
     lp = logp.float()
@@ -199,20 +224,10 @@ def policy_loss(
 
     with torch.no_grad():
         log_is = torch.where(m, prox - behav, zero)  # log ρ
-        log_cap = math.log(tis_cap)
-        truncated = m & (log_is > log_cap)
-        upper = torch.full_like(lp, 1.0 + eps_high)
-        if preset in ("ppo", "naive"):
-            w = torch.ones_like(lp)
-            den = behav if preset == "naive" else prox
-        else:
-            den = prox
-            w = torch.exp(log_is.clamp(max=LOG_IS_CLAMP))
-            if preset in ("tis", "acr"):
-                w = w.clamp(max=tis_cap)
-            if preset == "acr":
-                r = (tis_cap * torch.exp(-log_is.clamp(max=LOG_IS_CLAMP))).clamp(max=1.0)
-                upper = upper / r
+        wts = is_weights(log_is, m, preset, corr)
+        w = wts.w
+        den = behav if preset == "naive" else prox
+        upper = torch.full_like(lp, 1.0 + eps_high) / wts.r
         lower = torch.full_like(lp, 1.0 - eps_low)
 
     log_r = torch.where(m, lp - den, zero).clamp(-LOG_R_CLAMP, LOG_R_CLAMP)
@@ -235,9 +250,14 @@ def policy_loss(
         r_d = ratio.detach()
         stats["clip_frac_low"] = masked_fraction((a < 0) & (r_d < lower), m)
         stats["clip_frac_high"] = masked_fraction((a > 0) & (r_d > upper), m)
-        trunc_on = preset in ("tis", "acr")
-        stats["tis_trunc_frac"] = masked_fraction(truncated, m) if trunc_on else 0.0
-        stats["acr_widened_frac"] = masked_fraction(truncated & (a > 0), m) if preset == "acr" else 0.0
+        stats["tis_trunc_frac"] = masked_fraction(wts.truncated, m)
+        stats["acr_widened_frac"] = masked_fraction(wts.truncated & (a > 0), m) if preset == "acr" else 0.0
+        stats["mask_frac_low"] = masked_fraction(wts.masked_low, m)
+        stats["mask_frac_high"] = masked_fraction(wts.masked_high, m)
+        stats["is_weight_mean"] = float(w[m].double().mean())
+        for name in CUT_PRESETS:  # what each correction would cut on these tokens, whatever the preset
+            cut = wts if name == preset else is_weights(log_is, m, name, corr)
+            stats[f"cut/{name}"] = masked_fraction(cut.truncated | cut.masked_low | cut.masked_high, m)
         if kl_tok is not None:
             stats["kl_ref"] = float(kl_tok.detach()[m].mean())
         stats.update(ratio_stats(prox, behav, m, st))

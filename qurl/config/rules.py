@@ -38,6 +38,11 @@ def check_rules(cfg: Config) -> None:
     if r.max_staleness and cfg.deploy.rollout == "inline":
         raise ConfigError(f"rollout.max_staleness={r.max_staleness}: inline rollout is synchronous; "
                           "asynchronous rollout needs deploy.rollout='workers' or 'external'")
+    for name in ("icepop_bounds", "geo_mask_bounds"):
+        b = getattr(a, name)
+        if len(b) != 2 or not 0 < b[0] <= 1 <= b[1]:
+            raise ConfigError(f"algo.{name}={list(b)}: must be two numbers low,high with "
+                              "0 < low <= 1 <= high (a ratio of 1, no mismatch, is always kept)")
     if not e.greedy and not e.samples:
         raise ConfigError("eval.greedy=false and eval.samples=0: the evaluation would measure nothing")
     for k in e.pass_k:

@@ -113,16 +113,35 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    loss: Literal["ppo", "naive", "decoupled", "tis", "acr"] = "acr"
-    """Policy loss (DESIGN.md): ppo (ratio to the learner's own pre-update policy, no IS weight),
-    naive (ratio to the engine's behaviour policy), decoupled, tis (truncated IS weight, cap C),
-    acr (decoupled with the Adaptive Clipping Range)."""
+    loss: Literal["ppo", "naive", "decoupled", "tis", "acr", "icepop", "mis", "seqtis",
+                  "geomask"] = "acr"
+    """Policy loss (DESIGN.md; equations in qurl/algo/loss.py and qurl/algo/corrections.py): ppo
+    (ratio to the learner's own pre-update policy, no IS weight), naive (ratio to the engine's
+    behaviour policy), decoupled, tis (truncated IS weight, cap C), acr (decoupled with the
+    Adaptive Clipping Range); decoupled PPO with the field's other weights: icepop (ρ masked
+    outside icepop_bounds), mis (ρ > C masked), seqtis (min(∏ρ, seq_tis_cap) on the whole
+    sequence), geomask (sequence masked when exp(mean log ρ) is outside geo_mask_bounds)."""
     eps_low: PositiveFloat = 0.2
     """Lower clip range ε_low of the ratio."""
     eps_high: PositiveFloat = 0.2
     """Upper clip range ε_high (DAPO's clip-higher raises it)."""
     tis_cap: Annotated[float, Min(1)] = 2.0
-    """C: the cap of the truncated importance weight π_prox/π_behav (tis and acr)."""
+    """C: the cap of the truncated importance weight π_prox/π_behav (tis and acr), and the
+    threshold above which masked IS (mis) drops a token."""
+    icepop_bounds: tuple[float, ...] = (0.5, 5.0)
+    """IcePop: [α, β], tokens with ρ = π_prox/π_behav outside are masked (weight 0), bounds
+    inclusive, 0 < α <= 1 <= β (Ring-1T / verl's [0.5, 5])."""
+    icepop_keep: Literal["rho", "one"] = "rho"
+    """IcePop: weight of the tokens kept, ρ (verl, NeMo-RL, slime, AReaL) or 1 (SkyRL)."""
+    seq_tis_cap: Annotated[float, Min(1)] = 2.0
+    """C_seq of sequence-level TIS (seqtis): weight min(∏_t ρ_t, C_seq) on every token of the
+    sequence (verl 2, TRL 3, SkyRL 5)."""
+    geo_mask_bounds: tuple[float, ...] = (0.99, 1.01)
+    """Geometric sequence mask (geomask): [low, high], a sequence whose g = exp(mean log ρ over its
+    tokens) is outside is masked, bounds inclusive, 0 < low <= 1 <= high (SkyRL's [0.99, 1.01])."""
+    geo_mask_keep: Literal["one", "rho", "geo"] = "one"
+    """Geometric sequence mask: weight of the kept sequences' tokens, 1 (SkyRL, verl), ρ per token
+    (NeMo-RL) or g (AReaL, slime)."""
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation over tokens; seq-mean-token-sum-norm is Dr.GRPO's constant normaliser
     (rollout.max_new_tokens)."""

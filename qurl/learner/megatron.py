@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qurl.algo.loss import loss_denominator, policy_loss
+from qurl.algo.loss import loss_denominator, loss_options, policy_loss
 from qurl.checksums import FileSum, save_torch
 from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
@@ -262,9 +262,7 @@ class MegatronLearner:
         ref = None if self.ref_model is None else \
             self._dp_logprobs(self.ref_model, tokens, temperature, ends)
 
-        kw = dict(preset=self.algo.loss, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high,
-                  tis_cap=self.algo.tis_cap, agg=self.algo.agg, kl_coef=self.algo.kl_coef,
-                  norm_len=norm_len)
+        kw = dict(loss_options(self.algo), norm_len=norm_len)
         self.model.train()
         share = mb // self.dp_size  # rows of each mini-batch this DP rank computes
         per_mb: list[dict[str, float]] = []

@@ -1,5 +1,5 @@
 """`qurl study ablation`: the paper's ablation at CPU scale — which 8-bit rollout recipe keeps RL
-training as good as a full-precision rollout.
+training as good as a full-precision rollout — with the field's other corrections beside it.
 
 Arms (every other config field is the caller's, so all arms share data, model, seeds and steps):
 
@@ -8,21 +8,42 @@ Arms (every other config field is the caller's, so all arms share data, model, s
     <q>-tis            8-bit rollout, decoupled PPO with truncated IS weight min(ρ, C), UAQ off
     <q>-acr            8-bit rollout, TIS + Adaptive Clipping Range, UAQ off
     <q>-acr-uaq        8-bit rollout, ACR + update-aware scaling s (the config's, 1.5 if it is 1)
+    <q>-icepop         decoupled PPO, ρ masked outside algo.icepop_bounds ([0.5, 5]), UAQ off
+    <q>-mis            decoupled PPO, ρ > C masked (masked IS), UAQ off
+    <q>-seqtis         decoupled PPO, weight min(∏ρ, algo.seq_tis_cap) per sequence, UAQ off
+    <q>-geomask        decoupled PPO, sequence masked if exp(mean log ρ) is outside
+                       algo.geo_mask_bounds ([0.99, 1.01]), UAQ off
 
-for q in int8 and fp8 (W8A8 per channel), and, only when asked for (`--arms w4a16`), w4a16: the
-declared stress setting, 4-bit weight-only group-wise rollout (qurl.quant.int4). ρ = π_prox/π_behav
-is the importance ratio between the learner's recomputed pre-update policy and the engine that
-sampled; C = algo.tis_cap.
+for q in int8 and fp8 (W8A8 per channel) and w4a16, the declared stress setting (4-bit weight-only
+group-wise rollout, qurl.quant.int4). ρ = π_prox/π_behav is the importance ratio between the
+learner's recomputed pre-update policy and the engine that sampled; C = algo.tis_cap. The
+corrections' equations are in qurl/algo/corrections.py. The default study is the paper's: bf16 and
+the first four arms of int8 and fp8; `--arms` names arms or groups: `<q>` (its four paper arms),
+`<q>-field` (its four field corrections).
 
-Each (seed, arm) runs as its own `qurl train` process through `qurl.studies.compare.run_arm`
-under `<out>/seed<S>/<arm>/`; a finished arm with the same config is reused, so an interrupted
-study continues where it stopped. `--jobs N` runs N arms at once (give each a thread:
-`--set deploy.torch_threads=1`); the base model of each seed is built once, by its first arm.
+Spanning sessions. The results go to `<out>/<arm>/seed<S>/{config.toml, metrics.jsonl}` (see
+qurl/studies/store.py) as soon as an arm finishes; the run directories, with base models and
+checkpoints, go to `--runs` (default <deploy.dir>/study/<name of out>; seed<S>/<arm>/ in it), never
+committed. Running the study again runs only the (seed, arm) pairs not yet finished in `<out>`
+(an interrupted run is resumed from its last checkpoint when its run directory is still there, see
+qurl/studies/runner.py), then rebuilds the tables and plot from every finished arm in `<out>`,
+including arms of earlier sessions that were not asked for this time. `--table-only` runs nothing.
+`--jobs N` runs N arms at once (give each a thread: `--set deploy.torch_threads=1`); the base model
+of each seed is built once, by its first arm.
+
+Resolution. A final accuracy is one evaluation of one RL trajectory. Its measurement noise is the
+binomial standard error sqrt(p(1−p)/n): 3.5 points at p = 0.5 over n = 200 greedy questions, 1.6
+over 1000; Avg@k (`--set eval.samples=k`, the table's headline when measured) lowers it further,
+toward sqrt(p(1−p)/(n·k)) when questions are of middling difficulty. The trajectory's own spread is
+larger (starting accuracy ranged 27–55% over seeds in the W4A16 study), so arms are compared paired
+by seed: Δ = arm − bf16 in the same seed, reported as mean ± standard error sd(Δ)/sqrt(seeds). To
+resolve 2 points, raise data.eval_size (0 = the whole eval split) and eval.samples until the table's
+`eval se` is well under 1 point, then add seeds until the se of Δ is under 1.
 
 What it writes into `<out>/` (see qurl/studies/tables.py for the exact definitions):
 `ablation.md` / `ablation.csv` (one row per arm over seeds), `ablation_seeds.csv` (one row per
-seed and arm), `ablation_pairs.md` (paired differences: naive vs bf16, tis vs acr, acr vs acr+UAQ)
-and `ablation_step.png` (reward, accuracy and KL(behav‖prox) against step, mean over seeds).
+seed and arm), `ablation_pairs.csv` (paired differences with their standard errors) and
+`ablation_step.png` (reward, accuracy and KL(behav‖prox) against step, mean over seeds).
 """
 from __future__ import annotations
 
@@ -31,8 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from qurl.config import LOCAL_BASES, Config, override
-from qurl.metrics import read_metrics
+from qurl.config import LOCAL_BASES, Config, ConfigError, override
+from qurl.studies.store import arm_dir, check_same, commit, committed, training_diff
 
 BASELINE = "bf16-ppo"
 _QUANT_ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -41,33 +62,39 @@ _QUANT_ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("acr", {"algo.loss": "acr", "algo.uaq_scale": 1.0}),
     ("acr-uaq", {"algo.loss": "acr"}),  # uaq_scale: the config's (1.5 if it is 1)
 )
+FIELD_CORRECTIONS = ("icepop", "mis", "seqtis", "geomask")
+_FIELD_ARMS: tuple[tuple[str, dict[str, Any]], ...] = tuple(
+    (name, {"algo.loss": name, "algo.uaq_scale": 1.0}) for name in FIELD_CORRECTIONS)
 QUANT_FORMATS = ("int8", "fp8", "w4a16")
 ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     (BASELINE, {"rollout.precision": "bf16", "algo.loss": "ppo", "algo.uaq_scale": 1.0}),
     *((f"{q}-{name}", {"rollout.precision": q, **sets}) for q in QUANT_FORMATS
-      for name, sets in _QUANT_ARMS),
+      for name, sets in _QUANT_ARMS + _FIELD_ARMS),
 )
 ARM_NAMES: tuple[str, ...] = tuple(name for name, _ in ARMS)
-# the default study: the paper's 8-bit formats; int4 (weight-only, qurl.quant.int4) is the declared
-# stress setting, run only when asked for (--arms w4a16 or its arm names)
-DEFAULT_ARMS: tuple[str, ...] = tuple(n for n in ARM_NAMES if not n.startswith("w4a16-"))
+GROUPS: dict[str, tuple[str, ...]] = {
+    **{q: tuple(f"{q}-{n}" for n, _ in _QUANT_ARMS) for q in QUANT_FORMATS},
+    **{f"{q}-field": tuple(f"{q}-{n}" for n in FIELD_CORRECTIONS) for q in QUANT_FORMATS},
+}
+# the default study: the paper's arms at its 8-bit formats; int4 (weight-only, qurl.quant.int4) is
+# the declared stress setting and the field's corrections are extra arms, run when asked for
+DEFAULT_ARMS: tuple[str, ...] = (BASELINE, *GROUPS["int8"], *GROUPS["fp8"])
 
 
 def select_arms(spec: str | None) -> list[str]:
-    """Arm names from a comma list (ARMS order); `int8`/`fp8`/`w4a16` stand for their four arms.
-    Empty/None: DEFAULT_ARMS. Unknown names are a ValueError naming them."""
+    """Arm names from a comma list (ARMS order); a GROUPS name (`int8`, `int8-field`, ...) stands
+    for its arms. Empty/None: DEFAULT_ARMS. Unknown names are a ValueError naming them."""
     if not spec:
         return list(DEFAULT_ARMS)
     wanted: set[str] = set()
     for part in (p.strip() for p in spec.split(",") if p.strip()):
-        group = [n for n in ARM_NAMES if n.startswith(part + "-")] if part in QUANT_FORMATS else []
-        if group:
-            wanted.update(group)
+        if part in GROUPS:
+            wanted.update(GROUPS[part])
         elif part in ARM_NAMES:
             wanted.add(part)
         else:
-            raise ValueError(f"ablation arm {part!r}: unknown (known: {', '.join(ARM_NAMES)}, "
-                             "or int8 / fp8 / w4a16 for their four arms)")
+            raise ValueError(f"ablation arm {part!r}: unknown (known: {', '.join(ARM_NAMES)}; "
+                             f"groups: {', '.join(GROUPS)})")
     return [n for n in ARM_NAMES if n in wanted]
 
 
@@ -83,49 +110,87 @@ def arm_configs(cfg: Config, out_dir: Path, arms: list[str]) -> dict[str, Config
     return out
 
 
+def _found_records(found: dict) -> dict[int, dict[str, list[dict]]]:
+    """{(arm, seed): (cfg, records)} -> {seed: {arm: records}}, seeds sorted, arms in ARMS order."""
+    order = {a: i for i, a in enumerate(ARM_NAMES)}
+    out: dict[int, dict[str, list[dict]]] = {}
+    for arm, seed in sorted(found, key=lambda k: (k[1], order.get(k[0], len(order)), k[0])):
+        out.setdefault(seed, {})[arm] = found[(arm, seed)][1]
+    return out
+
+
+def _check_mutually_consistent(found: dict, out: Path) -> None:
+    """The committed arms differ only in what makes an arm (precision, loss, UAQ) and their seed."""
+    neutral = {"rollout.precision": "bf16", "algo.loss": "ppo", "algo.uaq_scale": 1.0,
+               "run.seed": 0, "run.name": "arm"}
+    first = None
+    for (arm, seed), (c, _) in sorted(found.items()):
+        norm = override(c, neutral)
+        if first is None:
+            first = (arm, seed, norm)
+        elif (diff := training_diff(norm, first[2])) is not None:
+            raise ConfigError(f"{arm_dir(out, arm, seed)} and {arm_dir(out, first[0], first[1])}: "
+                              f"committed with different configs ({diff})")
+
+
 def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[str],
-              jobs: int = 1) -> dict[int, dict[str, list[dict]]]:
-    """Run (or reuse) every (seed, arm); returns {seed: {arm: metrics records}}."""
-    from qurl.studies.compare import run_arm
+              runs_dir: str | Path | None = None, jobs: int = 1,
+              table_only: bool = False) -> dict[int, dict[str, list[dict]]]:
+    """Run every (seed, arm) not yet finished in out_dir (module docstring), commit each into
+    out_dir as it finishes; returns {seed: {arm: records}} of every finished arm in out_dir."""
     from qurl.models.base import build_base
+    from qurl.studies.runner import run_to_end
 
     if len(set(seeds)) != len(seeds) or not seeds:
         raise ValueError(f"ablation seeds {seeds}: give each seed once")
     if jobs < 1:
         raise ValueError(f"ablation --jobs {jobs}: must be >= 1")
     out = Path(out_dir)
-    todo: list[Config] = []
-    for s in seeds:
-        seed_cfgs = arm_configs(override(cfg, {"run.seed": s}), out / f"seed{s}", arms)
-        todo.extend(seed_cfgs.values())
+    runs = Path(runs_dir) if runs_dir else Path(cfg.deploy.dir) / "study" / out.name
+    found = {k: v for k, v in committed(out).items() if k[0] in ARM_NAMES}
+    if table_only:
+        _check_mutually_consistent(found, out)
+        return _found_records(found)
+
+    def arm_cfg(arm: str, seed: int) -> Config:
+        return arm_configs(override(cfg, {"run.seed": seed}), runs / f"seed{seed}", [arm])[arm]
+
+    for (arm, seed), (c, _) in found.items():
+        check_same(arm_dir(out, arm, seed), c, arm_cfg(arm, seed))
+    todo = [arm_cfg(a, s) for s in seeds for a in arms if (a, s) not in found]
+    for a, s in ((a, s) for s in seeds for a in arms if (a, s) in found):
+        print(f"[ablation] seed {s} {a}: committed in {arm_dir(out, a, s)}", flush=True)
 
     # one warm start per seed, built by the first of its arms to start (the others wait for it)
     base_locks = {c.deploy.dir: threading.Lock() for c in todo}
 
-    def one(arm_cfg: Config) -> None:
+    def one(c: Config) -> None:
         if cfg.model.base in LOCAL_BASES:
-            with base_locks[arm_cfg.deploy.dir]:
-                build_base(arm_cfg)
-        print(f"[ablation] seed {arm_cfg.run.seed} {arm_cfg.run.name}: {arm_cfg.run.steps} steps",
-              flush=True)
-        run_arm(arm_cfg, Path(arm_cfg.deploy.dir))
-        print(f"[ablation] seed {arm_cfg.run.seed} {arm_cfg.run.name}: done", flush=True)
+            with base_locks[c.deploy.dir]:
+                build_base(c)
+        print(f"[ablation] seed {c.run.seed} {c.run.name}: {c.run.steps} steps", flush=True)
+        how = run_to_end(c)
+        commit(Path(c.deploy.dir) / c.run.name, arm_dir(out, c.run.name, c.run.seed))
+        print(f"[ablation] seed {c.run.seed} {c.run.name}: {how}, finished and committed", flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for fut in [pool.submit(one, c) for c in todo]:
             fut.result()
-    return {s: {a: read_metrics(out / f"seed{s}" / a / "metrics.jsonl") for a in arms}
-            for s in seeds}
+    return _found_records({k: v for k, v in committed(out).items() if k[0] in ARM_NAMES})
 
 
 def ablation(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[str] | None = None,
-             jobs: int = 1) -> Path:
-    """Run the study and write its tables and plot into out_dir; returns ablation.md."""
+             runs_dir: str | Path | None = None, jobs: int = 1, table_only: bool = False) -> Path:
+    """Run what is missing and write the tables and plot of every finished arm into out_dir;
+    returns ablation.md."""
     from qurl.studies.plots import plot_study
     from qurl.studies.tables import write_tables
 
     out = Path(out_dir)
-    records = run_study(cfg, out, seeds=seeds, arms=arms or list(DEFAULT_ARMS), jobs=jobs)
+    records = run_study(cfg, out, seeds=seeds, arms=arms or list(DEFAULT_ARMS), runs_dir=runs_dir,
+                        jobs=jobs, table_only=table_only)
+    if not records:
+        raise ConfigError(f"{out}: no finished arm to tabulate (qurl/studies/store.py)")
     path = write_tables(records, out, baseline=BASELINE)
     plot_study(records, out / "ablation_step.png")
     print(path.read_text(), flush=True)

@@ -3,19 +3,33 @@ seeds, paired differences, and their markdown/csv files.
 
 Definitions (every mean over steps is over the run's train records, NaN-free values only):
 
-- **acc_initial / acc_final**: held-out greedy accuracy of the first (step 0) and last evaluation.
+- **acc_initial / acc_final**: held-out accuracy of the first (step 0) and last evaluation: Avg@k
+  (`eval/mean/avg@k`, k = eval.samples answers per question at eval.temperature) when the run
+  measured it, else greedy (`accuracy`); `acc_metric` names which, `eval_n` the questions scored.
+  `greedy_final` is the greedy accuracy in either case (when measured).
+- **eval_se**: the standard error of one evaluation at the arm's mean final accuracy p over n
+  questions, sqrt(p(1−p)/n): exact for greedy (a binomial), an upper bound for Avg@k (the per-question
+  share c/k varies less than a single 0/1 answer). It is the part of a seed-to-seed difference that
+  is measurement noise; the rest is the RL trajectory's.
 - **reward_last**: mean training reward over the last `WINDOW` steps.
 - **collapse step**: let m_t be the mean training reward over steps t-WINDOW+1 .. t (a trailing
   window, defined from the WINDOW-th step on) and r0 the mean over the first WINDOW steps. The run
   collapsed at step t if m_u < COLLAPSE_FRAC * r0 for every u >= t up to the end of the run, t
   the earliest such step: the reward fell below half its starting level and never came back.
   A run with r0 <= 0 (nothing to fall from) or fewer than WINDOW steps never collapses.
-- **kl, flip, clip_low/high, trunc, acr_widened, rho_max**: means over steps of
+- **kl, flip, clip_low/high, trunc, mask_low/high, acr_widened, rho_max**: means over steps of
   `kl_behav_prox` (k3 estimate of KL(π_behav‖π_prox)), `flip_frac` (share of 8-bit codes that
-  changed at a sync), `clip_frac_low/high`, `tis_trunc_frac`, `acr_widened_frac` and
-  `is_ratio_max` (the largest ρ = π_prox/π_behav of the step).
-- **acc_vs_base**: an arm's final accuracy minus the baseline's in the same seed, mean and sample sd
-  over the seeds where both ran (a paired difference: the seed's base model and data are shared).
+  changed at a sync), `clip_frac_low/high`, `tis_trunc_frac` (share of tokens whose IS weight the
+  correction truncated at its cap: tis, acr, seqtis), `mask_frac_low/high` (share it masked, weight
+  0, below / above its bounds: icepop, mis, geomask; qurl/algo/corrections.py), `acr_widened_frac`,
+  `is_ratio_max` (the largest ρ = π_prox/π_behav of the step) and `is_weight_mean` (w_mean: the
+  mean IS weight). **cut_<c>**: mean over steps of `cut/<c>`, the share of tokens correction c
+  (tis, icepop, mis, seqtis, geomask, at the run's bounds) would truncate or mask on the arm's own
+  rollouts, whatever the arm's loss: how hard each correction bites at that format's mismatch.
+- **acc_vs_base**: an arm's final accuracy minus the baseline's in the same seed, over the seeds
+  where both ran (a paired difference: the seed's base model and data are shared): mean, sample sd
+  and standard error sd/sqrt(seeds). With d the per-seed differences, se = sd(d)/sqrt(n); a
+  difference is resolved when it is well outside ±2 se.
 """
 from __future__ import annotations
 
@@ -24,13 +38,30 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from qurl.algo.corrections import CUT_PRESETS
 from qurl.studies.compare import _fmt, _md_table, _mean, _sd
 
 WINDOW = 10
 COLLAPSE_FRAC = 0.5
 STEP_MEANS = {"kl": "kl_behav_prox", "flip": "flip_frac", "clip_low": "clip_frac_low",
               "clip_high": "clip_frac_high", "trunc": "tis_trunc_frac",
-              "acr_widened": "acr_widened_frac", "rho_max": "is_ratio_max"}
+              "mask_low": "mask_frac_low", "mask_high": "mask_frac_high",
+              "acr_widened": "acr_widened_frac", "rho_max": "is_ratio_max",
+              "w_mean": "is_weight_mean",
+              **{f"cut_{c}": f"cut/{c}" for c in CUT_PRESETS}}
+FIELD_CORRECTIONS = ("icepop", "mis", "seqtis", "geomask")
+
+
+def acc_key(evals: list[dict]) -> tuple[str, str]:
+    """(record key, name) of the headline accuracy: Avg@k if every evaluation has it, else greedy."""
+    avg = sorted({k for k in evals[-1] if k.startswith("eval/mean/avg@")})
+    if avg and all(avg[0] in r for r in evals):
+        return avg[0], avg[0].removeprefix("eval/mean/")
+    return "accuracy", "greedy"
+
+
+def _se(sd: float, n: int) -> float:
+    return sd / math.sqrt(n) if n > 1 and math.isfinite(sd) else float("nan")
 
 
 def collapse_step(steps: Sequence[int], rewards: Sequence[float], *, window: int = WINDOW,
@@ -59,8 +90,11 @@ def run_row(records: list[dict]) -> dict[str, Any]:
     if not train or not evals:
         raise ValueError("metrics have no train or no eval records")
     rewards = [float(r["reward"]) for r in train]
+    key, metric = acc_key(evals)
     row: dict[str, Any] = {
-        "steps": len(train), "acc_initial": evals[0]["accuracy"], "acc_final": evals[-1]["accuracy"],
+        "steps": len(train), "acc_metric": metric, "eval_n": evals[-1].get("n", float("nan")),
+        "acc_initial": evals[0][key], "acc_final": evals[-1][key],
+        "greedy_final": evals[-1].get("eval/mean/greedy", float("nan")),
         "reward_first": _mean(rewards[:WINDOW]), "reward_last": _mean(rewards[-WINDOW:]),
         "collapse_step": collapse_step([r["step"] for r in train], rewards),
     }
@@ -88,11 +122,16 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
         acc = [r["acc_final"] for r in mine]
         delta = _paired(rows, arm, baseline, "acc_final") if arm != baseline else []
         collapsed = [r["collapse_step"] for r in mine if r["collapse_step"] is not None]
+        p, n = _mean(acc), _mean([float(r["eval_n"]) for r in mine])
         out.append({
             "arm": arm, "seeds": len(mine), "steps": mine[0]["steps"],
+            "acc_metric": "/".join(dict.fromkeys(r["acc_metric"] for r in mine)), "eval_n": n,
             "acc_initial": _mean([r["acc_initial"] for r in mine]),
-            "acc_final": _mean(acc), "acc_final_sd": _sd(acc),
+            "acc_final": p, "acc_final_sd": _sd(acc),
+            "eval_se": math.sqrt(p * (1 - p) / n) if n > 0 else float("nan"),
+            "greedy_final": _mean([r["greedy_final"] for r in mine]),
             "acc_vs_base": _mean(delta), "acc_vs_base_sd": _sd(delta),
+            "acc_vs_base_se": _se(_sd(delta), len(delta)), "paired_seeds": len(delta),
             "reward_last": _mean([r["reward_last"] for r in mine]),
             "collapsed": f"{len(collapsed)}/{len(mine)}",
             "collapse_step": _mean([float(c) for c in collapsed]),
@@ -102,18 +141,22 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
 
 
 def pair_rows(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
-    """Paired differences (mean, sd over seeds) of final accuracy and last-window reward:
-    each 8-bit format's naive and acr+uaq vs the baseline, acr vs tis, acr+uaq vs acr."""
+    """Paired differences (mean, sd, se over seeds) of final accuracy and last-window reward:
+    each 8-bit format's naive and acr+uaq vs the baseline, acr vs tis, acr+uaq vs acr, and each
+    field correction (icepop, mis, seqtis, geomask) vs acr: both UAQ off, only the weight differs."""
     arms = set(r["arm"] for r in rows)
     out = []
     for q in ("int8", "fp8", "w4a16"):
         for arm, ref in ((f"{q}-naive", baseline), (f"{q}-acr-uaq", baseline),
-                         (f"{q}-acr", f"{q}-tis"), (f"{q}-acr-uaq", f"{q}-acr")):
+                         (f"{q}-acr", f"{q}-tis"), (f"{q}-acr-uaq", f"{q}-acr"),
+                         *((f"{q}-{c}", f"{q}-acr") for c in FIELD_CORRECTIONS)):
             if arm in arms and ref in arms:
                 acc, rew = _paired(rows, arm, ref, "acc_final"), _paired(rows, arm, ref, "reward_last")
                 out.append({"difference": f"{arm} − {ref}", "seeds": len(acc),
                             "acc_mean": _mean(acc), "acc_sd": _sd(acc),
-                            "reward_mean": _mean(rew), "reward_sd": _sd(rew)})
+                            "acc_se": _se(_sd(acc), len(acc)),
+                            "reward_mean": _mean(rew), "reward_sd": _sd(rew),
+                            "reward_se": _se(_sd(rew), len(rew))})
     return out
 
 
@@ -132,22 +175,37 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
     """The results table (accuracy as points: ×100) and the paired differences."""
     table = [{"arm": r["arm"], "seeds": r["seeds"], "steps": r["steps"],
               "acc start": _fmt(100 * r["acc_initial"]),
-              "acc final": _pm(100 * r["acc_final"], 100 * r["acc_final_sd"]),
-              "Δ vs bf16 (paired)": _pm(100 * r["acc_vs_base"], 100 * r["acc_vs_base_sd"]),
+              "acc final ± sd": _pm(100 * r["acc_final"], 100 * r["acc_final_sd"]),
+              "Δ vs bf16 ± se": _pm(100 * r["acc_vs_base"], 100 * r["acc_vs_base_se"]),
+              "eval se": _fmt(100 * r["eval_se"]),
               "reward last": _fmt(r["reward_last"]), "collapsed": r["collapsed"],
               "collapse step": _fmt(r["collapse_step"]), "KL(b‖p)": _fmt(r["kl"]),
               "flip": _fmt(r["flip"]), "clip lo/hi": f"{_fmt(r['clip_low'])} / {_fmt(r['clip_high'])}",
-              "trunc": _fmt(r["trunc"]), "ACR widened": _fmt(r["acr_widened"]),
-              "max ρ": _fmt(r["rho_max"])} for r in summary]
+              "trunc": _fmt(r["trunc"]),
+              "masked lo/hi": f"{_fmt(r['mask_low'])} / {_fmt(r['mask_high'])}",
+              "ACR widened": _fmt(r["acr_widened"]), "max ρ": _fmt(r["rho_max"])} for r in summary]
     diffs = [{"difference": p["difference"], "seeds": p["seeds"],
-              "final acc (points)": _pm(100 * p["acc_mean"], 100 * p["acc_sd"]),
-              "reward last": _pm(p["reward_mean"], p["reward_sd"])} for p in pairs]
-    lines = [f"Seeds {', '.join(map(str, seeds))}. Accuracy in points (greedy, held-out), mean ± "
-             "sample sd over seeds; collapse, KL and fractions as defined in "
-             "qurl/studies/tables.py.", "", *_md_table(table, list(table[0]))]
+              "final acc (points) ± se": _pm(100 * p["acc_mean"], 100 * p["acc_se"]),
+              "sd": _fmt(100 * p["acc_sd"]),
+              "reward last ± se": _pm(p["reward_mean"], p["reward_se"])} for p in pairs]
+    how = "; ".join(dict.fromkeys(f"{r['acc_metric']} over {_fmt(r['eval_n'])} held-out questions"
+                                  for r in summary))
+    lines = [f"Seeds {', '.join(map(str, seeds))}. Accuracy in points ({how}): final accuracy mean "
+             "± sample sd over seeds; Δ vs bf16 paired by seed, mean ± standard error; eval se: "
+             "one evaluation's standard error at that accuracy (sqrt(p(1−p)/n), an upper bound "
+             "for Avg@k). Trunc / masked: share of tokens whose IS weight the correction "
+             "truncated / zeroed. Collapse, KL and fractions as defined in qurl/studies/tables.py.",
+             "", *_md_table(table, list(table[0]))]
+    cuts = [{"arm": r["arm"], **{c: _fmt(r[f"cut_{c}"]) for c in CUT_PRESETS},
+             "mean IS weight": _fmt(r["w_mean"])} for r in summary
+            if any(math.isfinite(r[f"cut_{c}"]) for c in CUT_PRESETS)]
+    if cuts:
+        lines += ["", "Share of tokens each correction would truncate or mask on the arm's own "
+                  "rollouts (mean over steps, at the run's bounds), and the mean IS weight of the "
+                  "arm's own loss:", "", *_md_table(cuts, list(cuts[0]))]
     if diffs:
-        lines += ["", "Paired differences (same seed), mean ± sd over seeds:", "",
-                  *_md_table(diffs, list(diffs[0]))]
+        lines += ["", "Paired differences (same seed), mean ± standard error over seeds, and sd:",
+                  "", *_md_table(diffs, list(diffs[0]))]
     return "\n".join(lines) + "\n"
 
 

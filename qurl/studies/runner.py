@@ -1,0 +1,60 @@
+"""Run one study arm to its end as a `qurl train` process, resuming an interrupted one.
+
+The run directory is `<deploy.dir>/<run.name>/` (outside the committed results: it holds the base
+model and checkpoints). What happens depends on what is already there:
+
+- a finished run (qurl.studies.store.finished) with the same training config: nothing to do;
+- an unfinished run with the same training config and at least one checkpoint: it is resumed
+  (`qurl train --resume`), which restores the learner, optimizer, data cursor and RNG state of the
+  newest intact checkpoint and truncates metrics.jsonl to it, so the resumed run's records equal an
+  uninterrupted run's (qurl/runs.py, qurl/metrics.py). At most deploy.ckpt_every steps are redone;
+- anything else (no checkpoint, another config): the directory is removed and the run starts over.
+
+The process's output is appended to `<deploy.dir>/<run.name>.log`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from qurl.config import Config, to_toml
+from qurl.studies.store import read_run, training_diff
+
+
+def _resumable(run_dir: Path, cfg: Config) -> bool:
+    from qurl.runs import read_config
+
+    if not (run_dir / "config.toml").exists() or not any((run_dir / "ckpt").glob("step_*")):
+        return False
+    try:
+        old = read_config(run_dir)
+    except Exception:  # an unreadable config.toml: start over  # noqa: BLE001
+        return False
+    return training_diff(old, cfg) is None
+
+
+def run_to_end(cfg: Config) -> str:
+    """Bring cfg's run to its end; returns what was done: 'done', 'resumed' or 'started'."""
+    root = Path(cfg.deploy.dir)
+    run_dir = root / cfg.run.name
+    done = read_run(run_dir) if run_dir.exists() else None
+    if done is not None and training_diff(done[0], cfg) is None:
+        return "done"
+    root.mkdir(parents=True, exist_ok=True)
+    if _resumable(run_dir, cfg):
+        how, argv = "resumed", ["--resume", str(run_dir)]
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        toml = root / f"{cfg.run.name}.toml"
+        toml.write_text(to_toml(cfg))
+        how, argv = "started", ["--config", str(toml)]
+    log = root / f"{cfg.run.name}.log"
+    with log.open("ab") as f:
+        rc = subprocess.call([sys.executable, "-m", "qurl.cli", "train", *argv], stdout=f,
+                             stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if rc != 0 or read_run(run_dir) is None:
+        raise RuntimeError(f"study arm {cfg.run.name} ({how}) did not finish (exit {rc}); see {log}")
+    return how

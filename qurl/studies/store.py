@@ -1,0 +1,99 @@
+"""A study's committed results: each finished arm's resolved config and metrics, small enough for git.
+
+A study over real models takes longer than a session, so its results live in the repository, not in
+the run directories (which hold base models and checkpoints, gigabytes that are never committed):
+
+    <out>/<arm>/seed<S>/config.toml     the run's resolved config, as the run wrote it
+    <out>/<arm>/seed<S>/metrics.jsonl   its metrics, one JSON record per step and per evaluation
+
+`<out>` also holds the tables and the plot, rebuilt from these files alone, so a later session
+(or `qurl study ablation --table-only`) reproduces them without any run directory.
+
+**Finished** (`finished`): the metrics hold one train record for every step 1..run.steps, in order,
+and end with the evaluation record at step run.steps, the last thing a run writes. Anything else
+(no file, a crash mid-run, a run cut by a session's end) is unfinished: it is never copied here,
+and a copy found here unfinished (e.g. edited by hand) is treated as missing and run again.
+
+**Same study** (`check_same`): every committed arm must have been run with the training config the
+study would give it now (qurl.config.tree's training sections; where it ran, `deploy`, may differ).
+A committed arm from another setting (more steps, another eval size) is refused with one line that
+names the field, rather than mixed into a table or overwritten: use another `<out>` for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from qurl.config import TRAINING_SECTIONS, Config, ConfigError
+from qurl.metrics import read_metrics
+
+FILES = ("config.toml", "metrics.jsonl")
+_SEED_DIR = re.compile(r"seed(\d+)$")
+
+
+def arm_dir(out: Path, arm: str, seed: int) -> Path:
+    """Where the committed files of (arm, seed) live: <out>/<arm>/seed<S>/."""
+    return Path(out) / arm / f"seed{seed}"
+
+
+def finished(records: list[dict[str, Any]], steps: int) -> bool:
+    """Whether metrics records are a whole run of `steps` steps (module docstring)."""
+    train = [r.get("step") for r in records if r.get("kind") == "train"]
+    last = records[-1] if records else {}
+    return train == list(range(1, steps + 1)) and last.get("kind") == "eval" \
+        and last.get("step") == steps
+
+
+def read_run(run_dir: Path) -> tuple[Config, list[dict[str, Any]]] | None:
+    """(config, records) of a run or committed directory if it holds a finished run, else None."""
+    from qurl.runs import read_config
+
+    if not all((Path(run_dir) / f).exists() for f in FILES):
+        return None
+    cfg = read_config(Path(run_dir))
+    records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    return (cfg, records) if finished(records, cfg.run.steps) else None
+
+
+def training_diff(a: Config, b: Config) -> str | None:
+    """The first training-section field where a and b differ, as 'section.field: a vs b', or None."""
+    for section in TRAINING_SECTIONS:
+        sa, sb = getattr(a, section), getattr(b, section)
+        for f in dataclasses.fields(sa):
+            va, vb = getattr(sa, f.name), getattr(sb, f.name)
+            if va != vb:
+                return f"{section}.{f.name}: {va!r} vs {vb!r}"
+    return None
+
+
+def check_same(where: Path, committed: Config, wanted: Config) -> None:
+    """ConfigError naming the field if a committed arm's training config is not the one wanted."""
+    diff = training_diff(committed, wanted)
+    if diff is not None:
+        raise ConfigError(f"{where}: committed with another config ({diff.replace(' vs ', ' there, ')}"
+                          " here); use another --out, or remove that directory to run it again")
+
+
+def commit(run_dir: Path, dest: Path) -> None:
+    """Copy the committable files of a finished run into dest (replacing what was there)."""
+    if read_run(run_dir) is None:
+        raise ValueError(f"{run_dir}: not a finished run; nothing to commit")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in FILES:
+        tmp = dest / f".{name}.tmp"
+        shutil.copyfile(Path(run_dir) / name, tmp)
+        tmp.replace(dest / name)
+
+
+def committed(out: Path) -> dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]:
+    """Every finished (arm, seed) under out: {(arm, seed): (config, records)}."""
+    found = {}
+    for seed_dir in sorted(Path(out).glob("*/seed*")):
+        m = _SEED_DIR.match(seed_dir.name)
+        run = read_run(seed_dir) if m and seed_dir.is_dir() else None
+        if run is not None:
+            found[(seed_dir.parent.name, int(m.group(1)))] = run
+    return found
