@@ -203,8 +203,17 @@ def test_templates():
     assert boxed == "What is 1+1?\nPlease reason step by step, and put your final answer within \\boxed{}."
     assert boxed.endswith(BOXED_INSTRUCTION)
     assert render_prompt("What is 1+1?", "chat", tokenizer=tok) == f"<user>{boxed}</s><assistant>"
-    with pytest.raises(ValueError, match="tokenizer"):
-        render_prompt(q, "chat")
+    # A synthetic expression is asked as a question in the chat templates; other text is kept.
+    assert render_prompt("12+34=", "chat", tokenizer=tok) == \
+        f"<user>What is 12+34?\n{BOXED_INSTRUCTION}</s><assistant>"
+    assert render_prompt("(1+2)*3=", "chat-1shot", tokenizer=tok) == (
+        "<user>What is 2+5-4? Put your final answer within \\boxed{}.</s>"
+        "<assistant>2+5-4 = 3. \\boxed{3}</s>"
+        "<user>What is (1+2)*3? Put your final answer within \\boxed{}.</s><assistant>")
+    assert "What is x=?" not in render_prompt("x=", "chat", tokenizer=tok)
+    for template in ("chat", "chat-1shot"):
+        with pytest.raises(ValueError, match="tokenizer"):
+            render_prompt(q, template)
     with pytest.raises(ValueError, match="unknown prompt template"):
         render_prompt(q, "fancy")
 

@@ -76,8 +76,9 @@ class DataConfig:
     """Row layout of the files: which columns hold question and answer (`auto` guesses)."""
     fields: tuple[str, ...] = ()
     """`question,answer` column names; required by format=custom, overrides the format's."""
-    template: Literal["plain", "boxed", "chat"] = "plain"
-    """Prompt wrapping: the bare question, + an instruction to answer in \\boxed{}, or the chat template."""
+    template: Literal["plain", "boxed", "chat", "chat-1shot"] = "plain"
+    """Prompt wrapping: the bare question, + an instruction to answer in \\boxed{}, the chat
+    template, or the chat template after one worked example exchange (qurl/data/templates.py)."""
     digits: Positive = 1
     """Synthetic arithmetic: digits per operand."""
     operands: Positive = 3
