@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qurl.engines import qlinear
 from qurl.engines.qlinear import Fp8Linear, Int8Linear, from_linear, int8_matmul, scaled_mm_available
 from qurl.quant.formats import quantize_per_token
 
@@ -41,12 +42,41 @@ def test_quant_linear_equals_code_reference(fmt, bias):
 
 
 def test_int_mm_is_used_with_int8_operands(monkeypatch):
+    monkeypatch.setattr(qlinear, "fast_int8_gemm", lambda device: True)
     mod = from_linear(_linear(), "int8")
     seen = []
     real = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: seen.append((a.dtype, b.dtype)) or real(a, b))
     mod(torch.randn(3, 40))
     assert seen == [(torch.int8, torch.int8)]
+
+
+def test_fp32_int8_product_is_exact_at_the_extremes(monkeypatch):
+    """The fp32 path gives torch._int_mm's int32 result bit for bit, also where one fp32 GEMM
+    over all of K would round: K = 3000 products of -128 * -128 sum to 49,152,000 > 2^24, and
+    random codes with a large odd offset exercise the low bits."""
+    g = torch.Generator().manual_seed(0)
+    k = 3000
+    a = torch.randint(-128, 128, (5, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (7, k), generator=g, dtype=torch.int8)
+    a[0], w[0] = -128, -128
+    a[1], w[1] = 127, 127  # 3000 * 16129 = 48,387,000: odd, > 2^24, rounds in a single fp32 sum
+    ref = torch._int_mm(a, w.t())
+    got = qlinear.int8_matmul_fp32(a, w.to(torch.float32))
+    assert got.dtype == torch.int32 and torch.equal(got, ref)
+    assert int(ref[0, 0]) == k * 128 * 128
+    assert int(ref[1, 1]) == k * 127 * 127
+    # The layer's slow-kernel path equals the _int_mm path, and the cache follows new codes.
+    mod = from_linear(_linear(), "int8")
+    x = torch.randn(6, 40, generator=g)
+    monkeypatch.setattr(qlinear, "fast_int8_gemm", lambda device: True)
+    fast = mod(x)
+    monkeypatch.setattr(qlinear, "fast_int8_gemm", lambda device: False)
+    assert torch.equal(mod(x), fast)
+    other = from_linear(_linear(seed=1), "int8")
+    mod.load_codes(other.weight, other.weight_scale)
+    mod.bias.copy_(other.bias)
+    assert torch.equal(mod(x), other(x))
 
 
 def test_fp8_backends_agree():
