@@ -104,6 +104,31 @@ def test_seeded_sampling_independent_of_batch(engines):
     assert [r.output_ids.tolist() for r in again] == [r.output_ids.tolist() for r in batch]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_group_prompts_share_one_prefill(engines, model_dir, precision, monkeypatch):
+    """Requests with the same prompt (a GRPO group) are prefilled once and their KV rows copied:
+    each sample equals the same request generated alone (tokens exactly, logprobs to 1e-5), and
+    the sampled logprobs still match a transformers forward of the whole sequence."""
+    eng = engines(precision)
+    group = [GenRequest(rid=f"g{i}", prompt_ids=eng.tokenizer.encode(PROMPTS[i % 2]),
+                        params=SamplingParams(max_new_tokens=8, temperature=1.0, seed=7 + i))
+             for i in range(6)]
+    prefill_rows = []
+    real = eng._forward
+    monkeypatch.setattr(eng, "_forward", lambda ids, *a: prefill_rows.append(ids.shape) or real(ids, *a))
+    together = eng.generate(group)
+    assert prefill_rows[0][0] == 2  # two distinct prompts for six requests
+    monkeypatch.setattr(eng, "_forward", real)
+    for req, res in zip(group, together):
+        alone = eng.generate([req])[0]
+        assert alone.output_ids.tolist() == res.output_ids.tolist()
+        assert torch.allclose(alone.logprobs, res.logprobs, atol=1e-5)
+    if precision == "bf16":
+        model, _ = load_checkpoint(model_dir)
+        ref = _hf_logprobs(model, together[3].prompt_ids, together[3].output_ids, 1.0)
+        assert torch.allclose(together[3].logprobs.double(), ref, atol=1e-4)
+
+
 def test_stop_token_and_length(engines):
     eng = engines("bf16")
     tok = eng.tokenizer
@@ -151,6 +176,9 @@ def test_8bit_kl_to_bf16(engines, fmt, capsys):
 
 
 def test_int8_path_calls_int_mm(engines, monkeypatch):
+    from qurl.engines import qlinear
+
+    monkeypatch.setattr(qlinear, "fast_int8_gemm", lambda device: True)  # as on AVX512 / CUDA
     q = engines("int8")
     calls = []
     real = torch._int_mm

@@ -231,8 +231,10 @@ class LocalEngine:
             raise ValueError(f"request {r.rid}: prompt token id {bad[0]} outside [0, {self.vocab_size})")
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        # logits_to_keep=1: only the last position's logits are needed; over a 49k vocabulary the
+        # head of a whole prefill would cost as much as several layers.
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         use_cache=True, **{self._cache_kw: cache})
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float().cpu()  # [B, V]
 
     @torch.no_grad()
@@ -242,11 +244,15 @@ class LocalEngine:
         from transformers import DynamicCache
 
         n, plen = len(reqs), max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((n, plen), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, plen), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, plen - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, plen - len(r.prompt_ids):] = 1
+        # A group's samples share one prompt: prefill each distinct prompt once, then give every
+        # request its own copy of that prompt's KV cache rows (G x less prefill for groups of G).
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in reqs]
+        ids = torch.full((len(unique), plen), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(unique), plen), dtype=torch.long)
+        for prompt, u in unique.items():
+            ids[u, plen - len(prompt):] = torch.tensor(prompt)
+            mask[u, plen - len(prompt):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         gens = [request_generator(r.params.seed, self._gen) for r in reqs]
         stops = [self.eos_token_ids | set(r.params.stop_token_ids) for r in reqs]
@@ -259,6 +265,10 @@ class LocalEngine:
         dev = self.device
         mask, pos = mask.to(dev), pos.to(dev)
         logits = self._forward(ids.to(dev), mask, pos, cache)
+        if len(unique) < n:
+            rows = torch.tensor(row_of)
+            cache.batch_select_indices(rows.to(dev))
+            logits, mask, pos = logits[rows], mask[rows.to(dev)], pos[rows.to(dev)]
         next_pos = pos[:, -1] + 1
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
         top_ps = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
