@@ -163,7 +163,10 @@ class EvalConfig:
     """Response length limit of an evaluation answer."""
     fp_policy: bool = True
     """Also score the full-precision policy (the master weights in an unquantized local engine)
-    beside the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout."""
+    beside the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout.
+    That engine is qurl's fp32 torch decoder in learner rank 0's process (on its GPU): cheap for
+    the CPU presets, out of memory or hours for long GPU evaluations, so the paper presets turn
+    it off (qurl eval on a checkpoint scores the policy instead)."""
 
 
 @dataclass(frozen=True)
