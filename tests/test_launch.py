@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qurl.config import load_config
-from qurl.launch import Command, NodePlan, main_launch, plan, run_node
+from qurl.launch import Command, NodePlan, Reach, main_launch, plan, run_node
 
 EXAMPLE = str(Path(__file__).parents[1] / "scripts" / "example_2node.toml")
 
@@ -25,7 +25,8 @@ def test_dry_run_two_node_example(capsys):
     out = capsys.readouterr().out
     assert "# node 0 (10.0.0.1): 1 learner" in out and "# node 1 (10.0.0.2): 4 sglang" in out
     learner, export, *servers = _lines(out)
-    assert learner == ["CUDA_VISIBLE_DEVICES=0,1,2,3", "torchrun", "--nnodes=1",
+    net = [f"{k}=$(python -m qurl.netif 10.0.0.1)" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
+    assert learner == ["CUDA_VISIBLE_DEVICES=0,1,2,3", *net, "torchrun", "--nnodes=1",
                        "--nproc-per-node=4", "--node-rank=0", "--master-addr=10.0.0.1",
                        "--master-port=29500", "-m", "qurl.cli", "train", "--preset",
                        "paper-dapo-7b", "--config", EXAMPLE]
@@ -35,7 +36,7 @@ def test_dry_run_two_node_example(capsys):
                       "--uaq-scale", "1.5"]
     assert len(servers) == 4
     for k, s in enumerate(servers):
-        assert s == [f"CUDA_VISIBLE_DEVICES={2 * k},{2 * k + 1}", "python", "-m",
+        assert s == [f"CUDA_VISIBLE_DEVICES={2 * k},{2 * k + 1}", *net, "python", "-m",
                      "sglang.launch_server", "--model-path", ckpt, "--tp-size", "2", "--host",
                      "0.0.0.0", "--port", str(30000 + k), "--weight-version", "0",
                      "--quantization", "w8a8_int8",
@@ -52,16 +53,18 @@ def test_slurm_style_placement_from_node_list():
     # servers (tp 4) fill the free GPUs: 2-5 next to the learner's 0-1 on node 0, all 8 of node 1;
     # the learner is told where they are and that node 0 is its master (replacing 127.0.0.1)
     assert learner.role == "learner" and "--master-addr=gpu-a" in learner.argv
-    assert learner.env == {"CUDA_VISIBLE_DEVICES": "0,1"} and "--nproc-per-node=2" in learner.argv
+    reach = {"GLOO_SOCKET_IFNAME": Reach("gpu-a"), "NCCL_SOCKET_IFNAME": Reach("gpu-a")}
+    assert learner.env == {"CUDA_VISIBLE_DEVICES": "0,1", **reach}
+    assert "--nproc-per-node=2" in learner.argv
     sets = [learner.argv[i + 1] for i, a in enumerate(learner.argv) if a == "--set"]
     assert sets == ["deploy.host=gpu-a", "sglang.urls=http://gpu-a:30000,"
                     "http://gpu-b:30000,http://gpu-b:30001"]
     assert [c.role for c in plans[0].commands] == ["export", "sglang", "learner"]
-    assert plans[0].commands[1].env == {"CUDA_VISIBLE_DEVICES": "2,3,4,5"}
+    assert plans[0].commands[1].env == {"CUDA_VISIBLE_DEVICES": "2,3,4,5", **reach}
     assert [c.role for c in plans[1].commands] == ["export", "sglang", "sglang"]
     s0 = plans[1].commands[1]
-    assert s0.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"} and "w8a8_fp8" in s0.argv
-    assert plans[1].commands[2].env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert s0.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3", **reach} and "w8a8_fp8" in s0.argv
+    assert plans[1].commands[2].env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7", **reach}
     # presets set only learner.tp: nproc_per_node (default 1) follows it
     dapo = plan(load_config("paper-dapo-7b", sets=["model.base=/m"]), [], nodes=["x", "y"])
     assert "--nproc-per-node=4" in dapo[0].commands[-1].argv
@@ -69,7 +72,7 @@ def test_slurm_style_placement_from_node_list():
     dp2 = plan(load_config("paper-dapo-7b", sets=["model.base=/m", "learner.dp=2"]), [],
                nodes=["x", "y"])
     assert "--nproc-per-node=8" in dp2[0].commands[-1].argv
-    assert dp2[0].commands[-1].env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert dp2[0].commands[-1].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     assert not any(c.role == "sglang" for c in dp2[0].commands)
     assert any(c.role == "sglang" for c in dp2[1].commands)
 
