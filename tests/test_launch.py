@@ -122,3 +122,87 @@ def test_async_workers_take_the_gpus_after_the_learners():
         worker_gpu(nccl, 1, 2)  # an NCCL group cannot hold two ranks on one GPU
     with pytest.raises(ValueError, match="n_gpus=0"):
         worker_gpu(one, 0, 0)
+
+
+# ---------------------------------------------------------------- the paper presets on 8-GPU nodes
+
+PAPER = ["paper-ppo-gsm8k", "paper-deepscaler-1.5b", "paper-dapo-7b"]
+
+
+def _printed_gpus(out: str) -> dict[str, dict[int, list[str]]]:
+    """{node: {GPU: processes}} read back from the printed commands alone: each command line's
+    CUDA_VISIBLE_DEVICES; a torchrun computes on its first --nproc-per-node of them."""
+    nodes: dict[str, dict[int, list[str]]] = {}
+    node = ""
+    for line in out.splitlines():
+        if line.startswith("# node "):
+            node = line.split("(")[1].split(")")[0]
+            nodes[node] = {}
+        elif line and not line.startswith("#"):
+            words = shlex.split(line.rstrip(" &"))
+            env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+            gpus = [int(g) for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+            if "torchrun" in words:
+                nproc = int(next(w for w in words if w.startswith("--nproc-per-node=")).split("=")[1])
+                who = [f"learner rank {k}" for k in range(nproc)]
+            elif "sglang.launch_server" in words:
+                who = [f"sglang :{words[words.index('--port') + 1]}"] * len(gpus)
+            else:
+                continue
+            for g, w in zip(gpus, who):
+                nodes[node].setdefault(g, []).append(w)
+    return nodes
+
+
+@pytest.mark.parametrize("preset", PAPER)
+@pytest.mark.parametrize("hosts", [["10.0.0.1"], ["10.0.0.1", "10.0.0.2"]])
+def test_paper_presets_dry_run_one_process_per_gpu(preset, hosts, capsys):
+    """`qurl launch --dry-run` on 1 and 2 nodes x 8 GPUs: the learner's tp ranks on GPUs 0..tp-1
+    of node 0, SGLang servers of sglang.tp GPUs filling every other GPU, one process per GPU, and
+    the learner told every server's URL."""
+    cfg = load_config(preset)
+    tp, stp = cfg.learner.tp, cfg.sglang.tp
+    assert main_launch(["--preset", preset, "--set", "model.base=/m", "--nodes", ",".join(hosts),
+                        "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    gpus = _printed_gpus(out)
+    assert list(gpus) == hosts
+    servers = 0
+    for i, h in enumerate(hosts):
+        first = tp if i == 0 else 0
+        assert sorted(gpus[h]) == list(range(8)), (h, gpus[h])  # every GPU used ...
+        assert all(len(who) == 1 for who in gpus[h].values()), gpus[h]  # ... by one process
+        assert [gpus[h][g][0] for g in range(first)] == [f"learner rank {k}" for k in range(first)]
+        n = (8 - first) // stp  # servers of sglang.tp GPUs after the learner's
+        assert {gpus[h][g][0] for g in range(first, 8)} == {f"sglang :{30000 + k}" for k in range(n)}
+        servers += n
+    assert servers == {("paper-ppo-gsm8k", 1): 7, ("paper-ppo-gsm8k", 2): 15,
+                       ("paper-deepscaler-1.5b", 1): 6, ("paper-deepscaler-1.5b", 2): 14,
+                       ("paper-dapo-7b", 1): 2, ("paper-dapo-7b", 2): 6}[preset, len(hosts)]
+    learner = next(w for w in _lines(out) if "torchrun" in w)
+    urls = next(w for w in learner if w.startswith("sglang.urls=")).split("=", 1)[1].split(",")
+    assert len(urls) == servers
+    assert not any(w.startswith("deploy.engines=") for w in learner)  # sync: nothing to tell
+
+
+def test_plans_refuse_two_processes_on_one_gpu():
+    def cfg(*sets: str):
+        return load_config("paper-dapo-7b", sets=["model.base=/m", *sets])
+
+    # the learner's 4 ranks on a 6-GPU node; three local workers of its own would need GPUs 4-6
+    with pytest.raises(ValueError, match=re.escape("deploy.engines=3: the learner's local-engine "
+                                                   "workers need GPUs 4..6 of node 0")):
+        plan(cfg("rollout.engine=local", "deploy.rollout=workers", "rollout.max_staleness=1",
+                 "deploy.engines=3", "rollout.precision=int8"), [], nodes=["a"], gpus_per_node=6)
+    # attached servers beside the learner: more GPUs than the node has
+    with pytest.raises(ValueError, match="node a: servers need more than 8 GPUs"):
+        plan(cfg("sglang.urls=" + ",".join(f"http://a:{30000 + k}" for k in range(3))), [],
+             nodes=["a"])
+    # two local workers beside two learner ranks: GPUs 2, 3 are theirs, inside the learner's
+    # CUDA_VISIBLE_DEVICES (worker_gpu counts from the learner's ranks)
+    ok = plan(cfg("rollout.engine=local", "deploy.rollout=workers", "rollout.max_staleness=1",
+                  "deploy.engines=2", "learner.tp=2", "rollout.precision=int8"), [], nodes=["a"])
+    assert ok[0].gpu_map() == {0: ["learner"], 1: ["learner"],
+                               2: ["worker 0 (spawned by the learner)"],
+                               3: ["worker 1 (spawned by the learner)"]}
+    assert ok[0].commands[-1].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
