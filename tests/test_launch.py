@@ -2,9 +2,13 @@
 errors named by field, and running one node's commands."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +210,107 @@ def test_plans_refuse_two_processes_on_one_gpu():
                                2: ["worker 0 (spawned by the learner)"],
                                3: ["worker 1 (spawned by the learner)"]}
     assert ok[0].commands[-1].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+# ---------------------------------------------------------------- asynchronous runs, stopping
+
+
+def _fake_model_dir(tmp: Path) -> Path:
+    """What tests/fake_sglang.py and the SGLang adapter read: config.json + a tokenizer."""
+    import json
+
+    from qurl.models.tokenizer import build_tokenizer
+
+    d = tmp / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"vocab_size": 50, "model_type": "qwen2"}))
+    build_tokenizer().save_pretrained(str(d))
+    return d
+
+
+def _config_of(learner: Command):
+    """The config the planned `qurl train` would load, from its own --preset/--set arguments."""
+    argv = learner.argv[learner.argv.index("train") + 1:]
+    preset = argv[argv.index("--preset") + 1] if "--preset" in argv else "cpu-tiny"
+    return load_config(preset, None, [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
+
+
+def test_async_plan_starts_workers_that_reach_their_servers(tmp_path):
+    """deploy.rollout=external with SGLang: the plan tells the learner deploy.engines = its 2
+    servers and plans a worker per server. The planned servers are started (tests/fake_sglang.py
+    in place of sglang.launch_server, same flags) and each planned worker's engine — what
+    `python -m qurl.pipeline.worker --slot i` builds first — attaches to its own server: health
+    probe, weight group formed, a generation served there. At 3817bc6 the learner kept
+    deploy.engines=1 and every worker refused its slot (URL count check)."""
+    from qurl.engines.factory import make_engine
+    from qurl.learner.dist import free_port
+    from qurl.types import GenRequest, SamplingParams
+    from test_sglang_engine import FAKE, _get, _wait_healthy
+
+    model = _fake_model_dir(tmp_path)
+    sets = [f"model.base={model}", "rollout.engine=sglang", "rollout.precision=int8",
+            "deploy.rollout=external", "rollout.max_staleness=1", f"deploy.dir={tmp_path}",
+            "run.name=a"]
+    cfg = load_config("cpu-tiny", sets=sets)
+    port = free_port()
+    node, = plan(cfg, [a for s in sets for a in ("--set", s)], nodes=["127.0.0.1"],
+                 gpus_per_node=3, python=sys.executable, base_port=port)
+    assert [c.role for c in node.commands] == ["export", "sglang", "sglang", "worker", "worker",
+                                               "learner"]
+    assert node.gpu_map() == {0: ["learner"], 1: ["sglang :" + str(port)],
+                              2: ["sglang :" + str(port + 1)]}
+    learned = _config_of(node.commands[-1])
+    assert learned.deploy.engines == 2 and len(learned.sglang.urls) == 2
+    procs = [subprocess.Popen([sys.executable, FAKE, *c.argv[3:], "--token-delay", "0"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for c in node.commands if c.role == "sglang"]
+    try:
+        for u in learned.sglang.urls:
+            _wait_healthy(u)
+        for w in (c for c in node.commands if c.role == "worker"):
+            slot = int(w.argv[w.argv.index("--slot") + 1])
+            host = w.argv[w.argv.index("--host") + 1]
+            url = learned.sglang.urls[slot]
+            before = len(_get(url, "/_fake/requests"))
+            engine = make_engine(learned, str(model), slot=slot, host=host)
+            try:
+                req = GenRequest(rid="r", prompt_ids=[3, 4],
+                                 params=SamplingParams(max_new_tokens=2, temperature=0.0))
+                assert len(engine.generate([req])[0].output_ids) == 2
+            finally:
+                engine.close()
+            assert len(_get(url, "/_fake/requests")) > before  # it went to this slot's server
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has exited; only its parent's reaping is pending
+
+
+def test_run_node_stops_the_servers_children_too(tmp_path):
+    """An SGLang server forks its scheduler and detokenizer; stopping the server alone (as at
+    3817bc6) left them running. run_node stops each background process's whole group."""
+    pid_file = tmp_path / "child.pid"
+    server = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(300)")
+    learner = (f"import os, time; p = {str(pid_file)!r}\n"
+               "while not os.path.exists(p) or not open(p).read(): time.sleep(0.05)")
+    node = NodePlan(0, "localhost", [Command("sglang", [sys.executable, "-c", server]),
+                                     Command("learner", [sys.executable, "-c", learner])])
+    assert run_node(node) == 0
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = not _gone(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the server's child outlived qurl launch"
