@@ -3,7 +3,10 @@ under deploy.wait_timeout_min, not under the default group's collective timeout 
 on GPU). Real torch.distributed gloo, two spawned ranks."""
 from __future__ import annotations
 
+import os
 import time
+
+import pytest
 
 
 from qurl.config import DeployConfig, LearnerConfig
@@ -50,3 +53,21 @@ def test_the_wait_ends_at_the_configured_timeout_naming_the_field():
     _, (r1, waited) = spawn(_wait_for_slow_rank0, 2, 0.05, 8.0, False)
     assert r1.startswith("error: learner rank 1: waited deploy.wait_timeout_min=0.05 minutes"), r1
     assert 2.5 <= waited < 7.5
+
+
+def test_a_rank_picks_the_interface_that_reaches_its_master(monkeypatch):
+    """A torchrun started by hand (no `qurl launch`) gets GLOO/NCCL_SOCKET_IFNAME from the route to
+    MASTER_ADDR; a value the user set wins; a loopback master changes nothing."""
+    from qurl.learner.dist import pick_interface
+    from qurl.netif import interface_addresses
+
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(k, raising=False)
+    assert pick_interface("127.0.0.1") is None and "GLOO_SOCKET_IFNAME" not in os.environ
+    outer = {n: a for n, a in interface_addresses().items() if not a.startswith("127.")}
+    if not outer:
+        pytest.skip("this machine has only loopback interfaces: nothing else to pick")
+    name, addr = next(iter(outer.items()))
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stays
+    assert pick_interface(addr) == name
+    assert os.environ["GLOO_SOCKET_IFNAME"] == name and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"

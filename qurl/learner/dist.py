@@ -73,6 +73,7 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
     if not dist.is_initialized():
         addr = os.environ.get("MASTER_ADDR", deploy.host)
         port = os.environ.get("MASTER_PORT", str(deploy.learner_port))
+        pick_interface(addr)
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_min))
@@ -100,6 +101,24 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
     if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:
         kwargs["create_gloo_process_groups"] = False
     ps.initialize_model_parallel(**kwargs)
+
+
+def pick_interface(master: str) -> str | None:
+    """Set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (those not set already) to the interface this
+    node reaches `master` through (qurl/netif.py), so a torchrun started by hand across nodes
+    works as `qurl launch`'s commands do. Nothing for a loopback master (one machine) or when no
+    interface is found (the libraries' own choice then stands). Returns the name set, if any."""
+    from qurl.netif import IFNAME_VARS, interface_to
+
+    if master in ("127.0.0.1", "localhost", "::1") or all(os.environ.get(k) for k in IFNAME_VARS):
+        return None
+    try:
+        name = interface_to(master)
+    except ValueError:
+        return None
+    for k in IFNAME_VARS:
+        os.environ.setdefault(k, name)
+    return name
 
 
 def destroy_learner_dist() -> None:
