@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-
 from qurl.config import DeployConfig, LearnerConfig
 from qurl.learner.dist import spawn
 
