@@ -50,6 +50,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,26 +295,36 @@ def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
         proc.wait()
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_node(node: NodePlan) -> int:
-    """Run one node's commands: export, servers and workers (background), learner; at the end
-    stop the background ones with their process groups."""
-    background: list[subprocess.Popen] = []
+    """Run one node's commands: export, servers and workers (background), learner. Each in its
+    own process group; when the learner exits, or this process is stopped (SIGTERM, Ctrl-C: a
+    scheduler cancelling the job), every group is stopped, so nothing outlives the launch."""
+    started: list[subprocess.Popen] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     try:
         for c in node.commands:
             if c.role == "export":
                 subprocess.run(c.argv, env=c.environ(), check=True)
             elif c.role in ("sglang", "worker"):
-                background.append(subprocess.Popen(c.argv, env=c.environ(),
-                                                   start_new_session=True))
+                started.append(subprocess.Popen(c.argv, env=c.environ(), start_new_session=True))
         learner = [c for c in node.commands if c.role == "learner"]
         if learner:
-            return subprocess.run(learner[0].argv, env=learner[0].environ()).returncode
-        for s in background:  # a node without learner serves until its processes exit
+            started.append(subprocess.Popen(learner[0].argv, env=learner[0].environ(),
+                                            start_new_session=True))
+            return started[-1].wait()
+        for s in started:  # a node without learner serves until its processes exit
             s.wait()
-        return max((s.returncode or 0 for s in background), default=0)
+        return max((s.returncode or 0 for s in started), default=0)
     finally:
-        for s in background:
+        for s in reversed(started):  # the learner first: it may still be talking to the servers
             stop_group(s)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def main_launch(argv: list[str] | None = None) -> int:

@@ -314,3 +314,38 @@ def test_run_node_stops_the_servers_children_too(tmp_path):
     if alive:
         os.kill(child, signal.SIGKILL)
     assert not alive, "the server's child outlived qurl launch"
+
+
+def test_a_stopped_launch_stops_what_it_started(tmp_path):
+    """SIGTERM to `qurl launch --node-rank` (a scheduler cancelling the job) mid-run: the learner,
+    the server and the server's child all end with it."""
+    pids = tmp_path / "pids"
+    server = ("import os, subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+              f"open({str(pids)!r}, 'a').write(f'{{c.pid}}\\n'); time.sleep(300)")
+    learner = (f"import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); "
+               "time.sleep(300)")
+    script = ("import sys; from qurl.launch import Command, NodePlan, run_node; "
+              f"sys.exit(run_node(NodePlan(0, 'localhost', ["
+              f"Command('sglang', [sys.executable, '-c', {server!r}]), "
+              f"Command('learner', [sys.executable, '-c', {learner!r}])])))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    launch = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while (not pids.exists() or len(pids.read_text().split()) < 2) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = [int(p) for p in pids.read_text().split()]
+        launch.send_signal(signal.SIGTERM)
+        assert launch.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 5
+        while not all(_gone(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in started if not _gone(p)]
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert len(started) == 2 and alive == []
