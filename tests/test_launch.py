@@ -349,3 +349,19 @@ def test_a_stopped_launch_stops_what_it_started(tmp_path):
     for p in alive:
         os.kill(p, signal.SIGKILL)
     assert len(started) == 2 and alive == []
+
+
+@pytest.mark.parametrize("preset", PAPER)
+def test_async_paper_plans_give_each_worker_a_server(preset):
+    """deploy.rollout=workers on 2 nodes x 8 GPUs: the learner spawns one worker per server
+    (deploy.engines = the servers planned, as each worker's URL-count check needs); the
+    workers forward to their servers and hold no GPU, so the GPU map is the sync run's."""
+    sets = ["model.base=/m", "deploy.rollout=workers", "rollout.max_staleness=1"]
+    plans = plan(load_config(preset, sets=sets), [], nodes=["a", "b"])
+    train = plans[0].commands[-1].argv
+    given = [train[i + 1] for i, w in enumerate(train) if w == "--set"]
+    urls = next(s for s in given if s.startswith("sglang.urls=")).split("=")[1].split(",")
+    assert f"deploy.engines={len(urls)}" in given and len(urls) > 1
+    assert not any(c.role == "worker" for p in plans for c in p.commands)
+    sync = plan(load_config(preset, sets=["model.base=/m"]), [], nodes=["a", "b"])
+    assert [p.gpu_map() for p in plans] == [p.gpu_map() for p in sync]
