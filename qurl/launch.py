@@ -13,7 +13,7 @@ Placement:
   default 0 is taken as tp * dp / nnodes, see qurl/placement.py).
 - servers = `sglang.urls` when given (each host must be one of the nodes), else the free
   GPUs of every node (all of a non-learner node, those after the learner's on a learner node) are
-  filled with servers of `sglang.tp` GPUs on ports 30000, 30001, ...; their URLs are
+  filled with servers of `sglang.tp` GPUs on ports `--server-port` (30000), +1, ...; their URLs are
   passed to the learner with `--set sglang.urls=...`.
 - on each node, servers take consecutive blocks of `sglang.tp` GPUs after the learner's.
 - asynchronous rollout (deploy.rollout = workers | external) has one worker per engine, so the
