@@ -74,6 +74,7 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
         addr = os.environ.get("MASTER_ADDR", deploy.host)
         port = os.environ.get("MASTER_PORT", str(deploy.learner_port))
         pick_interface(addr)
+        _WAIT_GROUP = None  # one of an earlier default group, destroyed with it
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_min))
