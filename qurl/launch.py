@@ -13,44 +13,94 @@ Placement:
   default 0 is taken as tp * dp / nnodes, see qurl/placement.py).
 - servers = `sglang.urls` when given (each host must be one of the nodes), else the free
   GPUs of every node (all of a non-learner node, those after the learner's on a learner node) are
-  filled with servers of `sglang.tp` GPUs on ports 30000, 30001, ...; their URLs are
+  filled with servers of `sglang.tp` GPUs on ports `--server-port` (30000), +1, ...; their URLs are
   passed to the learner with `--set sglang.urls=...`.
 - on each node, servers take consecutive blocks of `sglang.tp` GPUs after the learner's.
+- asynchronous rollout (deploy.rollout = workers | external) has one worker per engine, so the
+  learner is told `deploy.engines` = the number of servers (each worker drives sglang.urls[slot]).
+  External workers (`python -m qurl.pipeline.worker`) are planned too: beside their server for
+  SGLang (no GPU of their own), or one per free GPU for the local engine. Workers the learner
+  spawns itself (deploy.rollout=workers, local engine) take the GPUs after its ranks on node 0
+  (qurl/placement.py `worker_gpu`), so the learner's CUDA_VISIBLE_DEVICES includes them.
+- every GPU holds one process: the plan refuses a layout that would put two on one GPU (a learner
+  rank and a server each take most of its memory; NCCL refuses two ranks of a group on one GPU).
+  Rank 0 also runs its own evaluation engine in-process on its GPU (the local engine, and the
+  full-precision policy with eval.fp_policy): one process, the memory is the learner's.
+- the learner, its servers and workers talk to node 0 (`deploy.host`) over gloo and NCCL, which
+  advertise the address of GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (else of the hostname: a
+  loopback address on many nodes). Every planned command sets both to the interface that node
+  reaches node 0 through, found on the node itself (qurl/netif.py; `"$(python -m qurl.netif
+  HOST)"` in the printed commands), unless node 0 is a loopback address (one machine).
 - before its servers start, a node writes the 8-bit checkpoint (`python -m
   qurl.models.export8bit`, UAQ-scaled) under the run directory; on a shared filesystem every
   node writes the same bytes. Paths in the commands are as in the config (relative ones resolve
   against each node's working directory: launch from the same shared directory everywhere).
 
-`qurl launch --dry-run` prints every node's commands; without it, the commands of `--node-rank`
-are run (export, servers in the background, then the learner) and the servers are stopped when
-the learner exits. Bad placement -> ValueError naming the config field or flag.
+`qurl launch --dry-run` prints every node's commands and GPU map; without it, the commands of
+`--node-rank` are run (export, servers and workers in the background, then the learner) and when
+the learner exits the background processes are stopped with their whole process group (an SGLang
+server's scheduler and detokenizer processes too). Bad placement -> ValueError naming the config
+field or flag.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 from qurl.config import LOCAL_BASES, PRESETS, Config, load_config
 from qurl.engines.sglang import QUANTIZATION, server_command
+from qurl.netif import IFNAME_VARS, interface_to
 from qurl.placement import learner_ranks_per_node
 
 BASE_PORT = 30000
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Reach:
+    """An environment value found on the node that runs the command: the name of the interface
+    it reaches `host` through (qurl/netif.py)."""
+    host: str
+    python: str = "python"
+
+    def shell(self) -> str:
+        return f'"$({self.python} -m qurl.netif {shlex.quote(self.host)})"'
 
 
 @dataclass
 class Command:
-    role: str  # "export" | "sglang" | "learner"
+    role: str  # "export" | "sglang" | "worker" | "learner"
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | Reach] = field(default_factory=dict)
+    gpus: tuple[int, ...] = ()  # the node's GPUs this process computes on
 
     def shell(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        env = " ".join(f"{k}={v.shell() if isinstance(v, Reach) else shlex.quote(v)}"
+                       for k, v in self.env.items())
         return (env + " " if env else "") + shlex.join(self.argv)
+
+    def label(self) -> str:
+        """How the GPU map names this process: `learner`, `sglang :PORT`, `worker SLOT`."""
+        flag = {"sglang": "--port", "worker": "--slot"}.get(self.role)
+        if flag in self.argv:
+            return f"{self.role} {':' if self.role == 'sglang' else ''}" \
+                   f"{self.argv[self.argv.index(flag) + 1]}"
+        return self.role
+
+    def environ(self) -> dict[str, str]:
+        """os.environ with this command's variables, the Reach ones resolved on this machine."""
+        return dict(os.environ, **{k: interface_to(v.host) if isinstance(v, Reach) else v
+                                   for k, v in self.env.items()})
 
 
 @dataclass
@@ -58,6 +108,19 @@ class NodePlan:
     rank: int
     host: str
     commands: list[Command] = field(default_factory=list)
+    spawned: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # by the learner
+
+    def gpu_map(self) -> dict[int, list[str]]:
+        """{GPU: the processes computing on it}: commands and the workers the learner spawns."""
+        out: dict[int, list[str]] = {}
+        for what, gpus in [(c.label(), c.gpus) for c in self.commands] + self.spawned:
+            for g in gpus:
+                out.setdefault(g, []).append(what)
+        return dict(sorted(out.items()))
+
+
+def _gpu_env(gpus: tuple[int, ...]) -> dict[str, str | Reach]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -68,7 +131,8 @@ def _host_port(url: str) -> tuple[str, int]:
 
 
 def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
-         gpus_per_node: int = 8, python: str = "python") -> list[NodePlan]:
+         gpus_per_node: int = 8, python: str = "python",
+         base_port: int = BASE_PORT) -> list[NodePlan]:
     """Per-node commands for `cfg`. `config_args` are the `--preset/--config/--set` arguments
     that reproduce cfg; they are forwarded to the learner's `qurl train`."""
     lc, r, d, sg = cfg.learner, cfg.rollout, cfg.deploy, cfg.sglang
@@ -87,8 +151,12 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     master, extra_sets = nodes[0], []
     if master != d.host:
         extra_sets.append(f"deploy.host={master}")
+    net: dict[str, str | Reach] = {} if master in LOOPBACK else \
+        {k: Reach(master, python) for k in IFNAME_VARS}
     plans = [NodePlan(i, h) for i, h in enumerate(nodes)]
     used = {h: (nproc if i < d.nnodes else 0) for i, h in enumerate(nodes)}
+    learner_gpus = tuple(range(nproc))
+    asynchronous = d.rollout != "inline"
     servers: list[tuple[str, int]] = []
     if r.engine == "sglang":
         if sg.tp > gpus_per_node:
@@ -100,7 +168,7 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                     raise ValueError(f"sglang.urls: host {h!r} is not a node ({nodes})")
         else:
             for h in nodes:
-                servers += [(h, BASE_PORT + k)
+                servers += [(h, base_port + k)
                             for k in range((gpus_per_node - used[h]) // sg.tp)]
             if not servers:
                 raise ValueError("rollout.engine='sglang' needs sglang.urls or free GPUs "
@@ -124,56 +192,139 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                 raise ValueError(f"node {h}: servers need more than {gpus_per_node} GPUs "
                                  f"(sglang.tp={sg.tp}, --gpus-per-node)")
             used[h] = first + sg.tp
-            gpus = ",".join(str(g) for g in range(first, first + sg.tp))
+            gpus = tuple(range(first, first + sg.tp))
             node.commands.append(Command(
                 "sglang", server_command(ckpt, port=port, host="0.0.0.0", tp=sg.tp,
                                          quantization=quant, extra=sg.args, python=python),
-                {"CUDA_VISIBLE_DEVICES": gpus}))
-    gpus = ",".join(str(g) for g in range(nproc))
+                {**_gpu_env(gpus), **net}, gpus))
+        if asynchronous and d.engines != len(servers):  # one worker per server
+            extra_sets.append(f"deploy.engines={len(servers)}")
+        if d.rollout == "external":  # each worker beside its server (it forwards; no GPU)
+            for slot, (h, _) in enumerate(servers):
+                plans[nodes.index(h)].commands.append(_worker(cfg, slot, h, (), net, python))
+    elif d.rollout == "workers":  # local engines the learner spawns, GPUs after its ranks
+        if nproc + d.engines > gpus_per_node:
+            raise ValueError(f"deploy.engines={d.engines}: the learner's local-engine workers "
+                             f"need GPUs {nproc}..{nproc + d.engines - 1} of node 0, beside its "
+                             f"{nproc} rank(s); --gpus-per-node is {gpus_per_node}")
+        plans[0].spawned = [(f"worker {k} (spawned by the learner)", (nproc + k,))
+                            for k in range(d.engines)]
+        learner_gpus = tuple(range(nproc + d.engines))
+    elif d.rollout == "external":  # local engines: one worker per free GPU of every node
+        slots = [(h, g) for h in nodes for g in range(used[h], gpus_per_node)]
+        if not slots:
+            raise ValueError("deploy.rollout='external' with rollout.engine='local': no free GPU "
+                             f"on any node for a worker (--gpus-per-node {gpus_per_node})")
+        for slot, (h, g) in enumerate(slots):
+            plans[nodes.index(h)].commands.append(_worker(cfg, slot, h, (g,), net, python))
+        if d.engines != len(slots):
+            extra_sets.append(f"deploy.engines={len(slots)}")
     train_args = list(config_args) + [a for s in extra_sets for a in ("--set", s)]
     for i in range(d.nnodes):
         plans[i].commands.append(Command(
             "learner", ["torchrun", f"--nnodes={d.nnodes}", f"--nproc-per-node={nproc}",
                         f"--node-rank={i}", f"--master-addr={master}",
                         f"--master-port={d.learner_port}", "-m", "qurl.cli", "train", *train_args],
-            {"CUDA_VISIBLE_DEVICES": gpus}))
+            {**_gpu_env(learner_gpus), **net}, tuple(range(nproc))))
+    for p in plans:
+        for g, who in p.gpu_map().items():
+            if len(who) > 1 or g >= gpus_per_node:
+                raise ValueError(f"node {p.host}: GPU {g} would hold {', '.join(who)} "
+                                 f"(--gpus-per-node {gpus_per_node})")
     return plans
+
+
+def _worker(cfg: Config, slot: int, host: str, gpus: tuple[int, ...], net: dict[str, str | Reach],
+            python: str) -> Command:
+    """An external rollout worker (qurl/pipeline/worker.py) for `slot` on node `host`."""
+    run_dir = str(Path(cfg.deploy.dir) / cfg.run.name)
+    env = {**(_gpu_env(gpus) if gpus else {}), **net}
+    return Command("worker", [python, "-m", "qurl.pipeline.worker", "--run-dir", run_dir,
+                              "--slot", str(slot), "--host", host], env, gpus)
+
+
+def _ranges(gpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, i = [], 0
+    while i < len(gpus):
+        j = i
+        while j + 1 < len(gpus) and gpus[j + 1] == gpus[j] + 1:
+            j += 1
+        out.append(str(gpus[i]) if i == j else f"{gpus[i]}-{gpus[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def render(plans: list[NodePlan]) -> str:
     lines = []
     for p in plans:
         roles = [c.role for c in p.commands]
-        what = ", ".join(f"{roles.count(k)} {k}" for k in ("learner", "sglang") if k in roles)
+        what = ", ".join(f"{roles.count(k)} {k}" for k in ("learner", "sglang", "worker")
+                         if k in roles)
         lines.append(f"# node {p.rank} ({p.host}): {what or 'idle'}")
+        owners: dict[str, list[int]] = {}
+        for g, who in p.gpu_map().items():
+            owners.setdefault(who[0], []).append(g)
+        if owners:
+            lines.append("# GPUs: " + "; ".join(f"{_ranges(gs)} {who}"
+                                                 for who, gs in owners.items()))
         for c in p.commands:
-            lines.append(c.shell() + (" &" if c.role == "sglang" else ""))
+            lines.append(c.shell() + (" &" if c.role in ("sglang", "worker") else ""))
         lines.append("")
     return "\n".join(lines)
 
 
-def run_node(node: NodePlan) -> int:
-    """Run one node's commands: export, servers (background), learner; stop servers at the end."""
-    import os
+def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop `proc` and every process of its process group (started with start_new_session): an
+    SGLang server forks its scheduler and detokenizer, which outlive a signal to the server alone.
+    SIGTERM, then SIGKILL after `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    return
+            time.sleep(0.1)
+    if proc.poll() is None:
+        proc.wait()
 
-    servers: list[subprocess.Popen] = []
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_node(node: NodePlan) -> int:
+    """Run one node's commands: export, servers and workers (background), learner. Each in its
+    own process group; when the learner exits, or this process is stopped (SIGTERM, Ctrl-C: a
+    scheduler cancelling the job), every group is stopped, so nothing outlives the launch."""
+    started: list[subprocess.Popen] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     try:
         for c in node.commands:
-            env = dict(os.environ, **c.env)
             if c.role == "export":
-                subprocess.run(c.argv, env=env, check=True)
-            elif c.role == "sglang":
-                servers.append(subprocess.Popen(c.argv, env=env, start_new_session=True))
+                subprocess.run(c.argv, env=c.environ(), check=True)
+            elif c.role in ("sglang", "worker"):
+                started.append(subprocess.Popen(c.argv, env=c.environ(), start_new_session=True))
         learner = [c for c in node.commands if c.role == "learner"]
         if learner:
-            return subprocess.run(learner[0].argv, env=dict(os.environ, **learner[0].env)).returncode
-        for s in servers:  # an engine-only node serves until its servers exit (or are killed)
+            started.append(subprocess.Popen(learner[0].argv, env=learner[0].environ(),
+                                            start_new_session=True))
+            return started[-1].wait()
+        for s in started:  # a node without learner serves until its processes exit
             s.wait()
-        return max((s.returncode or 0 for s in servers), default=0)
+        return max((s.returncode or 0 for s in started), default=0)
     finally:
-        for s in servers:
-            if s.poll() is None:
-                s.terminate()
+        for s in reversed(started):  # the learner first: it may still be talking to the servers
+            stop_group(s)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def main_launch(argv: list[str] | None = None) -> int:
@@ -186,6 +337,8 @@ def main_launch(argv: list[str] | None = None) -> int:
     p.add_argument("--node-rank", type=int, default=None, help="run this node's commands")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--python", default="python", help="interpreter named in the commands")
+    p.add_argument("--server-port", type=int, default=BASE_PORT,
+                   help="port of each node's first planned SGLang server (the next ones follow)")
     p.add_argument("--dry-run", action="store_true", help="print every node's commands and exit")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `qurl launch -- --preset ...` (argparse REMAINDER keeps the "--")
@@ -196,7 +349,7 @@ def main_launch(argv: list[str] | None = None) -> int:
     config_args += [a for s in args.set for a in ("--set", s)]
     nodes = [h for h in args.nodes.split(",") if h] if args.nodes else None
     try:
-        plans = plan(cfg, config_args, nodes, args.gpus_per_node, args.python)
+        plans = plan(cfg, config_args, nodes, args.gpus_per_node, args.python, args.server_port)
     except ValueError as e:
         print(f"qurl launch: error: {e}", file=sys.stderr)
         return 2
@@ -207,4 +360,8 @@ def main_launch(argv: list[str] | None = None) -> int:
         print(f"qurl launch: error: --node-rank must be in 0..{len(plans) - 1} (or use --dry-run)",
               file=sys.stderr)
         return 2
-    return run_node(plans[args.node_rank])
+    try:
+        return run_node(plans[args.node_rank])
+    except ValueError as e:  # this node reaches no interface to node 0 (qurl/netif.py)
+        print(f"qurl launch: error: {e}", file=sys.stderr)
+        return 2

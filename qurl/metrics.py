@@ -4,14 +4,24 @@ Each record is one JSON object with `step` and `kind` ("train" | "eval"). Values
 explicitly `null`: a NaN is written as null *and* counted in `nan_fields`, never silently as 0.
 On resume the file is truncated to the records at or before the checkpoint's step, so a resumed run's
 metrics.jsonl equals an uninterrupted one's.
+
+A run killed in the middle of a write leaves a half-written last line (a torn record). Reading
+drops it with one warning naming the file, and the resume's truncation rewrites the file without
+it, so the warning comes once; an unreadable line anywhere else is damage, not a kill, and is an
+error naming file and line.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
+
+from qurl.errors import InputError
+
+log = logging.getLogger("qurl.metrics")
 
 
 def _clean(record: dict[str, Any]) -> dict[str, Any]:
@@ -27,10 +37,24 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON records of a .jsonl file, one per non-empty line ([] when the file is absent). A
+    torn last line (a kill mid-write) is dropped with a warning; any other bad line raises
+    InputError naming file and line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    out = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                log.warning("qurl: %s:%d: dropped a half-written last record (the run was stopped "
+                            "while writing it)", path, i)
+                break
+            raise InputError(f"{path}:{i}: not a JSON record ({e.msg})") from None
+    return out
 
 
 class MetricsLogger:

@@ -178,3 +178,22 @@ def test_two_ranks_checksums_gathered_into_one_manifest(tmp_path):
     for name, entry in listed.items():
         assert entry == hash_file(final / name)
     assert ckpts.latest() == final
+
+
+def test_resume_after_a_kill_mid_record_is_exact(run, tmp_path, caplog):
+    """Killed while writing step 2's train record (before its checkpoint): metrics.jsonl ends in
+    half a line. Resume warns once, drops it, trains step 2 again from step 1's checkpoint and
+    ends with the uninterrupted run's records."""
+    d = _copy(run, tmp_path / "r3")
+    shutil.rmtree(d / "ckpt" / "step_000002")
+    lines = (d / "metrics.jsonl").read_text().splitlines(keepends=True)
+    step2 = next(i for i, ln in enumerate(lines) if '"step": 2' in ln and '"train"' in ln)
+    (d / "metrics.jsonl").write_text("".join(lines[:step2]) + lines[step2][:len(lines[step2]) // 2])
+    cfg = tiny_cfg(tmp_path, "r3", STEPS, **{"deploy.keep_ckpts": 2})
+    use_free_dist_port()
+    with caplog.at_level(logging.WARNING, logger="qurl.metrics"):
+        train(cfg, resume=True)
+    assert sum("half-written" in r.getMessage() for r in caplog.records) == 1
+    again = read_metrics(d / "metrics.jsonl")
+    assert [r["step"] for r in again if r["kind"] == "train"] == [1, 2]
+    assert_records_close(comparable(again), comparable(read_metrics(run / "metrics.jsonl")))

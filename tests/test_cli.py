@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +88,24 @@ def test_torchrun_two_ranks_bad_data_one_qurl_line_status_2(tmp_path):
     assert len(ours) == 1 and f"{tmp_path / 'bad.jsonl'}:3: bad JSON" in ours[0], out.stderr
     report = out.stderr[out.stderr.index("Root Cause"):]  # torchrun's report: rank 0 exited 2
     assert "rank      : 0" in report and "exitcode  : 2" in report, out.stderr
-    assert "/qurl/" not in out.stderr  # no traceback through qurl's code
+    assert not _qurl_frames(out.stderr), out.stderr  # no traceback through qurl's code
+
+
+def _qurl_frames(stderr: str) -> list[str]:
+    """Traceback frames (`File "...", line N`) in qurl's own package: judged by the package's
+    path, not by the text `/qurl/`, which any checkout cloned into a folder named qurl (and its
+    interpreter's path) contains."""
+    pkg = str(REPO / "qurl") + os.sep
+    return [f for f in re.findall(r'File "([^"]+)", line \d+', stderr)
+            if os.path.realpath(f).startswith(pkg)]
+
+
+def test_qurl_frames_are_found_by_the_package_path_not_by_the_folder_name():
+    inside = f'  File "{REPO / "qurl" / "cli.py"}", line 3, in main'
+    venv = f'  File "/home/u/qurl/.venv/lib/python3.11/site-packages/torch/run.py", line 9, in x'
+    assert _qurl_frames(f"Traceback (most recent call last):\n{venv}\n{inside}\n") == [
+        str(REPO / "qurl" / "cli.py")]
+    assert _qurl_frames(f"/home/u/qurl/.venv/bin/python failed\n{venv}\n") == []
 
 
 def _free_port() -> int:

@@ -77,3 +77,15 @@ def test_fp_policy_is_scored_only_beside_a_quantized_engine() -> None:
     assert needs_fp_policy(load_config(sets=["rollout.precision=fp8"]))
     assert not needs_fp_policy(load_config(sets=["rollout.precision=bf16"]))  # nothing to compare
     assert not needs_fp_policy(load_config(sets=["eval.fp_policy=false"]))
+
+
+@pytest.mark.parametrize("preset", ["paper-ppo-gsm8k", "paper-deepscaler-1.5b", "paper-dapo-7b"])
+def test_paper_presets_do_not_score_the_fp_policy_in_the_learner(preset) -> None:
+    """Their evaluations (up to 20k tokens, Avg@32) would not fit qurl's fp32 decoder beside the
+    learner on its GPU; the preset's 8-bit rollout would otherwise turn it on."""
+    from qurl.evaluation.suite import needs_fp_policy
+
+    cfg = load_config(preset)
+    assert cfg.eval.fp_policy is False and not needs_fp_policy(cfg)
+    assert needs_fp_policy(load_config(preset, sets=["eval.fp_policy=true",
+                                                     "rollout.precision=int8"]))

@@ -2,6 +2,8 @@
 
 The paper recipes (docs/paper_recipes.md has their sources and what qurl changes) name Hugging
 Face checkpoints; without a hub on the machine, `model.base` must be a local copy (`qurl fetch`).
+They evaluate the rollout engine only (eval.fp_policy off): scoring the full-precision policy in
+qurl's fp32 decoder beside the learner would not fit their 8k-20k-token, Avg@32 evaluations.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def paper_ppo_gsm8k() -> Config:
         "data.train": "data/gsm8k_train.parquet", "data.eval": "gsm8k_test", "data.format": "gsm8k",
         "data.eval_size": 0, "data.template": "chat",
         "rollout.engine": "sglang", "rollout.group_size": 8, "rollout.prompts_per_step": 64,
-        "rollout.max_new_tokens": 512, "eval.max_new_tokens": 512,
+        "rollout.max_new_tokens": 512, "eval.max_new_tokens": 512, "eval.fp_policy": False,
         "algo.mini_batches": 4, "algo.uaq_scale": 1.0, "optim.lr": 1e-5,
         "learner.tp": 1,
     })
@@ -48,7 +50,7 @@ def paper_deepscaler_1p5b() -> Config:
         "data.eval": "aime24,amc23,math500,minerva_math,olympiadbench", "data.format": "deepscaler",
         "data.eval_size": 0, "data.template": "chat",
         "eval.greedy": False, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 0.6,
-        "eval.top_p": 0.95, "eval.max_new_tokens": 8192,
+        "eval.top_p": 0.95, "eval.max_new_tokens": 8192, "eval.fp_policy": False,
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 8,
         "rollout.prompts_per_step": 128, "rollout.max_new_tokens": 8192,
         "rollout.temperature": 0.6,
@@ -69,7 +71,7 @@ def paper_dapo_7b() -> Config:
         "data.train": "data/dapo-math-17k.parquet", "data.eval": "aime24", "data.format": "dapo",
         "data.eval_size": 0, "data.template": "chat",
         "eval.greedy": True, "eval.samples": 32, "eval.pass_k": (8, 32), "eval.temperature": 1.0,
-        "eval.top_p": 0.7, "eval.max_new_tokens": 20480,
+        "eval.top_p": 0.7, "eval.max_new_tokens": 20480, "eval.fp_policy": False,
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 16,
         "rollout.prompts_per_step": 512, "rollout.max_new_tokens": 20480, "sglang.tp": 2,
         "algo.loss": "acr", "algo.eps_low": 0.2, "algo.eps_high": 0.28, "algo.agg": "token-mean",

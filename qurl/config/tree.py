@@ -183,7 +183,10 @@ class EvalConfig:
     """Response length limit of an evaluation answer."""
     fp_policy: bool = True
     """Also score the full-precision policy (the master weights in an unquantized local engine)
-    beside the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout."""
+    beside the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout.
+    That engine is qurl's fp32 torch decoder in learner rank 0's process (on its GPU): cheap for
+    the CPU presets, out of memory or hours for long GPU evaluations, so the paper presets turn
+    it off (qurl eval on a checkpoint scores the policy instead)."""
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,10 @@ class DeployConfig:
     """Shard fp32 master weights and AdamW moments over data-parallel ranks (ZeRO-1)."""
     transformer_engine: Literal["auto", "on", "off"] = "auto"
     """Transformer Engine layers (CUDA only): auto = when it imports and CUDA is present."""
+    wait_timeout_min: PositiveFloat = 1440.0
+    """Minutes a learner rank waits for rank 0 at a control point (the next batch while rank 0
+    generates and evaluates, the base model it prepares, checkpoints). These waits go through a
+    gloo side group with this timeout, so NCCL's 30-minute watchdog never sees them."""
     # ---- addresses
     host: str = "127.0.0.1"
     """Node 0's address as the others reach it: the learner's rendezvous, the controller's

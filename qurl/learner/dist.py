@@ -3,7 +3,14 @@
 The learner has learner.tp × learner.dp ranks: megatron puts consecutive ranks in one TP group
 (keep a TP group inside a node) and ranks tp apart in one data-parallel group. Rank 0
 is the controller: it owns the data, the engine and the run directory, and shares each batch with
-`broadcast_object`. Launch with torchrun (RANK/WORLD_SIZE/MASTER_* in the environment) or with
+`broadcast_object`.
+
+Waiting for rank 0. While rank 0 generates a batch or evaluates (hours for a paper preset's step-0
+evaluation), the other ranks wait in `broadcast_object`. Inside an NCCL collective that wait would
+meet the process group's timeout (30 min) and NCCL's watchdog would kill the job, so control
+messages (`broadcast_object`, `gather_object`) go through a gloo side group whose timeout is
+deploy.wait_timeout_min; tensors (gradients, weights) stay on the default group, entered only once
+every rank is there. Launch with torchrun (RANK/WORLD_SIZE/MASTER_* in the environment) or with
 `spawn` (tests, the CPU launcher), which picks a free port and sets the same variables.
 
 Invariants: `init_learner_dist` is idempotent within a process; after it returns, megatron's
@@ -46,10 +53,17 @@ def resolve_backend(deploy: DeployConfig) -> str:
     return deploy.backend
 
 
+_WAIT_GROUP: Any = None  # gloo side group of every rank for control messages (module docstring)
+_WAIT_MIN = 0.0
+
+
 def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
                       deploy: DeployConfig = DeployConfig(),
                       timeout_min: float = 30.0) -> None:
-    """Join the default process group (if not yet) and build megatron's TP and DP groups."""
+    """Join the default process group (if not yet; collectives time out after `timeout_min`), the
+    gloo control group (waits time out after deploy.wait_timeout_min) and build megatron's TP and
+    DP groups."""
+    global _WAIT_GROUP, _WAIT_MIN
     if world_size != learner.tp * learner.dp:
         raise ConfigError(f"learner.tp={learner.tp} x learner.dp={learner.dp}: needs world_size "
                          f"{learner.tp * learner.dp}, got {world_size}")
@@ -59,12 +73,18 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
     if not dist.is_initialized():
         addr = os.environ.get("MASTER_ADDR", deploy.host)
         port = os.environ.get("MASTER_PORT", str(deploy.learner_port))
+        pick_interface(addr)
+        _WAIT_GROUP = None  # one of an earlier default group, destroyed with it
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_min))
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise ValueError(f"torch.distributed already initialized as rank {dist.get_rank()} of "
                          f"{dist.get_world_size()}, asked for {rank} of {world_size}")
+    if _WAIT_GROUP is None and world_size > 1:  # every rank, before megatron's groups
+        _WAIT_MIN = deploy.wait_timeout_min
+        _WAIT_GROUP = dist.new_group(backend="gloo",
+                                     timeout=datetime.timedelta(minutes=_WAIT_MIN))
     with warnings.catch_warnings():
         # megatron-core says at import that Transformer Engine / Apex are absent, once per module
         # and rank: expected on CPU, where the learner uses neither (qurl/learner/build.py)
@@ -84,9 +104,29 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
     ps.initialize_model_parallel(**kwargs)
 
 
+def pick_interface(master: str) -> str | None:
+    """Set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (those not set already) to the interface this
+    node reaches `master` through (qurl/netif.py), so a torchrun started by hand across nodes
+    works as `qurl launch`'s commands do. Nothing for a loopback master (one machine) or when no
+    interface is found (the libraries' own choice then stands). Returns the name set, if any."""
+    from qurl.netif import IFNAME_VARS, interface_to
+
+    if master in ("127.0.0.1", "localhost", "::1") or all(os.environ.get(k) for k in IFNAME_VARS):
+        return None
+    try:
+        name = interface_to(master)
+    except ValueError:
+        return None
+    for k in IFNAME_VARS:
+        os.environ.setdefault(k, name)
+    return name
+
+
 def destroy_learner_dist() -> None:
     from megatron.core import parallel_state as ps
 
+    global _WAIT_GROUP
+    _WAIT_GROUP = None
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -96,22 +136,41 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+class _Waiting:
+    """Turns a timed-out wait on the control group into one line naming the config field."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, err: BaseException | None, tb: Any) -> bool:
+        if _WAIT_GROUP is not None and isinstance(err, RuntimeError) \
+                and "timed out" in str(err).lower():
+            raise RuntimeError(
+                f"learner rank {dist.get_rank()}: waited deploy.wait_timeout_min={_WAIT_MIN:g} "
+                f"minutes for the other ranks (rank 0 generating or evaluating?): "
+                f"{str(err).splitlines()[0]}") from err
+        return False
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank `src`'s `obj` on every rank (pickled; tensors come back on CPU). A barrier as well."""
+    """Rank `src`'s `obj` on every rank (pickled; tensors come back on CPU). A barrier as well,
+    through the control group: the others wait up to deploy.wait_timeout_min for rank `src`."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
+    with _Waiting():
+        dist.broadcast_object_list(box, src=src, group=_WAIT_GROUP)
     return box[0]
 
 
 def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     """Every rank's `obj`, in rank order, on rank `dst` (None elsewhere). A collective: every rank
-    calls it, and rank `dst` returns only after all ranks have."""
+    calls it, and rank `dst` returns only after all ranks have (control group, like broadcast)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst)
+    with _Waiting():
+        dist.gather_object(obj, out, dst=dst, group=_WAIT_GROUP)
     return out
 
 

@@ -17,9 +17,9 @@ A step (`train_step`) on a batch of B right-padded sequences:
    logp with grad -> `policy_loss(preset=algo.loss, …)` -> backward -> TP-correct global grad
    norm -> clip -> AdamW step (skipped, and counted, if the norm is not finite);
 3. the LR schedule advances once.
-Mini-batches are split further into micro-batches (a logits-memory budget; rows sorted by length,
-each row computed only up to its last loss token) whose losses use the mini-batch's denominator,
-so their gradients sum to the mini-batch gradient.
+Mini-batches are split further into micro-batches (a memory budget, measured on GPU:
+membudget.py; rows sorted by length, each row computed only up to its last loss token) whose
+losses use the mini-batch's denominator, so their gradients sum to the mini-batch gradient.
 
 Log-probs: out[:, j] = log softmax(logits(tokens[:, :j]) / T)[tokens[:, j]], out[:, 0] = 0, from
 megatron's vocab-parallel cross entropy (logits never gathered). Padded vocab rows (the vocab is
@@ -49,10 +49,11 @@ from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, Op
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
+from qurl.learner.membudget import TokenCost, free_bytes, rows_per_micro
 from qurl.models import convert
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LOGITS_BUDGET = 2**26  # fp32 logits elements per micro-batch (256 MiB, ×~3 with CE temporaries)
+LOGITS_BUDGET = 2**26  # CPU: fp32 logits per micro-batch (256 MiB); GPU: free memory (membudget.py)
 
 
 class MegatronLearner:
@@ -133,6 +134,10 @@ class MegatronLearner:
         pad = cols >= int(hf_config.vocab_size)
         self._vocab_pad = pad if bool(pad.any()) else None
         self._local_vocab = local
+        self._token_cost = TokenCost(
+            local, layers=int(hf_config.num_hidden_layers), hidden=int(hf_config.hidden_size),
+            heads=int(hf_config.num_attention_heads), tp=self.tp_size,
+            elem=torch.finfo(self.dtype).bits // 8, fused_attention=self.te)
 
     # ------------------------------------------------------------------ model
 
@@ -157,8 +162,9 @@ class MegatronLearner:
         nll = tensor_parallel.vocab_parallel_cross_entropy(logits, tokens[:, 1:].contiguous())
         return torch.cat([nll.new_zeros(b, 1), -nll], dim=1)
 
-    def _rows_per_micro(self, L: int) -> int:
-        return max(1, LOGITS_BUDGET // max(1, L * self._local_vocab))
+    def _rows_per_micro(self, L: int, free: int | None) -> int:
+        """Rows of width L per micro-batch: the fixed logits budget on CPU, GPU memory free now."""
+        return rows_per_micro(L, self._token_cost, free, LOGITS_BUDGET)
 
     def _micro_batches(self, rows: torch.Tensor, ends: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
         """Split row indices `rows` into micro-batches (idx, width): rows sorted by their end
@@ -167,10 +173,11 @@ class MegatronLearner:
         of a short response next to a long one costs nothing)."""
         order = torch.sort(ends[rows], descending=True, stable=True).indices
         rows = rows[order]
+        free = free_bytes(self.device)  # measured once per split, before its micro-batches
         i = 0
         while i < len(rows):
             width = int(ends[rows[i]])
-            n = self._rows_per_micro(width)
+            n = self._rows_per_micro(width, free)
             yield rows[i:i + n], width
             i += n
 

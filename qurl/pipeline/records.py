@@ -3,8 +3,9 @@ acks of the workers, and `trained.jsonl` (the prompts each step trained on).
 
 `trained.jsonl` has one line per step: {"step", "uids" (dataset prompt uids, in batch order),
 "keys" (dispatch keys `uid@did`), "dispatch_versions"}. Like metrics.jsonl it is truncated to the
-checkpoint's step on resume, so over a resumed run it lists every trained prompt exactly as often as
-it was trained — the record exactly-once is checked against.
+checkpoint's step on resume (a torn last line, from a kill mid-write, is dropped with a warning:
+qurl/metrics.py), so over a resumed run it lists every trained prompt exactly as often as it was
+trained — the record exactly-once is checked against.
 """
 from __future__ import annotations
 

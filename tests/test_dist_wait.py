@@ -1,0 +1,72 @@
+"""Learner ranks waiting for rank 0 (its rollout, its evaluation) wait in the gloo control group
+under deploy.wait_timeout_min, not under the default group's collective timeout (NCCL's watchdog
+on GPU). Real torch.distributed gloo, two spawned ranks."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from qurl.config import DeployConfig, LearnerConfig
+from qurl.learner.dist import spawn
+
+GROUP_MIN = 0.03  # the default group's collective timeout in these tests: 1.8 s
+
+
+def _wait_for_slow_rank0(rank: int, world: int, wait_min: float, sleep_s: float,
+                         rank0_sends: bool) -> tuple[str, float]:
+    """Rank 0 is busy `sleep_s` (generating), then broadcasts a batch (if rank0_sends); rank 1
+    waits for it. Returns (what this rank got or the error it met, seconds it waited)."""
+    import torch
+    import torch.distributed as dist
+
+    from qurl.learner.dist import broadcast_object, destroy_learner_dist, init_learner_dist
+
+    init_learner_dist(LearnerConfig(tp=2), rank, world,
+                      deploy=DeployConfig(wait_timeout_min=wait_min), timeout_min=GROUP_MIN)
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            time.sleep(sleep_s)
+            if not rank0_sends:
+                return "", 0.0
+        got = broadcast_object({"batch": 7} if rank == 0 else None)
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the default group still serves once both ranks are there
+        return f"{got['batch']}:{int(t.item())}", time.monotonic() - t0
+    except RuntimeError as e:
+        return f"error: {e}", time.monotonic() - t0
+    finally:
+        destroy_learner_dist()
+
+
+def test_followers_outwait_the_group_timeout_for_rank0():
+    # rank 0 busy 4 s, twice the default group's collective timeout; the wait allows 1 minute
+    (r0, _), (r1, waited) = spawn(_wait_for_slow_rank0, 2, 1.0, 4.0, True)
+    assert (r0, r1) == ("7:2", "7:2") and waited >= 3.5
+
+
+def test_the_wait_ends_at_the_configured_timeout_naming_the_field():
+    # deploy.wait_timeout_min=0.05 (3 s), rank 0 busy 8 s: rank 1 stops waiting at ~3 s
+    _, (r1, waited) = spawn(_wait_for_slow_rank0, 2, 0.05, 8.0, False)
+    assert r1.startswith("error: learner rank 1: waited deploy.wait_timeout_min=0.05 minutes"), r1
+    assert 2.5 <= waited < 7.5
+
+
+def test_a_rank_picks_the_interface_that_reaches_its_master(monkeypatch):
+    """A torchrun started by hand (no `qurl launch`) gets GLOO/NCCL_SOCKET_IFNAME from the route to
+    MASTER_ADDR; a value the user set wins; a loopback master changes nothing."""
+    from qurl.learner.dist import pick_interface
+    from qurl.netif import interface_addresses
+
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(k, raising=False)
+    assert pick_interface("127.0.0.1") is None and "GLOO_SOCKET_IFNAME" not in os.environ
+    outer = {n: a for n, a in interface_addresses().items() if not a.startswith("127.")}
+    if not outer:
+        pytest.skip("this machine has only loopback interfaces: nothing else to pick")
+    name, addr = next(iter(outer.items()))
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stays
+    assert pick_interface(addr) == name
+    assert os.environ["GLOO_SOCKET_IFNAME"] == name and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
