@@ -32,6 +32,7 @@ SHIMS = REPO / "tests" / "sglang_cpu"
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
              "pytorch", "--mem-fraction-static", "0.2", "--max-total-tokens", "8192")
 DUMP = "qurl_sglang_dump.dump_params"
+DUMP_PTRS = "qurl_sglang_dump.dump_ptrs"
 TIMEOUTS = Timeouts(control_s=60, generate_s=120, group_s=120, launch_s=1200, health_s=10)
 
 needs_sglang = [
@@ -49,7 +50,7 @@ def server_env(dump_dir: Path) -> dict[str, str]:
 
 
 def cpu_server_args(generates: bool) -> tuple[str, ...]:
-    return CPU_FLAGS + ("--custom-weight-loader", DUMP) + (() if generates else
+    return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS) + (() if generates else
                                                            ("--skip-server-warmup",))
 
 
@@ -64,22 +65,30 @@ def launch(model_dir: Path, quantization: str | None, log_dir: Path, *, precisio
                         vocab_size=vocab_size, ready_probe="/health" if generates else "/model_info")
 
 
-def read_back(engine: SGLangEngine, dump_dir: Path) -> dict[str, torch.Tensor]:
-    """Every parameter the (single) server holds, in its loading-time layout ([out, in] weights)."""
+def read_back(engine: SGLangEngine, dump_dir: Path, *, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Every parameter TP rank `rank` of the (single) server holds, in its loading-time layout
+    ([out, in] weights)."""
+    return read_back_with_ptrs(engine, dump_dir, rank=rank)[0]
+
+
+def read_back_with_ptrs(engine: SGLangEngine, dump_dir: Path, *, rank: int = 0
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """(read_back, {parameter name: data_ptr} of the post-processed parameters the server computes
+    with: read before the session's restore, i.e. where a captured CUDA graph would read)."""
     s = engine.servers[0]
-    before = set(dump_dir.glob("tp0_*.pt"))
+    payload = {"serialized_named_tensors": [NO_TENSORS] * s.spec.tp, "flush_cache": False}
+    before = set(dump_dir.glob(f"tp{rank}_*.pt")) | set(dump_dir.glob(f"ptrs_tp{rank}_*.pt"))
     s.post_json("/begin_weight_update", {}, 30)
     try:
+        s.post_json("/update_weights_from_tensor", {**payload, "load_format": DUMP_PTRS}, 60)
         if RESTORE in s.spec.command:  # W8A8: restore first (an unknown load_format kills SGLang)
-            s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": [NO_TENSORS],
-                                                        "load_format": RESTORE,
-                                                        "flush_cache": False}, 30)
-        s.post_json("/update_weights_from_tensor", {"serialized_named_tensors": [NO_TENSORS],
-                                                    "load_format": DUMP, "flush_cache": False}, 60)
+            s.post_json("/update_weights_from_tensor", {**payload, "load_format": RESTORE}, 30)
+        s.post_json("/update_weights_from_tensor", {**payload, "load_format": DUMP}, 60)
     finally:
         s.post_json("/end_weight_update", {}, 30)
-    (new,) = set(dump_dir.glob("tp0_*.pt")) - before
-    return torch.load(new)
+    (params,) = set(dump_dir.glob(f"tp{rank}_*.pt")) - before
+    (ptrs,) = set(dump_dir.glob(f"ptrs_tp{rank}_*.pt")) - before
+    return torch.load(params), torch.load(ptrs)
 
 
 def checksums(engine: SGLangEngine) -> dict[str, str]:

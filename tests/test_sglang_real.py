@@ -27,7 +27,8 @@ from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
 from qurl.weights import WeightSync
 from tests.sglang_real import (TIMEOUTS, checksums, fuse_like_sglang, held_like, launch,
-                               needs_sglang, read_back, server_env)
+                               needs_sglang, read_back, read_back_with_ptrs,
+                               server_env)
 
 # a real server takes ~20 s to start on a quiet 2-core machine, minutes on a loaded one
 pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
@@ -231,6 +232,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _is_8bit(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.int8, torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp8", "fp8_block"])
 def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_factory):
     """qurl's production sync (WeightSync: quantize into the wire arenas, broadcast 8-bit codes +
@@ -238,7 +243,9 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
     real server started from the v0 checkpoint. Afterwards every parameter it holds equals, byte
     for byte, (a) the learner's v1 codes and scales and bf16 tensors, fused as SGLang fuses them,
     and (b) what a server freshly started from the v1 checkpoint holds; and /weights_checker
-    checksums agree with the fresh server's."""
+    checksums agree with the fresh server's. Three updates (v1, v0, v1) keep every parameter —
+    the 8-bit codes and their scales above all — at the address it had at startup (its
+    `data_ptr`, what SGLang's captured CUDA graphs read), each reading back the version sent."""
     quant, fmt = QUANTIZATION[precision]
     root, src, v0, v1 = models
     logs = tmp_path_factory.mktemp(f"logs_{precision}")
@@ -250,10 +257,14 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
         engines = [f.result() for f in futs]
     eng, fresh = engines
     try:
-        held0 = read_back(eng, env)
+        held0, ptrs0 = read_back_with_ptrs(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)  # several buckets
         sync.push(iter(v1.items()), eng, version=1)
-        held1, sums1 = read_back(eng, env), checksums(eng)
+        (held1, ptrs1), sums1 = read_back_with_ptrs(eng, env), checksums(eng)
+        sync.push(iter(v0.items()), eng, version=2)
+        held2, ptrs2 = read_back_with_ptrs(eng, env)
+        sync.push(iter(v1.items()), eng, version=3)
+        held3, ptrs3 = read_back_with_ptrs(eng, env)
         held_fresh, sums_fresh = read_back(fresh, env), checksums(fresh)
         if quant in RESTORE_QUANTIZATIONS:
             # why qurl's restore exists: without it the same update is refused by the real server
@@ -265,6 +276,12 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
     finally:
         for e in engines:
             e.close()
+    # every parameter stayed where it was at startup, through 3 updates and 4 read-back sessions
+    # (the server holds its 8-bit linears as such: qkv, o, gate_up, down of every layer)
+    assert sum(_is_8bit(t) for t in held0.values()) >= 4, sorted(held0)
+    for k, ptrs in enumerate((ptrs1, ptrs2, ptrs3), start=1):
+        moved = sorted(n for n in ptrs0 if ptrs[n] != ptrs0[n])
+        assert not moved, f"after update {k}, new storage for: {moved}"
     # (a) the learner's codes and scales, byte for byte
     expected = fuse_like_sglang(list(engine_chunks(v1.items(), fmt, wire_dtype=torch.bfloat16)))
     assert set(expected) <= set(held1), sorted(set(expected) - set(held1))
@@ -273,8 +290,12 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
         got = held_like(held1[name], want)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert torch.equal(_bytes(got), _bytes(want)), name
+        assert torch.equal(_bytes(held3[name]), _bytes(held1[name])), name  # v1 again
         changed += not torch.equal(_bytes(held_like(held0[name], want)), _bytes(got))
     assert changed == len(expected)  # every tensor really moved from v0
+    v0_expected = fuse_like_sglang(list(engine_chunks(v0.items(), fmt, wire_dtype=torch.bfloat16)))
+    for name, want in v0_expected.items():  # v0 sent back: the v0 codes, byte for byte
+        assert torch.equal(_bytes(held_like(held2[name], want)), _bytes(want)), name
     # (b) a server started from the v1 checkpoint: every parameter, and the server's checksums
     assert set(held_fresh) == set(held1)
     for name, t in held_fresh.items():
