@@ -38,7 +38,9 @@ W8A8 weights transposed); `/weights_checker` and `/get_weights_by_name` are not 
 `/update_weights_from_tensor` takes no tensors (only qurl's no-data restore).
 
 Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
-`/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses;
+`/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses, or
+(`refuse_update`) makes `/update_weights_from_distributed` refuse every bucket as real SGLang
+refuses one outside a session: 400 at once, without joining the broadcast;
 `/_fake/requests` lists the /generate bodies received; `/_fake/state` the session flags; `--die-once-at-bucket-2 FILE` makes the
 process exit in the middle of its first sync (when FILE does not exist yet; it creates it).
 """
@@ -240,8 +242,15 @@ class FakeSGLang:
     def destroy_group(self, body: dict) -> tuple[int, object]:
         check_body(body, {"group_name": str, "rid": str})
         name = body.get("group_name") or "weight_update_group"
-        if self.groups.pop(name, None) is None:
+        pg = self.groups.pop(name, None)
+        if pg is None:
             return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        import torch.distributed as dist
+
+        try:  # as SGLang: the group's connections close, so a peer's pending broadcast fails
+            dist.destroy_process_group(pg)
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to destroy custom process group: {e}."}
         return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def begin(self, body: dict) -> tuple[int, object]:
@@ -278,7 +287,7 @@ class FakeSGLang:
                           "flush_cache": bool, "abort_all_requests": bool, "weight_version": str,
                           "load_format": str, "selector": str, "torch_empty_cache": bool,
                           "rid": str}, ("names", "dtypes", "shapes"))
-        if not self.session:
+        if not self.session or self.fault == "refuse_update":
             return 400, {"success": False, "message": "update_weights_from_distributed must run "
                          "between begin_weight_update() and end_weight_update()"}
         self.buckets_seen += 1
@@ -459,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--base-gpu-id", type=int, default=0)  # accepted, unused (no GPUs here)
     p.add_argument("--quantization", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
