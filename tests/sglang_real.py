@@ -49,18 +49,27 @@ def server_env(dump_dir: Path) -> dict[str, str]:
             "QURL_SGLANG_DUMP_DIR": str(dump_dir), "SGLANG_DISABLE_REQUEST_LOGGING": "1"}
 
 
+def tp_env(tp: int) -> dict[str, str]:
+    """SGLang's CPU path needs one OpenMP core list per TP rank when a machine has fewer NUMA
+    nodes than ranks ("SGLANG_CPU_OMP_THREADS_BIND is not set ..."); lists may repeat a core."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(tp))}
+
+
 def cpu_server_args(generates: bool) -> tuple[str, ...]:
     return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS) + (() if generates else
                                                            ("--skip-server-warmup",))
 
 
 def launch(model_dir: Path, quantization: str | None, log_dir: Path, *, precision: str,
-           generates: bool, tokenizer=None, vocab_size: int = 0) -> SGLangEngine:
-    """One qurl-launched real server on a free port, driven by qurl's SGLangEngine (gloo group)."""
+           generates: bool, tokenizer=None, vocab_size: int = 0, tp: int = 1) -> SGLangEngine:
+    """One qurl-launched real server on a free port, driven by qurl's SGLangEngine (gloo group).
+    tp > 1 needs SGLANG_CPU_OMP_THREADS_BIND in the environment (`tp_env`)."""
     port = free_port()
-    cmd = server_command(str(model_dir), port=port, quantization=quantization,
+    cmd = server_command(str(model_dir), port=port, tp=tp, quantization=quantization,
                          extra=cpu_server_args(generates), python=str(SGL_PY))
-    return SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", command=cmd)], precision=precision,
+    return SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", tp=tp, command=cmd)],
+                        precision=precision,
                         backend="gloo", timeouts=TIMEOUTS, log_dir=log_dir, tokenizer=tokenizer,
                         vocab_size=vocab_size, ready_probe="/health" if generates else "/model_info")
 
@@ -75,9 +84,15 @@ def read_back_with_ptrs(engine: SGLangEngine, dump_dir: Path, *, rank: int = 0
                         ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """(read_back, {parameter name: data_ptr} of the post-processed parameters the server computes
     with: read before the session's restore, i.e. where a captured CUDA graph would read)."""
+    return read_back_ranks(engine, dump_dir)[rank]
+
+
+def read_back_ranks(engine: SGLangEngine, dump_dir: Path
+                    ) -> list[tuple[dict[str, torch.Tensor], dict[str, int]]]:
+    """read_back_with_ptrs for every TP rank of the (single) server, from one session."""
     s = engine.servers[0]
     payload = {"serialized_named_tensors": [NO_TENSORS] * s.spec.tp, "flush_cache": False}
-    before = set(dump_dir.glob(f"tp{rank}_*.pt")) | set(dump_dir.glob(f"ptrs_tp{rank}_*.pt"))
+    before = set(dump_dir.glob("*.pt"))
     s.post_json("/begin_weight_update", {}, 30)
     try:
         s.post_json("/update_weights_from_tensor", {**payload, "load_format": DUMP_PTRS}, 60)
@@ -86,9 +101,13 @@ def read_back_with_ptrs(engine: SGLangEngine, dump_dir: Path, *, rank: int = 0
         s.post_json("/update_weights_from_tensor", {**payload, "load_format": DUMP}, 60)
     finally:
         s.post_json("/end_weight_update", {}, 30)
-    (params,) = set(dump_dir.glob(f"tp{rank}_*.pt")) - before
-    (ptrs,) = set(dump_dir.glob(f"ptrs_tp{rank}_*.pt")) - before
-    return torch.load(params), torch.load(ptrs)
+    new = set(dump_dir.glob("*.pt")) - before
+    out = []
+    for rank in range(s.spec.tp):
+        (params,) = [p for p in new if p.name.startswith(f"tp{rank}_")]
+        (ptrs,) = [p for p in new if p.name.startswith(f"ptrs_tp{rank}_")]
+        out.append((torch.load(params), torch.load(ptrs)))
+    return out
 
 
 def checksums(engine: SGLangEngine) -> dict[str, str]:

@@ -76,16 +76,17 @@ def _processed_w8a8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def _loading_view(held: torch.Tensor, want: torch.Tensor, name: str) -> torch.Tensor:
-    """`held` (the post-processed tensor) as a view with the loading-time shape of `want`."""
-    if tuple(held.shape) == tuple(want.shape):
-        return held
-    if held.dim() == 2 and tuple(held.t().shape) == tuple(want.shape):
-        return held.t()  # w8a8 weights are held [in, out] (a transposed view): back to [out, in]
-    if held.numel() == want.numel() and held.is_contiguous():
-        return held.view(want.shape)  # a scale held [out] for a loader that wants [out, 1]
-    raise RuntimeError(f"qurl restore: cannot view the held {name} {tuple(held.shape)} as the "
-                       f"loading-time {tuple(want.shape)}")
+def _loading_view(name: str, held: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """The post-processed tensor `held` as a view with the loading-time shape of `want`:
+    `weight` is held transposed, [in, out] (always: a square one too), scales as loaded."""
+    view = held.t() if name == "weight" and held.dim() == 2 else held
+    if tuple(view.shape) != tuple(want.shape) and view.numel() == want.numel() \
+            and view.is_contiguous():
+        view = view.view(want.shape)  # a scale held [out] for a loader that wants [out, 1]
+    if tuple(view.shape) != tuple(want.shape):
+        raise RuntimeError(f"qurl restore: cannot view the held {name} {tuple(held.shape)} as "
+                           f"the loading-time {tuple(want.shape)}")
+    return view
 
 
 def _restore_layer(layer: torch.nn.Module) -> None:
@@ -110,7 +111,7 @@ def _restore_layer(layer: torch.nn.Module) -> None:
             raise RuntimeError(f"qurl restore: {type(layer).__name__}.{name}: the quant method "
                                f"rebuilt {fresh.dtype} {tuple(fresh.shape)}, the layer held "
                                f"{held[name].dtype if name in held else 'nothing'}")
-        data = _loading_view(held[name], fresh, name)
+        data = _loading_view(name, held[name], fresh)
         # a parameter of the rebuilt class over the held storage, with the rebuilt attributes
         rebound = torch.nn.Parameter._make_subclass(type(fresh), data, False)
         rebound.__dict__.update(fresh.__dict__)
