@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import torch
 from qurl.engines.sglang import _NO_TENSORS as NO_TENSORS
 from qurl.engines.sglang import SGLangEngine, ServerSpec, Timeouts, server_command
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
+from qurl.models.hf import build_model, read_state_dict
 from qurl.sync.group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,3 +151,78 @@ def fuse_like_sglang(chunks: list[tuple[str, torch.Tensor]]) -> dict[str, torch.
     for key, by_idx in parts.items():
         out[key] = torch.cat([by_idx[i] for i in sorted(by_idx)], dim=0)
     return out
+
+
+# ------------------------------- shared by tests/test_sglang_real*.py (fixtures: import them)
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The servers' environment (server_env) for one test module; yields the dump directory."""
+    dump = tmp_path_factory.mktemp("dump")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in server_env(dump).items():
+            mp.setenv(k, v)
+        yield dump
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Qwen2 (4 heads of 64 so every fused q/k/v output is a multiple of 128, as block
+    FP8 needs) as v0, and v1 = v0 with every tensor moved (what a training step would send)."""
+    root = tmp_path_factory.mktemp("models")
+    src = build_model(root / "v0", "tiny", seed=0,
+                      overrides={"num_attention_heads": 4, "num_key_value_heads": 4})
+    v0 = read_state_dict(src)
+    g = torch.Generator().manual_seed(1)
+    v1 = {k: t + 0.1 * torch.randn(t.shape, generator=g) * t.float().std().clamp_min(0.05)
+          for k, t in v0.items()}
+    return root, src, v0, v1
+
+
+def write_model(root: Path, src: Path, state: dict, name: str) -> Path:
+    from qurl.models.hf import write_state_dict
+
+    out = root / name
+    if not out.exists():
+        import shutil
+
+        shutil.copytree(src, out)
+        write_state_dict(out, state)
+    return out
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (0-dim ones too: block FP8 layers hold scalar k/v scales)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def is_8bit(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.int8, torch.float8_e4m3fn)
+
+
+def sglang_pids() -> set[int]:
+    """Pids of live SGLang server processes (launcher and its `sglang::` children)."""
+    pids = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+            state = (d / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if state != "Z" and (b"sglang.launch_server" in cmd or cmd.startswith(b"sglang::")):
+            pids.add(int(d.name))
+    return pids
+
+
+def run_leaving_no_server(argv: list[str], what: str) -> None:
+    """Run a qurl command line; it must succeed, and the SGLang servers it launched (in their own
+    sessions, so not its children) must be gone after it."""
+    env = dict(os.environ, QURL_SGLANG_PYTHON=str(SGL_PY))
+    before = sglang_pids()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    deadline = time.monotonic() + 60
+    while (left := sglang_pids() - before) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"SGLang processes outlived `{what}`: {sorted(left)}"
