@@ -199,8 +199,10 @@ def is_8bit(t: torch.Tensor) -> bool:
     return t.dtype in (torch.int8, torch.float8_e4m3fn)
 
 
-def sglang_pids() -> set[int]:
-    """Pids of live SGLang server processes (launcher and its `sglang::` children)."""
+def sglang_pids(mark: str = "") -> set[int]:
+    """Pids of live SGLang server processes (launcher and its `sglang::` children); with `mark`,
+    only those whose environment holds QURL_TEST_MARK=mark (inherited from the command that
+    started them: other sessions on this machine run servers of their own)."""
     pids = set()
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -208,6 +210,9 @@ def sglang_pids() -> set[int]:
         try:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
             state = (d / "stat").read_text().split(") ")[-1][:1]
+            if mark and f"QURL_TEST_MARK={mark}".encode() not in \
+                    (d / "environ").read_bytes().split(b"\0"):
+                continue
         except OSError:
             continue
         if state != "Z" and (b"sglang.launch_server" in cmd or cmd.startswith(b"sglang::")):
@@ -218,11 +223,13 @@ def sglang_pids() -> set[int]:
 def run_leaving_no_server(argv: list[str], what: str) -> None:
     """Run a qurl command line; it must succeed, and the SGLang servers it launched (in their own
     sessions, so not its children) must be gone after it."""
-    env = dict(os.environ, QURL_SGLANG_PYTHON=str(SGL_PY))
-    before = sglang_pids()
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, QURL_SGLANG_PYTHON=str(SGL_PY), QURL_TEST_MARK=mark)
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     deadline = time.monotonic() + 60
-    while (left := sglang_pids() - before) and time.monotonic() < deadline:
+    while (left := sglang_pids(mark)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, f"SGLang processes outlived `{what}`: {sorted(left)}"

@@ -51,6 +51,11 @@ routine the async controller uses too) to the weight group (learner rank 0 + eve
 while one HTTP call per server per bucket is in flight, closes the session, flushes caches and
 continues. Requests interrupted by the pause come back with their partial output; they are
 resubmitted as prompt + generated prefix with the remaining token budget, and the pieces are stitched with per-token versions (partial rollout).
+A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while the
+broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
+server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader).
+Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
+qurl/placement.py); the weight group's backend is sglang.backend.
 A server that stops answering is restarted (when qurl launched it), the weight group is formed
 anew, and the current weights are sent again (so the engine keeps the last synced chunks in CPU
 memory: the size of the 8-bit model). Every HTTP call has a timeout; a malformed reply is an
