@@ -32,8 +32,9 @@ attribute 'weight_loader'` message unless qurl's restore loader ran in the sessi
 Still different from the real server (the real tests cover these instead): generation is the
 closed form below, so `sampling_seed` and temperature change nothing (real 0.5.23 servers ignore
 the seed unless started with --enable-deterministic-inference, which needs a GPU attention
-backend); one TP rank only (a real TP = 2 server is tested in tests/test_sglang_real_deploy.py); no vocabulary padding of embed_tokens (real: to a multiple of 128
-rows); received weights are stored as sent (the real server fuses q/k/v and gate/up and keeps
+backend); one TP rank only (a real TP = 2 server is tested in
+tests/test_sglang_real_deploy.py); no vocabulary padding of embed_tokens (real: to a multiple of
+128 rows); received weights are stored as sent (the real server fuses q/k/v and gate/up and keeps
 W8A8 weights transposed); `/weights_checker` and `/get_weights_by_name` are not served;
 `/update_weights_from_tensor` takes no tensors (only qurl's no-data restore).
 
