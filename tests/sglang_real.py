@@ -227,7 +227,7 @@ def run_leaving_no_server(argv: list[str], what: str) -> None:
 
     mark = uuid.uuid4().hex
     env = dict(os.environ, QURL_SGLANG_PYTHON=str(SGL_PY), QURL_TEST_MARK=mark)
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     deadline = time.monotonic() + 60
     while (left := sglang_pids(mark)) and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from tests.sglang_real import (CPU_FLAGS, TIMEOUTS, env, is_8bit, launch, models
                                needs_sglang, raw_bytes, read_back_ranks, run_leaving_no_server,
                                tp_env, write_model)
 
-pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
+pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 
 
 def test_tp2_int8_update_reads_back_byte_equal(models, env, tmp_path_factory, monkeypatch):
