@@ -33,7 +33,7 @@ $(SGL_VENV)/.installed: tests/sglang_cpu/requirements.txt tests/sglang_cpu/setup
 
 test-sglang: setup $(SGL_VENV)/.installed
 	QURL_REQUIRE_SGLANG=1 QURL_SGLANG_PYTHON=$(abspath $(SGL_VENV))/bin/python \
-		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py
+		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py tests/test_sglang_real_deploy.py
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV)

@@ -36,14 +36,18 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
     learner.load(Path(ckpt))
     main = is_main_rank()
     engine = make_engine(cfg, model_dir) if main else None
-    WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
-        learner.named_weights(), engine, version=0)  # the version the record states is below
-    step = version = int(Path(ckpt).name.removeprefix("step_"))
-    state = Path(ckpt) / "state.pt"
-    if main and state.is_file():  # the policy version trained into these weights
-        version = int(torch.load(state, weights_only=False).get("version", step))
-    evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples)
-    return evaluator.run(step, version, engine, learner) or {}
+    try:
+        WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
+            learner.named_weights(), engine, version=0)  # the version the record states is below
+        step = version = int(Path(ckpt).name.removeprefix("step_"))
+        state = Path(ckpt) / "state.pt"
+        if main and state.is_file():  # the policy version trained into these weights
+            version = int(torch.load(state, weights_only=False).get("version", step))
+        evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples)
+        return evaluator.run(step, version, engine, learner) or {}
+    finally:
+        if engine is not None:  # SGLang servers launched for this evaluation stop with it
+            engine.close()
 
 
 def eval_run(run_dir: Path, max_examples: int | None = None,

@@ -10,7 +10,13 @@ generates and trains one after the other, so both get every core; an async run s
 (`learner_threads`) and passes it on their command line; a worker never recomputes it.
 
 GPUs. On a learner node the learner's ranks hold GPUs 0..P-1; async workers with a local engine
-take the next ones in slot order (`worker_gpu`).
+take the next ones in slot order (`worker_gpu`). SGLang servers that qurl launches on that node
+(the sync loop's deploy.engines servers, or async worker i's one server) take sglang.tp GPUs each,
+after the learner's, in server (slot) order (`sglang_base_gpus`, passed to each server as SGLang's
+`--base-gpu-id`: its TP rank r computes on GPU base + r, counted within CUDA_VISIBLE_DEVICES).
+Unlike a local worker engine, a server never shares a GPU: its memory pool takes
+--mem-fraction-static of the device (0.9 by default) and its NCCL ranks in the weight group must
+sit on GPUs of their own, so too few GPUs is an error, not a wrap-around.
 """
 from __future__ import annotations
 
@@ -74,3 +80,25 @@ def worker_gpu(cfg: Config, slot: int, n_gpus: int) -> int:
                          f"(after the learner's {first}) but this node has {n_gpus}; use "
                          "deploy.worker_backend=gloo or fewer deploy.engines")
     return (first + slot) % n_gpus
+
+
+def sglang_base_gpus(cfg: Config, count: int, n_gpus: int, *, slot: int | None = None
+                     ) -> list[int] | None:
+    """The first GPU (`--base-gpu-id`) of each SGLang server qurl launches on a learner node:
+    `count` servers of the sync loop (slot None), or async worker `slot`'s one server; each holds
+    sglang.tp GPUs after the learner's ranks (module docstring). None on a machine without GPUs
+    (n_gpus 0: no placement). ConfigError when the node has too few GPUs."""
+    if n_gpus <= 0:
+        return None
+    first, tp = learner_ranks_per_node(cfg), cfg.sglang.tp
+    index = range(count) if slot is None else [slot]
+    bases = [first + i * tp for i in index]
+    need = bases[-1] + tp if bases else first
+    if need > n_gpus:
+        who = (f"deploy.engines={count} SGLang servers" if slot is None
+               else f"the SGLang server of async worker {slot}")
+        raise ConfigError(f"{who} with sglang.tp={tp} need GPUs {first}..{need - 1} after the "
+                          f"learner's {first} rank(s) on this node, which has {n_gpus}; use fewer "
+                          "deploy.engines, a smaller sglang.tp, or attach servers elsewhere "
+                          "(sglang.urls)")
+    return bases

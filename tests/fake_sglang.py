@@ -32,13 +32,16 @@ attribute 'weight_loader'` message unless qurl's restore loader ran in the sessi
 Still different from the real server (the real tests cover these instead): generation is the
 closed form below, so `sampling_seed` and temperature change nothing (real 0.5.23 servers ignore
 the seed unless started with --enable-deterministic-inference, which needs a GPU attention
-backend); one TP rank only; no vocabulary padding of embed_tokens (real: to a multiple of 128
-rows); received weights are stored as sent (the real server fuses q/k/v and gate/up and keeps
+backend); one TP rank only (a real TP = 2 server is tested in
+tests/test_sglang_real_deploy.py); no vocabulary padding of embed_tokens (real: to a multiple of
+128 rows); received weights are stored as sent (the real server fuses q/k/v and gate/up and keeps
 W8A8 weights transposed); `/weights_checker` and `/get_weights_by_name` are not served;
 `/update_weights_from_tensor` takes no tensors (only qurl's no-data restore).
 
 Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
-`/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses;
+`/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses, or
+(`refuse_update`) makes `/update_weights_from_distributed` refuse every bucket as real SGLang
+refuses one outside a session: 400 at once, without joining the broadcast;
 `/_fake/requests` lists the /generate bodies received; `/_fake/state` the session flags; `--die-once-at-bucket-2 FILE` makes the
 process exit in the middle of its first sync (when FILE does not exist yet; it creates it).
 """
@@ -240,8 +243,15 @@ class FakeSGLang:
     def destroy_group(self, body: dict) -> tuple[int, object]:
         check_body(body, {"group_name": str, "rid": str})
         name = body.get("group_name") or "weight_update_group"
-        if self.groups.pop(name, None) is None:
+        pg = self.groups.pop(name, None)
+        if pg is None:
             return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        import torch.distributed as dist
+
+        try:  # as SGLang: the group's connections close, so a peer's pending broadcast fails
+            dist.destroy_process_group(pg)
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to destroy custom process group: {e}."}
         return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def begin(self, body: dict) -> tuple[int, object]:
@@ -278,7 +288,7 @@ class FakeSGLang:
                           "flush_cache": bool, "abort_all_requests": bool, "weight_version": str,
                           "load_format": str, "selector": str, "torch_empty_cache": bool,
                           "rid": str}, ("names", "dtypes", "shapes"))
-        if not self.session:
+        if not self.session or self.fault == "refuse_update":
             return 400, {"success": False, "message": "update_weights_from_distributed must run "
                          "between begin_weight_update() and end_weight_update()"}
         self.buckets_seen += 1
@@ -459,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--base-gpu-id", type=int, default=0)  # accepted, unused (no GPUs here)
     p.add_argument("--quantization", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)

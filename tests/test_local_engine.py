@@ -339,5 +339,19 @@ def test_implements_engine_protocol(engines):
     eng = engines("int8")
     assert isinstance(eng, Engine) and eng.version == 0
     assert eng.generate([]) == []
+
+    class Unclosable:  # everything an engine has but close(): whoever made it cannot release it
+        tokenizer, vocab_size, version = None, 0, 0
+
+        def generate(self, requests, between_steps=None):
+            return []
+
+        def load_weights(self, chunks, version):
+            pass
+
+    assert not isinstance(Unclosable(), Engine)
+    eng.close()
+    eng.close()  # closing twice is harmless
+    assert eng.generate([]) == []  # the local engine holds nothing outside the process
     with pytest.raises(ValueError, match="precision must be one of"):
         LocalEngine("/nonexistent", precision="int4")

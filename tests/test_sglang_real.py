@@ -22,12 +22,13 @@ from qurl.engines.local import LocalEngine
 from qurl.engines.sglang import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangEngine, SGLangError,
                                  ServerSpec)
 from qurl.models.export8bit import export_8bit
-from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
 from qurl.weights import WeightSync
-from tests.sglang_real import (TIMEOUTS, checksums, fuse_like_sglang, held_like, launch,
-                               needs_sglang, read_back, server_env)
+from tests.sglang_real import (TIMEOUTS, checksums, env, fuse_like_sglang,  # noqa: F401
+                               held_like, is_8bit, launch, models, needs_sglang, raw_bytes,
+                               read_back, read_back_with_ptrs, run_leaving_no_server,
+                               write_model)
 
 # a real server takes ~20 s to start on a quiet 2-core machine, minutes on a loaded one
 pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
@@ -35,41 +36,6 @@ pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
 # bf16 server (bf16 weights and activations) vs the local engine computing in fp32 on the same
 # bf16-rounded weights: measured max |Δ logprob| ~0.02 on this model; the bound leaves 2.5x room
 LOGPROB_TOL = 0.05
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("dump")
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in server_env(dump).items():
-            mp.setenv(k, v)
-        yield dump
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny Qwen2 (4 heads of 64 so every fused q/k/v output is a multiple of 128, as block
-    FP8 needs) as v0, and v1 = v0 with every tensor moved (what a training step would send)."""
-    root = tmp_path_factory.mktemp("models")
-    src = build_model(root / "v0", "tiny", seed=0,
-                      overrides={"num_attention_heads": 4, "num_key_value_heads": 4})
-    v0 = read_state_dict(src)
-    g = torch.Generator().manual_seed(1)
-    v1 = {k: t + 0.1 * torch.randn(t.shape, generator=g) * t.float().std().clamp_min(0.05)
-          for k, t in v0.items()}
-    return root, src, v0, v1
-
-
-def _write(root: Path, src: Path, state: dict, name: str) -> Path:
-    from qurl.models.hf import write_state_dict
-
-    out = root / name
-    if not out.exists():
-        import shutil
-
-        shutil.copytree(src, out)
-        write_state_dict(out, state)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +161,7 @@ def test_bf16_update_over_gloo_changes_generation(bf16_server, models):
     eng.load_weights(engine_chunks(v1.items(), "bf16"), version=1)
     after = eng.generate(reqs)
     assert all(int(v) == 1 for r in after for v in r.versions)
-    v1_dir = _write(root, src, {k: t.to(torch.bfloat16) for k, t in v1.items()}, "bf16_v1")
+    v1_dir = write_model(root, src, {k: t.to(torch.bfloat16) for k, t in v1.items()}, "bf16_v1")
     dev = _max_dev(after, _local_logprobs(v1_dir, after))
     print(f"after the v1 update: server vs local engine on v1: max |dlogprob| = {dev:.4f}")
     assert dev < LOGPROB_TOL
@@ -226,11 +192,6 @@ def test_w8a8_engine_refuses_a_server_without_the_restore_loader(bf16_server):
 
 
 # ------------------------------------------------------------------------------- 8-bit updates
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor (0-dim ones too: block FP8 layers hold scalar k/v scales)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 @pytest.mark.parametrize("precision", ["int8", "fp8", "fp8_block"])
 def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_factory):
     """qurl's production sync (WeightSync: quantize into the wire arenas, broadcast 8-bit codes +
@@ -238,22 +199,28 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
     real server started from the v0 checkpoint. Afterwards every parameter it holds equals, byte
     for byte, (a) the learner's v1 codes and scales and bf16 tensors, fused as SGLang fuses them,
     and (b) what a server freshly started from the v1 checkpoint holds; and /weights_checker
-    checksums agree with the fresh server's."""
+    checksums agree with the fresh server's. Three updates (v1, v0, v1) keep every parameter —
+    the 8-bit codes and their scales above all — at the address it had at startup (its
+    `data_ptr`, what SGLang's captured CUDA graphs read), each reading back the version sent."""
     quant, fmt = QUANTIZATION[precision]
     root, src, v0, v1 = models
     logs = tmp_path_factory.mktemp(f"logs_{precision}")
     ckpt0 = export_8bit(src, root / f"{fmt}_v0", fmt)
-    ckpt1 = export_8bit(_write(root, src, v1, "fp32_v1"), root / f"{fmt}_v1", fmt)
+    ckpt1 = export_8bit(write_model(root, src, v1, "fp32_v1"), root / f"{fmt}_v1", fmt)
     with ThreadPoolExecutor(2) as ex:  # both servers start at once: startup is most of the time
         futs = [ex.submit(launch, c, quant, logs, precision=precision, generates=False)
                 for c in (ckpt0, ckpt1)]
         engines = [f.result() for f in futs]
     eng, fresh = engines
     try:
-        held0 = read_back(eng, env)
+        held0, ptrs0 = read_back_with_ptrs(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)  # several buckets
         sync.push(iter(v1.items()), eng, version=1)
-        held1, sums1 = read_back(eng, env), checksums(eng)
+        (held1, ptrs1), sums1 = read_back_with_ptrs(eng, env), checksums(eng)
+        sync.push(iter(v0.items()), eng, version=2)
+        held2, ptrs2 = read_back_with_ptrs(eng, env)
+        sync.push(iter(v1.items()), eng, version=3)
+        held3, ptrs3 = read_back_with_ptrs(eng, env)
         held_fresh, sums_fresh = read_back(fresh, env), checksums(fresh)
         if quant in RESTORE_QUANTIZATIONS:
             # why qurl's restore exists: without it the same update is refused by the real server
@@ -265,6 +232,12 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
     finally:
         for e in engines:
             e.close()
+    # every parameter stayed where it was at startup, through 3 updates and 4 read-back sessions
+    # (the server holds its 8-bit linears as such: qkv, o, gate_up, down of every layer)
+    assert sum(is_8bit(t) for t in held0.values()) >= 4, sorted(held0)
+    for k, ptrs in enumerate((ptrs1, ptrs2, ptrs3), start=1):
+        moved = sorted(n for n in ptrs0 if ptrs[n] != ptrs0[n])
+        assert not moved, f"after update {k}, new storage for: {moved}"
     # (a) the learner's codes and scales, byte for byte
     expected = fuse_like_sglang(list(engine_chunks(v1.items(), fmt, wire_dtype=torch.bfloat16)))
     assert set(expected) <= set(held1), sorted(set(expected) - set(held1))
@@ -272,14 +245,47 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
     for name, want in expected.items():
         got = held_like(held1[name], want)
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert torch.equal(_bytes(got), _bytes(want)), name
-        changed += not torch.equal(_bytes(held_like(held0[name], want)), _bytes(got))
+        assert torch.equal(raw_bytes(got), raw_bytes(want)), name
+        assert torch.equal(raw_bytes(held3[name]), raw_bytes(held1[name])), name  # v1 again
+        changed += not torch.equal(raw_bytes(held_like(held0[name], want)), raw_bytes(got))
     assert changed == len(expected)  # every tensor really moved from v0
+    v0_expected = fuse_like_sglang(list(engine_chunks(v0.items(), fmt, wire_dtype=torch.bfloat16)))
+    for name, want in v0_expected.items():  # v0 sent back: the v0 codes, byte for byte
+        assert torch.equal(raw_bytes(held_like(held2[name], want)), raw_bytes(want)), name
     # (b) a server started from the v1 checkpoint: every parameter, and the server's checksums
     assert set(held_fresh) == set(held1)
     for name, t in held_fresh.items():
-        assert torch.equal(_bytes(t), _bytes(held1[name])), name
+        assert torch.equal(raw_bytes(t), raw_bytes(held1[name])), name
     assert sums1 == sums_fresh
+
+
+def test_refused_update_returns_in_seconds(bf16_server, models):
+    """A real server refuses an update it gets outside a session (400 at once, never joining the
+    broadcast). qurl raises that refusal while its broadcast is in flight instead of waiting in
+    it for the group timeout; recovery then makes the server leave the group (ending the
+    abandoned broadcast) and the next sync lands."""
+    eng, _ = bf16_server
+    _, _, _, v1 = models
+    s = eng.servers[0]
+    real_post = s.post_json
+
+    def no_session(route, body, timeout, ok_404=False):  # the update session never opens
+        return None if route == "/begin_weight_update" else real_post(route, body, timeout, ok_404)
+
+    eng.max_restarts, s.post_json = 0, no_session
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SGLangError, match="must run between begin_weight_update"):
+            eng.load_weights(engine_chunks(v1.items(), "bf16"), version=7)
+    finally:
+        took = time.monotonic() - t0
+        s.post_json, eng.max_restarts = real_post, 3
+    print(f"refused update raised after {took:.1f}s (group timeout {eng.timeouts.group_s:.0f}s)")
+    assert took < eng.timeouts.group_s / 4
+    eng._recover(RuntimeError("refused"), resend=False)
+    eng.load_weights(engine_chunks(v1.items(), "bf16"), version=8)  # what it served before
+    (r,) = eng.generate([_req("after-refusal", PROMPTS[0], 4)])
+    assert r.versions.tolist() == [8] * 4
 
 
 # ------------------------------------------------------------------------------------ recovery
@@ -327,33 +333,16 @@ def test_server_killed_mid_update_recovers(bf16_server, models):
     assert eng.restarts == 1 and eng.servers[0].proc is not victim
     res = eng.generate([_req(f"k{i}", p, 12) for i, p in enumerate(PROMPTS)])
     assert all(int(v) == 5 for r in res for v in r.versions)
-    v1_dir = _write(root, src, {k: t.to(torch.bfloat16) for k, t in v1.items()}, "bf16_v1")
+    v1_dir = write_model(root, src, {k: t.to(torch.bfloat16) for k, t in v1.items()}, "bf16_v1")
     assert _max_dev(res, _local_logprobs(v1_dir, res)) < LOGPROB_TOL
 
 
 # ------------------------------------------------------------------------- qurl train, real server
-def _sglang_pids() -> set[int]:
-    """Pids of live SGLang server processes (launcher and its `sglang::` children)."""
-    pids = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
-            state = (d / "stat").read_text().split(") ")[-1][:1]
-        except OSError:
-            continue
-        if state != "Z" and (b"sglang.launch_server" in cmd or cmd.startswith(b"sglang::")):
-            pids.add(int(d.name))
-    return pids
-
-
 def _train(tmp: Path, name: str, *sets: str) -> list[dict]:
     import json
-    import subprocess
     import sys
 
-    from tests.sglang_real import CPU_FLAGS, SGL_PY
+    from tests.sglang_real import CPU_FLAGS
 
     base = ["run.steps=3", "run.eval_every=0", "deploy.ckpt_every=0", "deploy.progress=false",
             "model.warmstart_steps=0", "data.eval_size=8", "data.train_size=64",
@@ -364,16 +353,7 @@ def _train(tmp: Path, name: str, *sets: str) -> list[dict]:
     argv = [sys.executable, "-m", "qurl.cli", "train"]
     for kv in base + list(sets):
         argv += ["--set", kv]
-    env = dict(os.environ, QURL_SGLANG_PYTHON=str(SGL_PY))
-    before = _sglang_pids()
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the servers this run launched (own sessions, so not our children) must be gone
-    import time
-    deadline = time.monotonic() + 60
-    while (left := _sglang_pids() - before) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not left, f"SGLang processes outlived `qurl train`: {sorted(left)}"
+    run_leaving_no_server(argv, "qurl train")
     lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines]
 

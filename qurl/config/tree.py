@@ -223,7 +223,12 @@ class SGLangConfig:
     args: tuple[str, ...] = ()
     """Extra flags for `python -m sglang.launch_server`."""
     tp: Positive = 1
-    """Tensor-parallel size of each launched server."""
+    """Tensor-parallel size of each server (launched, or attached: checked against the server's
+    /server_info when it is attached)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Learner -> servers weight-update group: auto = nccl when the learner has a GPU, else gloo;
+    gloo moves the bytes through host memory (a one-GPU or colocated setup, where NCCL refuses
+    two ranks on one GPU); nccl needs every member on a GPU of its own."""
 
 
 @dataclass(frozen=True)

@@ -44,3 +44,9 @@ class Engine(Protocol):
         """Replace weights by name; commit `version` only after the last chunk is applied.
         Unknown names or mismatched shapes raise ValueError naming the tensor."""
         ...
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process: SGLang servers qurl launched (they
+        run in their own sessions, so they would outlive it) and its weight group. Whoever makes
+        an engine closes it, also on errors; closing twice is harmless."""
+        ...

@@ -19,7 +19,8 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     worker's address, where SGLang servers reach its weight group). local=True: a LocalEngine
     whatever rollout.engine says — the async controller's evaluation engine, which must not take
     the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
-    The local engine runs on this process's current GPU when there is one. precision: overrides
+    The local engine runs on this process's current GPU when there is one; SGLang servers
+    launched here get GPUs of their own after the learner's (qurl/placement.py). precision: overrides
     rollout.precision (with local=True; "bf16" = the unquantized policy, for evaluation)."""
     if cfg.rollout.engine == "local" or local:
         import torch
@@ -31,15 +32,20 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
+    import torch
+
     from qurl.engines.sglang import SGLangEngine
+    from qurl.placement import sglang_base_gpus
     from qurl.runs import run_dir_for
 
     d = cfg.deploy
+    gpus = None if cfg.sglang.urls else sglang_base_gpus(  # launched here: after the learner's
+        cfg, d.engines, torch.cuda.device_count(), slot=slot)
     return SGLangEngine.from_section(
         cfg.sglang, model_dir, precision=cfg.rollout.precision, run_dir=run_dir_for(cfg),
         count=d.engines, uaq_scale=cfg.algo.uaq_scale, group_host=host or d.host,
         group_port=d.weight_port if slot is None else 0,  # async workers: one group each
-        bucket_bytes=int(d.bucket_mb * (1 << 20)), slot=slot)
+        bucket_bytes=int(d.bucket_mb * (1 << 20)), slot=slot, base_gpus=gpus)
 
 
 _SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",

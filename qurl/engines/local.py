@@ -113,6 +113,9 @@ class LocalEngine:
     def version(self) -> int:
         return self._version
 
+    def close(self) -> None:
+        """Nothing to release outside this process (Engine protocol)."""
+
     def names(self) -> list[str]:
         """Every tensor name `load_weights` accepts (8-bit engines: linears also as `<name>_scale`)."""
         return list(self._tensors)

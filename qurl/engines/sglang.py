@@ -51,6 +51,11 @@ routine the async controller uses too) to the weight group (learner rank 0 + eve
 while one HTTP call per server per bucket is in flight, closes the session, flushes caches and
 continues. Requests interrupted by the pause come back with their partial output; they are
 resubmitted as prompt + generated prefix with the remaining token budget, and the pieces are stitched with per-token versions (partial rollout).
+A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while the
+broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
+server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader).
+Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
+qurl/placement.py); the weight group's backend is sglang.backend.
 A server that stops answering is restarted (when qurl launched it), the weight group is formed
 anew, and the current weights are sent again (so the engine keeps the last synced chunks in CPU
 memory: the size of the 8-bit model). Every HTTP call has a timeout; a malformed reply is an
@@ -81,7 +86,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from qurl.config import SGLangConfig
+from qurl.config import ConfigError, SGLangConfig
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.sync.broadcaster import Broadcaster, GroupFormError, GroupSpec
 from qurl.sync.group import free_port
@@ -107,11 +112,13 @@ class SGLangUnavailable(SGLangError):
 
 def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
                    quantization: str | None = None, weight_version: int = 0,
-                   extra: Iterable[str] = (), python: str | None = None) -> list[str]:
+                   extra: Iterable[str] = (), python: str | None = None,
+                   base_gpu: int | None = None) -> list[str]:
     """argv of one `sglang.launch_server` process. W8A8 servers also get
     `--custom-weight-loader` naming qurl's restore (qurl/engines/sglang_loader.py), without which
     they refuse online 8-bit updates. `python`: the interpreter that has sglang (default:
-    $QURL_SGLANG_PYTHON, else this one)."""
+    $QURL_SGLANG_PYTHON, else this one). base_gpu: `--base-gpu-id` (TP rank r computes on GPU
+    base_gpu + r; qurl/placement.py), unless `extra` sets it."""
     python = python or os.environ.get("QURL_SGLANG_PYTHON") or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--tp-size", str(tp), "--host", host, "--port", str(port),
@@ -119,6 +126,8 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
     if quantization:
         cmd += ["--quantization", quantization]
     extra = list(extra)
+    if base_gpu is not None and not any(a.split("=")[0] == "--base-gpu-id" for a in extra):
+        cmd += ["--base-gpu-id", str(base_gpu)]
     loaders = [RESTORE_LOAD_FORMAT] if quantization in RESTORE_QUANTIZATIONS else []
     if "--custom-weight-loader" in extra:  # nargs="*": merge, or the last flag would win
         i = j = extra.index("--custom-weight-loader")
@@ -290,6 +299,27 @@ def parse_generate(reply: Any, where: str) -> tuple[list[int], list[float], list
     return ids, logprobs, versions, finish["type"]
 
 
+class _Replies:
+    """The servers' replies to one bucket's announcement. Calling it waits for all of them (after
+    the broadcast); `poll` raises a reply that already came back with an error — a server that
+    refused the bucket never joins its broadcast, so the sender polls while broadcasting
+    (qurl/sync/sender.py) instead of waiting for the group timeout."""
+
+    def __init__(self, ex: ThreadPoolExecutor, futs: list) -> None:
+        self.ex, self.futs = ex, futs
+
+    def poll(self) -> None:
+        for f in self.futs:
+            if f.done() and f.exception() is not None:
+                self.ex.shutdown(wait=False)
+                raise f.exception()
+
+    def __call__(self) -> None:
+        self.ex.shutdown(wait=True)
+        for f in self.futs:
+            f.result()
+
+
 @dataclass
 class _Pending:
     """One request being generated, possibly over several /generate calls."""
@@ -321,6 +351,11 @@ class SGLangEngine:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(QUANTIZATION)}")
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={backend!r}: must be auto, nccl or gloo")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("sglang.backend=nccl: this process has no CUDA device to join the "
+                             "weight group from; use sglang.backend=gloo (or auto)")
         self.precision = precision
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.timeouts = timeouts or Timeouts()
@@ -345,14 +380,14 @@ class SGLangEngine:
         self._disk: str | None = None  # or: last update_weights_from_disk path
         self.restarts = 0
         self.last_sync: SyncStats | None = None
+        self._group_name: str | None = None  # the servers' current weight group
         try:
             for s in self.servers:
                 if s.spec.command is not None:
                     s.launch()
             for s in self.servers:
                 s.wait_healthy(self.timeouts.launch_s, self.timeouts.health_s)
-            if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS:
-                self._each(self._check_restore_loader, self.timeouts.control_s * 2)
+            self._each(self._check_server, self.timeouts.control_s * 2)
             self._set_version_all(0)
             self._form_group()
         except BaseException:
@@ -363,11 +398,14 @@ class SGLangEngine:
     @classmethod
     def from_section(cls, sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: Path,
                      count: int, uaq_scale: float, group_host: str, group_port: int,
-                     bucket_bytes: int, slot: int | None = None) -> "SGLangEngine":
+                     bucket_bytes: int, slot: int | None = None,
+                     base_gpus: list[int] | None = None) -> "SGLangEngine":
         """Attach to `sg.urls`, or export `model_dir` as an 8-bit checkpoint (UAQ-scaled, under
         run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
         None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
-        group_port: where the servers reach this process's weight group (port 0 = a free one)."""
+        group_port: where the servers reach this process's weight group (port 0 = a free one).
+        base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/placement.py
+        `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU)."""
         quant, fmt = QUANTIZATION[precision]
         urls = list(sg.urls)
         if slot is not None:
@@ -382,19 +420,22 @@ class SGLangEngine:
 
             name = f"sglang_{fmt}" if slot is None else f"sglang_{fmt}_w{slot}"  # no shared writes
             ckpt = export_8bit(model_dir, run_dir / name, fmt, uaq_scale=uaq_scale)
+            if base_gpus is not None and len(base_gpus) != count:
+                raise ValueError(f"base_gpus {base_gpus}: one per server ({count})")
             specs = []
-            for _ in range(count):
+            for i in range(count):
                 port = free_port()
-                specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=sg.tp,
-                                        command=server_command(str(ckpt), port=port, tp=sg.tp,
-                                                               quantization=quant, extra=sg.args)))
+                cmd = server_command(str(ckpt), port=port, tp=sg.tp, quantization=quant,
+                                     extra=sg.args, base_gpu=None if base_gpus is None
+                                     else base_gpus[i])
+                specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=sg.tp, command=cmd))
         from transformers import AutoConfig, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         vocab = int(AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vocab_size)
         return cls(specs, precision=precision, group_host=group_host, group_port=group_port,
-                   bucket_bytes=bucket_bytes, log_dir=run_dir / "logs", tokenizer=tok,
-                   vocab_size=vocab)
+                   backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
+                   tokenizer=tok, vocab_size=vocab)
 
     @property
     def version(self) -> int:
@@ -425,15 +466,21 @@ class SGLangEngine:
                                          self.timeouts.control_s), self.timeouts.control_s * 2)
 
     def _leave_group(self, timeout_s: float) -> None:
-        """Tell the servers to drop the current group (best effort: a restarted server has
-        none) and close our side."""
-        if self.weights.group is not None:
-            for s in self.servers:
+        """Tell the servers to drop the last group formed (best effort: a restarted server has
+        none) and close our side. Also after a failed sync closed ours: a broadcast abandoned
+        there (a refused bucket) ends when the servers leave the group."""
+        if self._group_name is not None:
+            body = {"group_name": self._group_name}
+
+            def destroy(s: _Server) -> None:
                 try:
-                    s.post_json("/destroy_weights_update_group",
-                                {"group_name": self.weights.group.group_name}, timeout_s)
+                    s.post_json("/destroy_weights_update_group", body, timeout_s)
                 except SGLangError:
                     pass
+            # all at once: a server still inside the abandoned broadcast answers only after the
+            # server that refused it has left (its scheduler runs one request at a time)
+            self._each(destroy, 2 * timeout_s)
+            self._group_name = None
         self.weights.close()
 
     def _form_group(self) -> None:
@@ -442,6 +489,7 @@ class SGLangEngine:
         offsets = [1 + sum(s.spec.tp for s in self.servers[:i]) for i in range(len(self.servers))]
 
         def invite(spec: GroupSpec) -> Callable[[], None]:
+            self._group_name = spec.name  # from now on the servers may hold it
             ex = ThreadPoolExecutor(max_workers=len(self.servers))
             futs = [ex.submit(s.post_json, "/init_weights_update_group",
                               {"master_address": spec.host, "master_port": spec.port,
@@ -488,14 +536,8 @@ class SGLangEngine:
                     "load_format": "flattened_bucket" if ann.load_format == "flattened_bucket"
                     else None}
             ex = ThreadPoolExecutor(max_workers=len(self.servers))
-            futs = [ex.submit(s.post_json, "/update_weights_from_distributed", body,
-                              self.timeouts.group_s) for s in self.servers]
-
-            def wait() -> None:
-                ex.shutdown(wait=True)
-                for f in futs:
-                    f.result()
-            return wait
+            return _Replies(ex, [ex.submit(s.post_json, "/update_weights_from_distributed", body,
+                                           self.timeouts.group_s) for s in self.servers])
         return announce
 
     def _sync(self, chunks: list[tuple[str, torch.Tensor]], version: int) -> SyncStats:
@@ -523,15 +565,26 @@ class SGLangEngine:
         stats.extra.update({"pause_s": t1 - t0, "finish_s": time.perf_counter() - t2})
         return stats
 
-    def _check_restore_loader(self, s: _Server) -> None:
-        """Refuse a W8A8 server that cannot run qurl's restore: asking it for an unknown
-        load_format kills its scheduler (SGLang 0.5.23 raises NotImplementedError there)."""
+    def _check_server(self, s: _Server) -> None:
+        """Refuse, from its /server_info, a server that is not what qurl was told: a TP size other
+        than spec.tp (the weight group would wait for ranks that never come, or leave some out,
+        until the group timeout), or a W8A8 server that cannot run qurl's restore (asking it
+        for an unknown load_format kills its scheduler: SGLang 0.5.23 raises NotImplementedError
+        there). A server without /server_info (older releases) is taken at its word."""
         status, raw = s.call("GET", "/server_info", None, self.timeouts.control_s)
         try:
-            loaders = json.loads(raw).get("custom_weight_loader") if status == 200 else None
-        except (json.JSONDecodeError, AttributeError):
-            loaders = None
-        if loaders is not None and RESTORE_LOAD_FORMAT not in loaders:
+            info = json.loads(raw) if status == 200 else None
+        except json.JSONDecodeError:
+            info = None
+        if not isinstance(info, dict):
+            return
+        tp = info.get("tp_size")
+        if isinstance(tp, int) and tp != s.spec.tp:
+            raise SGLangError(f"server {s.spec.url} runs --tp-size {tp} but qurl was told "
+                              f"sglang.tp={s.spec.tp}: set sglang.tp={tp}")
+        loaders = info.get("custom_weight_loader")
+        if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS and loaders is not None \
+                and RESTORE_LOAD_FORMAT not in loaders:
             raise SGLangError(f"server {s.spec.url} serves {QUANTIZATION[self.precision][0]} "
                               f"without --custom-weight-loader {RESTORE_LOAD_FORMAT} (it has "
                               f"{loaders}): it would refuse 8-bit updates; relaunch it with that "
@@ -598,6 +651,7 @@ class SGLangEngine:
                 self.restarts += 1
             for s in dead:
                 s.wait_healthy(self.timeouts.launch_s, self.timeouts.health_s)
+            self._leave_group(self.timeouts.control_s)  # ends a broadcast a failed sync left
             w8a8 = QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS
             for s in self.servers:  # a sync may have died inside a session: close it
                 try:  # restore first (idempotent), or closing would repack W8A8 layers twice

@@ -16,13 +16,28 @@ session and before the 8-bit broadcasts, through SGLang's own extension point:
 "serialized_named_tensors": [<empty list> per TP rank]}` on a server launched with
 `--custom-weight-loader qurl.engines.sglang_loader.restore_w8a8` (SGLang calls it as
 `fn(model, named_tensors)` on every TP rank, `model_runner_components/weight_updater.py`). For every
-W8A8 linear whose weight was post-processed (it has lost its `weight_loader`), it asks the layer's
-own quant method to create the loading-time parameters again (`create_weights`: the same classes,
-shapes, dtypes and loader SGLang built at startup) and fills them with the current codes,
-transposed back to [out, in], and scales. The layer is then exactly as it was between loading a
-checkpoint and post-processing it: `update_weights_from_distributed` loads the new 8-bit codes with
-SGLang's own Qwen2/Llama loaders (q/k/v and gate/up fusion, TP slicing), and `end_weight_update`
-post-processes once. A layer the update does not name keeps its codes (restored, then processed).
+W8A8 linear whose weight was post-processed (it has lost its `weight_loader`), it gives the layer
+back its loading-time parameters — the same classes, attributes and loader SGLang built at startup
+— over the SAME storage: the layer's quant method runs `create_weights` on the meta device (it
+allocates nothing; only the parameter objects and their attributes are kept), and each new
+parameter is re-bound to the tensor the layer holds, `weight` viewed back as [out, in] (a
+transpose is a view: no byte moves) and `weight_scale` reshaped to the loader's shape. The layer
+is then exactly as it was between loading a checkpoint and post-processing it:
+`update_weights_from_distributed` writes the new 8-bit codes in place with SGLang's own
+Qwen2/Llama loaders (q/k/v and gate/up fusion, TP slicing), and `end_weight_update`
+post-processes once, again as a view of that storage. A layer the update does not name keeps its
+codes (restored, then processed).
+
+Why the storage must stay. SGLang captures CUDA graphs for decoding at startup; a graph replays
+the kernel launches with the parameter ADDRESSES it saw then. A restore that allocated new
+tensors (as an earlier version of this module did, through `create_weights` on the real device)
+left the graphs reading the freed startup buffers after the first update: generation ran on, with
+stale or garbage weights. SGLang keeps parameter identities for the same reason
+(`layers/utils/common.py: copy_or_rebind_param`, used by block `fp8` post-processing, whose
+`process_weights_after_loading` assigns `layer.weight.data = ...` in place); `w8a8_int8` /
+`w8a8_fp8` post-processing wraps views of the loaded storage (`Parameter(weight.t())`), so with
+this restore every 8-bit parameter keeps its `data_ptr` across updates
+(tests/test_sglang_real.py checks it on the real server).
 
 Why this design and not the alternatives:
 - the bytes still travel as 8-bit codes over the weight group (NCCL on GPUs, gloo on CPU), from a
@@ -61,25 +76,46 @@ def _processed_w8a8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
+def _loading_view(name: str, held: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """The post-processed tensor `held` as a view with the loading-time shape of `want`:
+    `weight` is held transposed, [in, out] (always: a square one too), scales as loaded."""
+    view = held.t() if name == "weight" and held.dim() == 2 else held
+    if tuple(view.shape) != tuple(want.shape) and view.numel() == want.numel() \
+            and view.is_contiguous():
+        view = view.view(want.shape)  # a scale held [out] for a loader that wants [out, 1]
+    if tuple(view.shape) != tuple(want.shape):
+        raise RuntimeError(f"qurl restore: cannot view the held {name} {tuple(held.shape)} as "
+                           f"the loading-time {tuple(want.shape)}")
+    return view
+
+
 def _restore_layer(layer: torch.nn.Module) -> None:
-    """Re-create the loading-time `weight` [out, in] and `weight_scale` [out, 1] of one layer."""
-    weight, scale = layer.weight.data, layer.weight_scale.data  # [in, out], [out, 1] or [out]
+    """Give one layer back its loading-time `weight` [out, in] and `weight_scale` [out, 1]
+    parameters (classes, attributes, weight loader) over the storage it already holds."""
+    held = {n: p.data for n, p in layer.named_parameters(recurse=False)}
+    weight = held["weight"]  # [in, out] (a view of the loaded [out, in] storage)
     in_part, out_total = weight.shape
     out_parts = list(getattr(layer, "output_partition_sizes", None) or [out_total])
     if sum(out_parts) != out_total:
         out_parts = [out_total]
-    with torch.device(weight.device):
+    with torch.device("meta"):  # parameter objects only: nothing is allocated
         # w8a8 methods are not in SGLang's WEIGHT_LOADER_V2_SUPPORTED: the v1 loader is theirs
         layer.quant_method.create_weights(
             layer=layer, input_size_per_partition=in_part, output_partition_sizes=out_parts,
             input_size=layer.input_size, output_size=layer.output_size,
             params_dtype=layer.params_dtype, weight_loader=layer.weight_loader)
-    if layer.weight.shape != (out_total, in_part) or layer.weight.dtype != weight.dtype:
-        raise RuntimeError(f"qurl restore: {type(layer).__name__} rebuilt weight "
-                           f"{tuple(layer.weight.shape)} {layer.weight.dtype}, held "
-                           f"{tuple(weight.shape)} {weight.dtype} (transposed)")
-    layer.weight.data.copy_(weight.t())
-    layer.weight_scale.data.copy_(scale.reshape(layer.weight_scale.shape))
+    for name, fresh in list(layer.named_parameters(recurse=False)):
+        if not fresh.is_meta:
+            continue
+        if name not in held or held[name].dtype != fresh.dtype:
+            raise RuntimeError(f"qurl restore: {type(layer).__name__}.{name}: the quant method "
+                               f"rebuilt {fresh.dtype} {tuple(fresh.shape)}, the layer held "
+                               f"{held[name].dtype if name in held else 'nothing'}")
+        data = _loading_view(name, held[name], fresh)
+        # a parameter of the rebuilt class over the held storage, with the rebuilt attributes
+        rebound = torch.nn.Parameter._make_subclass(type(fresh), data, False)
+        rebound.__dict__.update(fresh.__dict__)
+        setattr(layer, name, rebound)
 
 
 def restore_w8a8(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:

@@ -96,10 +96,10 @@ class Broadcaster:
         try:
             return self.sender.send(chunks, version, announce=announce)
         except BaseException:
-            self.close()
+            self.close(abandon=True)  # a broadcast may be in flight: see WeightGroup.close
             raise
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         if self.group is not None:
-            self.group.close()
+            self.group.close(abandon=abandon)
         self.group = self.sender = None

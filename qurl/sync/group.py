@@ -32,6 +32,7 @@ or on a dead peer rather than hanging forever).
 from __future__ import annotations
 
 import socket
+import threading
 from datetime import timedelta
 
 import torch
@@ -107,12 +108,27 @@ class WeightGroup:
         opts.rootTensor = 0
         return self._pg.broadcast([tensor], opts)
 
-    def close(self) -> None:
-        """Drop the backend and the store connection (the peers must form a new group after)."""
+    def close(self, abandon: bool = False) -> None:
+        """Drop the backend and the store connection (the peers must form a new group after).
+
+        abandon=True: a broadcast may still be in flight (a peer refused it and never joined).
+        NCCL aborts it. Gloo cannot cancel one, and destroying a gloo backend blocks until its
+        pending work ends (the peer leaves the group, or the group timeout passes), so the
+        backend is released on a daemon thread instead: the caller goes on at once."""
         pg, self._pg = getattr(self, "_pg", None), None
-        if pg is not None and self.backend == "nccl":
+        self._tcp = None
+        if pg is None:
+            return
+        if self.backend == "nccl":
             try:
-                pg.shutdown()
+                if abandon:
+                    pg.abort()
+                else:
+                    pg.shutdown()
             except Exception:  # already broken: nothing more to release
                 pass
-        self._tcp = None
+        if abandon:
+            held = [pg]
+            del pg  # the thread must hold the last reference: the destructor is what blocks
+            threading.Thread(target=held.clear, daemon=True,
+                             name=f"release-{self.group_name}").start()

@@ -25,7 +25,12 @@ channel; the SGLang adapter puts the same fields in the body of `POST
 /update_weights_from_distributed` (fields `names`, `dtypes`, `shapes`, `load_format`,
 `weight_version` — SGLang 0.5.23's UpdateWeightsFromDistributedReqInput). `announce` may return a
 function; the sender calls it after the broadcast, to wait for the receivers (the HTTP reply, an
-ack) — that wait is the `load` time.
+ack) — that wait is the `load` time. A receiver that refuses a bucket (an HTTP 400: no update
+session, an unknown group, a bad layout) answers at once and never joins its broadcast, which
+would then wait for it until the group's timeout (10 minutes; on NCCL the watchdog kills the
+learner first). So when the returned function also has a `poll()` method (raise what a receiver
+already reported, else return), the sender calls it while the broadcast is in flight, and the
+refusal is raised within `POLL_S`.
 
 Two wire formats, both exactly what SGLang 0.5.23's receiver
 (`model_runner_components/weight_updater.py: receive_weights_from_distributed`) does:
@@ -50,6 +55,7 @@ from qurl.sync.buckets import Bucket, BucketLayout, bucket_buffer, pack, plan_bu
 from qurl.sync.group import WeightGroup
 
 LOAD_FORMATS = ("flattened_bucket", "per_tensor")
+POLL_S = 0.005  # how often a broadcast in flight checks the receivers' replies (module docstring)
 
 @dataclass(frozen=True)
 class BucketAnnouncement:
@@ -112,6 +118,18 @@ class SyncStats:
 Announce = Callable[[BucketAnnouncement], "Callable[[], None] | None"]
 
 
+def await_broadcast(works: list, waiter: Callable[[], None] | None) -> None:
+    """Wait for one bucket's broadcast `works`; when `waiter` has `poll()`, call it meanwhile,
+    so a receiver's refusal is raised now rather than after the group timeout."""
+    poll = getattr(waiter, "poll", None)
+    if poll is not None:
+        while not all(w.is_completed() for w in works):
+            poll()
+            time.sleep(POLL_S)
+    for w in works:
+        w.wait()
+
+
 class WeightSender:
     """Rank 0 of a WeightGroup: transport only. `send` buckets and broadcasts engine chunks that
     are already what the engines load (quantized by qurl.sync.arena.ArenaQuantizer, or by
@@ -156,8 +174,7 @@ class WeightSender:
         def finish(job: tuple[list, Callable[[], None] | None]) -> None:
             works, waiter = job
             t0 = time.perf_counter()
-            for w in works:
-                w.wait()
+            await_broadcast(works, waiter)
             if self.group.device.type == "cuda":
                 torch.cuda.synchronize()  # NCCL work.wait() only orders streams; time the transfer
             t1 = time.perf_counter()

@@ -7,6 +7,9 @@ same extension point qurl's restore uses: `POST /update_weights_from_tensor {"lo
 qurl_sglang_dump.dump_params` and this directory on PYTHONPATH. Each call saves
 {SGLang parameter name: tensor} (raw bytes and dtype, in the layout the server holds them) to
 `$QURL_SGLANG_DUMP_DIR/tp<rank>_<pid>_<n>.pt`, n counting calls in this process.
+`dump_ptrs` (flag `qurl_sglang_dump.dump_ptrs`) saves each parameter's `data_ptr` instead: called
+before qurl's restore in a session, it shows where the post-processed weights the server computes
+with live, so a test can check that updates keep them in place.
 """
 import itertools
 import os
@@ -22,4 +25,15 @@ def dump_params(model: torch.nn.Module, named_tensors: list) -> None:
     name = f"tp{rank}_{os.getpid()}_{next(_calls)}.pt"
     out = os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], name)
     torch.save(state, out + ".tmp")
+    os.replace(out + ".tmp", out)
+
+
+def dump_ptrs(model: torch.nn.Module, named_tensors: list) -> None:
+    """Save {SGLang parameter name: data_ptr} (where each parameter's bytes live on the device:
+    what a captured CUDA graph reads) to `$QURL_SGLANG_DUMP_DIR/ptrs_tp<rank>_<pid>_<n>.pt`."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    ptrs = {name: int(p.data_ptr()) for name, p in model.named_parameters()}
+    out = os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"],
+                       f"ptrs_tp{rank}_{os.getpid()}_{next(_calls)}.pt")
+    torch.save(ptrs, out + ".tmp")
     os.replace(out + ".tmp", out)
