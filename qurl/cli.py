@@ -52,8 +52,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from qurl.ranks import launch
 
     load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
-    if cfg.model.base not in LOCAL_BASES:  # a hub id or a model not fetched: one line, not ranks
-        resolve_base(cfg.model.base)
+    from qurl.models.convert import check_checkpoint_tp
+
+    base = cfg.model.base
+    if base not in LOCAL_BASES:  # a hub id or a model not fetched: one line, not ranks
+        base = resolve_base(base)
+    check_checkpoint_tp(base, cfg.learner.tp)  # heads that TP cannot split: one line, not ranks
     result = launch(_train_entry, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary
