@@ -133,18 +133,22 @@ def _learner_worker(rank: int, ws: int, tokens: torch.Tensor, mask: torch.Tensor
     out = {"logp": learner.logprobs(tokens).cpu(),
            "padded_vocab": convert.padded_vocab_size(49152, ws),
            "local_vocab": learner._local_vocab}
-    named = dict(learner.named_weights())  # TP-gathered HF names (a collective: every rank)
-    out["names"] = sorted(named)
-    out["embed"] = named["model.embed_tokens.weight"].detach().cpu().clone()
-    out["q0"] = named["model.layers.0.self_attn.q_proj.weight"].detach().cpu().clone()
-    out["k0"] = named["model.layers.0.self_attn.k_proj.weight"].detach().cpu().clone()
+    # TP-gathered HF names: a collective every rank joins, whose tensors only rank 0 receives
+    named = {k: v.detach().cpu().clone() for k, v in learner.named_weights()}
+    if rank == 0:
+        out["names"] = sorted(named)
+        out["embed"] = named["model.embed_tokens.weight"]
+        out["q0"] = named["model.layers.0.self_attn.q_proj.weight"]
+        out["k0"] = named["model.layers.0.self_attn.k_proj.weight"]
     g = torch.Generator().manual_seed(0)
     stats = learner.train_step(tokens, mask, out["logp"] + 0.05 * torch.randn(tokens.shape, generator=g),
                                torch.tensor([1.0, -1.0]))
     out["stats"] = stats
-    out["moved"] = float((dict(learner.named_weights())["model.layers.0.self_attn.q_proj.weight"]
-                          .detach().cpu() - out["q0"]).abs().max())
-    return out if rank == 0 else {"stats": stats}
+    after = {k: v.detach().cpu() for k, v in learner.named_weights()}
+    if rank:
+        return {"stats": stats}
+    out["moved"] = float((after["model.layers.0.self_attn.q_proj.weight"] - out["q0"]).abs().max())
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +169,9 @@ def learner_runs() -> tuple[dict, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("ws", [1, 3])
 def test_learner_logprobs_match_transformers_fp32(learner_runs, ws: int) -> None:
+    from qurl.config import AlgoConfig
     from qurl.models.hf import load_checkpoint, read_state_dict
+    from qurl.quant.uaq import apply_uaq
 
     runs, tokens, mask = learner_runs
     res = runs[ws][0]
@@ -175,6 +181,8 @@ def test_learner_logprobs_match_transformers_fp32(learner_runs, ws: int) -> None
     valid[:, 0] = False
     diff = (res["logp"] - ref)[valid].abs()
     assert torch.isfinite(res["logp"][valid]).all()
+    print(f"smollm2-135m learner tp={ws} vs transformers (fp32): max |dlogp| {float(diff.max()):.2e}"
+          f" mean {float(diff.mean()):.2e} over {int(valid.sum())} tokens (tol {LOGP_TOL})")
     assert float(diff.max()) <= LOGP_TOL, float(diff.max())
     # 49152 = 128 * 384 is already a multiple of 128 * TP for TP 1 and 3: no padded rows, and the
     # learner's shard is exactly a third of the real vocabulary
@@ -184,7 +192,10 @@ def test_learner_logprobs_match_transformers_fp32(learner_runs, ws: int) -> None
     assert "lm_head.weight" not in res["names"] and "lm_head.weight" not in state
     assert torch.equal(res["embed"], state["model.embed_tokens.weight"].float())
     assert res["q0"].shape == (576, 576) and res["k0"].shape == (192, 576)  # 9 heads / 3 KV heads x 64
-    assert torch.equal(res["k0"], state["model.layers.0.self_attn.k_proj.weight"].float())
+    # q/k/v carry UAQ's invariant scaling (algo.uaq_scale=1.5: W/s, norm gain x s) in the masters
+    scaled = apply_uaq({k: v.float() for k, v in state.items()}, AlgoConfig().uaq_scale)
+    assert torch.equal(res["k0"], scaled["model.layers.0.self_attn.k_proj.weight"])
+    assert not torch.equal(res["k0"], state["model.layers.0.self_attn.k_proj.weight"].float())
 
 
 def test_learner_train_step_tp3_equals_tp1(learner_runs) -> None:
