@@ -113,32 +113,6 @@ def _check_tp(hf_config: Any, tp: int) -> dict[str, int]:
     return d
 
 
-def check_checkpoint_tp(base: str, tp: int) -> None:
-    """Refuse `learner.tp=tp` before any rank starts when it does not divide the model's heads.
-
-    base: a local preset name (tiny, small) or a checkpoint directory holding config.json. Raises
-    InputError in one line naming the head counts, e.g. SmolLM2-135M (9 heads / 3 KV heads) at
-    tp=2: `learner.tp=2: must divide num_attention_heads=9, num_key_value_heads=3 and ...`."""
-    import json
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    from qurl.errors import InputError
-    from qurl.models.hf import MODEL_PRESETS
-
-    if base in MODEL_PRESETS:
-        fields = MODEL_PRESETS[base]
-    else:
-        try:
-            fields = json.loads((Path(base) / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"model.base={base!r}: cannot read config.json ({e})") from None
-    try:
-        _check_tp(SimpleNamespace(**fields), tp)
-    except (ValueError, AttributeError, TypeError, KeyError) as e:
-        raise InputError(f"{e} (model.base={base})") from None
-
-
 def megatron_config_from_hf(hf_config: Any, *, tp: int, dtype: torch.dtype) -> dict[str, Any]:
     """TransformerConfig kwargs describing the HF architecture (runtime flags are the learner's)."""
     _arch(hf_config)
