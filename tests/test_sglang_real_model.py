@@ -7,8 +7,11 @@ over 3 KV heads (fused qkv 576 + 192 + 192 = 960 rows), SwiGLU 1536, tied embedd
 BPE vocabulary and a chat template. Here, on that model (`make test-sglang` fetches it first):
 
 - a bf16 server's log-probs match qurl's local engine (fp32 compute, same bf16 weights);
-- qurl's 8-bit updates (w8a8_int8, w8a8_fp8, block fp8 with partial 128x128 blocks) into a real
-  server read back byte-equal to the learner's codes and scales, every tensor moved;
+- qurl's 8-bit updates (w8a8_int8, w8a8_fp8) into a real server read back byte-equal to the
+  learner's codes and scales, every tensor moved;
+- block fp8 cannot serve this model (q_proj's 576 rows are 4.5 blocks of 128 inside SGLang's
+  fused qkv): the real server refuses the checkpoint, and `qurl train` refuses the config first,
+  in one line, by the rule qurl/models/fits.py reads from SGLang's source;
 - `qurl train --set rollout.engine=sglang` runs sync and async (one rollout worker).
 
 Skipped with the reason without `.venv-sglang` or without the fetched model. The weights are a
@@ -30,6 +33,7 @@ from qurl.quant.named import engine_chunks
 from qurl.rollout import PromptCodec
 from qurl.types import GenRequest, SamplingParams
 from qurl.weights import WeightSync
+from tests import sglang_real
 from tests.sglang_real import fuse_like_sglang, held_like, launch, needs_sglang, read_back, server_env
 from tests.test_sglang_real import _bytes, _check_run, _train
 
@@ -48,12 +52,21 @@ QUESTIONS = ["What is 7 + 5?", "Compute 12 * 3.", "Name a prime number larger th
 MEAN_TOL, MAX_TOL = 0.05, 0.5
 
 
+# SGLang sizes its KV pool from the memory it sees vanish during the weight load; on a machine
+# where other processes allocate meanwhile, 0.2 (enough for the tiny model) was refused with
+# "Raise --mem-fraction-static above 0.407". --max-total-tokens still caps the pool.
+MEM_FRACTION = "0.8"
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     dump = tmp_path_factory.mktemp("dump")
+    flags = list(sglang_real.CPU_FLAGS)
+    flags[flags.index("--mem-fraction-static") + 1] = MEM_FRACTION
     with pytest.MonkeyPatch.context() as mp:
         for k, v in server_env(dump).items():
             mp.setenv(k, v)
+        mp.setattr(sglang_real, "CPU_FLAGS", tuple(flags))  # read at call time by launch / _train
         yield dump
 
 
@@ -100,7 +113,7 @@ def states(tmp_path_factory):
     return root, fp32, v0, v1
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp8", "fp8_block"])
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_8bit_update_reads_back_byte_equal_on_smollm2_shapes(precision, env, states, tmp_path):
     """qurl's production sync (WeightSync: quantize into the wire arenas, broadcast the codes and
     scales over a real gloo group inside a begin/end session) into a real server started from v0:
@@ -143,3 +156,20 @@ def test_qurl_train_sync_on_real_sglang_real_model(env, tmp_path: Path):
 def test_qurl_train_async_on_real_sglang_real_model(env, tmp_path: Path):
     _check_run(_train(tmp_path, "async", *_REAL, "deploy.rollout=workers",
                       "rollout.max_staleness=1", "deploy.engines=1"))
+
+
+def test_block_fp8_is_refused_by_the_real_server_and_first_by_qurl(env, states, tmp_path, capsys):
+    """qurl/models/fits.py's rule against the real thing: the server started from this model's
+    block-FP8 checkpoint dies on the rule; `qurl train` says so in one line before starting any."""
+    from qurl.cli import main
+    from qurl.engines.sglang import SGLangError
+
+    root, fp32, _, _ = states
+    ckpt = export_8bit(fp32, root / "fp8_block_v0", "fp8_block")
+    with pytest.raises(SGLangError, match="output_partition_size = 576 is not divisible"):
+        eng = launch(ckpt, "fp8", tmp_path / "logs", precision="fp8_block", generates=False)
+        eng.close()
+    assert main(["train", "--set", f"model.base={MODEL}", "--set", "rollout.engine=sglang",
+                 "--set", "rollout.precision=fp8_block", "--set", f"deploy.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "q_proj has 576" in err, err
