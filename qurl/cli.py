@@ -52,8 +52,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from qurl.ranks import launch
 
     load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
-    if cfg.model.base not in LOCAL_BASES:  # a hub id or a model not fetched: one line, not ranks
-        resolve_base(cfg.model.base)
+    from qurl.models.fits import check_fits
+
+    base = cfg.model.base
+    if base not in LOCAL_BASES:  # a hub id or a model not fetched: one line, not ranks
+        base = resolve_base(base)
+    # a model the layout cannot split (TP over its heads, SGLang's block FP8): one line, not ranks
+    check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
+               precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
     result = launch(_train_entry, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary

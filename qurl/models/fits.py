@@ -1,0 +1,84 @@
+"""Does a checkpoint fit the layout a run asks for? Checked before any rank or server starts.
+
+A user's model is not shaped for every layout, and the places that would notice fail late and
+far away: megatron-core asserts inside every learner rank, SGLang's scheduler dies in its own log.
+`qurl train` runs these checks where the base is resolved (qurl/cli.py), so the error is one line
+naming the sizes, exit 2.
+
+- **Tensor parallelism** (`learner.tp`): Megatron splits attention heads, KV heads (GQA query
+  groups) and the SwiGLU width across ranks, so tp must divide all three. SmolLM2-135M has 9
+  heads over 3 KV heads: tp 1 and 3 fit, tp 2 does not.
+- **Block FP8 on SGLang** (`rollout.precision=fp8_block`, SGLang 0.5.23
+  `srt/layers/quantization/fp8_utils.py` `validate_fp8_block_shape`): SGLang fuses q|k|v and
+  gate|up into one GEMM and requires every fused part but the last to be a whole number of
+  128-row weight blocks; with `sglang.tp` > 1 every per-rank part, and every row-parallel input
+  slice (o_proj, down_proj), too. SmolLM2-135M's q_proj has 576 rows (4.5 blocks), so its
+  fused qkv cannot be block-quantized; int8 and per-channel fp8 have no such rule.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from qurl.errors import InputError
+
+FP8_BLOCK = 128  # SGLang's weight_block_size [128, 128] (qurl.models.export8bit writes it)
+
+
+def read_fields(base: str) -> dict[str, Any]:
+    """config.json of checkpoint dir `base`, or a local preset's fields (tiny, small)."""
+    from qurl.models.hf import MODEL_PRESETS
+
+    if base in MODEL_PRESETS:  # the vocabulary is the character tokenizer's (not a preset field)
+        from qurl.models.tokenizer import build_tokenizer
+
+        return dict(MODEL_PRESETS[base], vocab_size=len(build_tokenizer()))
+    try:
+        return json.loads((Path(base) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"model.base={base!r}: cannot read config.json ({e})") from None
+
+
+def check_learner_tp(fields: dict[str, Any], tp: int, base: str) -> None:
+    """InputError (one line, naming the head counts) unless tp divides heads, KV heads, FFN."""
+    from qurl.models.convert import _check_tp
+
+    try:
+        _check_tp(SimpleNamespace(**fields), tp)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise InputError(f"{e} (model.base={base})") from None
+
+
+def fp8_block_problem(fields: dict[str, Any], sglang_tp: int = 1) -> str | None:
+    """Why SGLang 0.5.23 cannot load this model as block FP8 at `sglang_tp`, or None if it can."""
+    from qurl.models.convert import dims
+
+    d = dims(SimpleNamespace(**fields))
+    q, kv, ffn = d["nh"] * d["hd"], d["ng"] * d["hd"], d["I"]
+    merged = {"q_proj|k_proj|v_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+              "gate_proj|up_proj": [("gate_proj", ffn), ("up_proj", ffn)]}
+    for fused, parts in merged.items():
+        checked = parts if sglang_tp > 1 else parts[:-1]  # the last part may end mid-block
+        for name, rows in checked:
+            if (rows // sglang_tp) % FP8_BLOCK:
+                return (f"{name} has {rows // sglang_tp} output rows per rank, not a multiple of "
+                        f"the {FP8_BLOCK}-row blocks SGLang needs in its fused {fused} GEMM")
+    if sglang_tp > 1:
+        for name, cols in (("o_proj", q), ("down_proj", ffn)):
+            if (cols // sglang_tp) % FP8_BLOCK:
+                return (f"{name} has {cols // sglang_tp} input columns per rank, not a multiple "
+                        f"of the {FP8_BLOCK}-column blocks SGLang needs")
+    return None
+
+
+def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int) -> None:
+    """Every check above for checkpoint `base` (a path or a local preset); InputError, one line."""
+    fields = read_fields(base)
+    check_learner_tp(fields, learner_tp, base)
+    if engine == "sglang" and precision == "fp8_block":
+        problem = fp8_block_problem(fields, sglang_tp)
+        if problem:
+            raise InputError(f"rollout.precision=fp8_block with rollout.engine=sglang: {problem} "
+                             f"(model.base={base}); use rollout.precision=fp8 (per channel) or int8")
