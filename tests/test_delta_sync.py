@@ -239,3 +239,97 @@ def test_stale_base_is_refused_before_any_write(model_dir):
     assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
     with pytest.raises(ValueError, match="#dpos: no tensor of that name"):
         engine.load_weights(iter(delta.chunks), 2)
+
+
+# ------------------------------------------------------------------ a receiver in another process
+
+def _engine_receiver(port: int, model_dir: str, precision: str, ann_q, ack_q) -> None:
+    """Rank 1 of a gloo weight group: a LocalEngine fed by the WeightReceiver, as an async
+    rollout worker runs it (double-banked buffers, deltas, verification after every sync)."""
+    torch.set_num_threads(1)
+    from qurl.sync.group import WeightGroup
+    from qurl.sync.receiver import WeightReceiver
+
+    group = WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
+    engine = LocalEngine(model_dir, precision=precision)
+    rx = WeightReceiver(group, engine)
+    while True:
+        first = ann_q.get(timeout=120)
+        if first is None:
+            break
+        pending = [first]
+        try:
+            stats = rx.receive(lambda: pending.pop() if pending else ann_q.get(timeout=120))
+        except StaleBase as e:
+            ack_q.put({"refused": str(e)})
+            continue
+        bad = engine.verify(stats.header["digests"])
+        ack_q.put({"version": engine.version, "digest": engine.digest, "bad": bad,
+                   "adopted": engine.adopted, "bytes": stats.bytes})
+    ack_q.put({"state": named_digests(engine.model.state_dict().items())})
+    group.close()
+
+
+def gloo_replay(model_dir, precision: str, versions: list, corrupt_at: int | None = None) -> dict:
+    """Sync `versions` (fp32 named weights) to a LocalEngine in another process over a gloo
+    WeightGroup with the planner's deltas; returns the acks and the engine's final state digests.
+    corrupt_at: that version's delta goes out with one value changed (a transport bug)."""
+    import multiprocessing as mp
+
+    from qurl.sync.group import WeightGroup, free_port
+    from qurl.sync.sender import WeightSender
+
+    ctx = mp.get_context("spawn")
+    ann_q, ack_q = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    proc = ctx.Process(target=_engine_receiver, args=(port, str(model_dir), precision, ann_q, ack_q),
+                       daemon=True)
+    proc.start()
+    acks, plans = [], []
+    try:
+        group = WeightGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=120)
+        sender = WeightSender(group, bucket_bytes=1 << 20)  # several buckets per sync
+        planner = SyncPlanner()
+        holder = None
+        for v, named in enumerate(versions):
+            chunks = list(engine_chunks(iter(named), precision))
+            plan = planner.plan(chunks, v, holder)
+            wire = list(plan.chunks)
+            if v == corrupt_at:
+                i = next(i for i, (n, _) in enumerate(wire) if n.endswith("#dval"))
+                wire[i] = (wire[i][0], _flip(wire[i][1], [0]))
+            header = plan.header()
+            sender.send(wire, v, announce=lambda a: ann_q.put(
+                {**a.to_dict(), **({"sync": header} if a.index == 0 else {})}))
+            ack = ack_q.get(timeout=120)
+            if ack.get("bad"):  # as the worker does: ask for everything again
+                plan = planner.full(plan, chunks, "mismatch")
+                header = plan.header()
+                sender.send(plan.chunks, v, announce=lambda a: ann_q.put(
+                    {**a.to_dict(), **({"sync": header} if a.index == 0 else {})}))
+                ack = {**ack_q.get(timeout=120), "resynced": True}
+            acks.append(ack)
+            plans.append(plan)
+            holder = (ack["version"], ack["digest"]) if ack.get("digest") else None
+        ann_q.put(None)
+        state = ack_q.get(timeout=120)["state"]
+        group.close()
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    return {"acks": acks, "plans": plans, "state": state}
+
+
+def test_receiver_process_applies_deltas_and_catches_a_corrupted_one(model_dir):
+    versions = _versions(model_dir, 5, step=5e-4, seed=4)
+    out = gloo_replay(model_dir, "int8", versions, corrupt_at=3)
+    modes = [p.mode for p in out["plans"]]
+    assert modes == ["full", "delta", "delta", "full", "delta"]  # v3: delta, bad, then full
+    assert [a["bad"] == [] for a in out["acks"]] == [True, True, True, True, True]
+    assert out["acks"][3].get("resynced") and not out["acks"][2].get("resynced")
+    assert all(a["bytes"] < 0.5 * p.stats.full_bytes
+               for a, p in zip(out["acks"][1:], out["plans"][1:]) if p.mode == "delta")
+    fresh = LocalEngine(model_dir, precision="int8")
+    WeightSync("int8", mode="full").push(iter(versions[-1]), fresh, 4)
+    assert out["state"] == named_digests(fresh.model.state_dict().items())

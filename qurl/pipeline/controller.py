@@ -159,7 +159,7 @@ class Controller:
             self.fleet.check_procs()
             for slot in self.fleet.take_replaced():
                 self.work.reclaim(slot)
-            if self.fleet.need_group:
+            if self.fleet.need_group or self.fleet.need_full:
                 self._push()
                 continue
             self.work.dispatch(self.version, self.fleet.ready_slots(), self._send)
