@@ -19,27 +19,12 @@ from typing import Iterable
 import torch
 
 from qurl.engines.base import Engine
-from qurl.quant.flips import flip_fractions
+from qurl.quant.flips import aggregate_flips
 from qurl.quant.named import NAMED_FORMATS
 from qurl.sync.arena import ArenaQuantizer
 from qurl.sync.plan import SyncPlanner
 
-
-class FlipTracker:
-    """Flip fraction between consecutive syncs, from the exact 8-bit codes sent."""
-
-    def __init__(self) -> None:
-        self._prev_codes: dict[str, torch.Tensor] = {}
-
-    def update(self, chunks: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        codes = {n: t for n, t in chunks if t.dtype in (torch.int8, torch.float8_e4m3fn)}
-        stats: dict[str, float] = {}
-        if self._prev_codes and codes:
-            flips = flip_fractions(self._prev_codes, codes)
-            stats = {"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
-                     "flip_frac/unscaled": flips["unscaled"]}
-        self._prev_codes = codes
-        return stats
+CODES = (torch.int8, torch.float8_e4m3fn)
 
 
 class WeightSync:
@@ -54,7 +39,6 @@ class WeightSync:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision
         self.quantizer = ArenaQuantizer(precision, bucket_bytes, wire_dtype)
-        self.flips = FlipTracker()
         self.planner = SyncPlanner(mode, full_every)
 
     def quantize(self, named: Iterable[tuple[str, torch.Tensor]],
@@ -63,7 +47,16 @@ class WeightSync:
         stats: gather / quantize seconds and the flip fraction since the previous version."""
         chunks, gather_s, quant_s = self.quantizer.quantize(named)
         stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s}
-        stats.update(self.flips.update(chunks))
+        t0 = time.perf_counter()
+        # the flip fraction, from the exact codes sent; the same compare feeds the delta
+        changed = self.planner.diff(chunks if self.planner.mode == "delta" else
+                                    [(n, t) for n, t in chunks if t.dtype in CODES])
+        flips = aggregate_flips({n: p.numel() for n, p in changed.items()},
+                                {n: t.numel() for n, t in chunks})
+        if flips:
+            stats.update({"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
+                          "flip_frac/unscaled": flips["unscaled"]})
+        stats["sync/time_diff"] = time.perf_counter() - t0
         return chunks, stats
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], engine: Engine | None,

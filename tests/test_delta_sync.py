@@ -206,8 +206,8 @@ def test_corrupted_delta_is_caught(model_dir, monkeypatch):
     sync.push(iter(versions[0]), engine, 0)
     real = D.encode_named
 
-    def corrupt(prev, new):
-        chunks, st = real(prev, new)
+    def corrupt(prev, new, positions=None):
+        chunks, st = real(prev, new, positions)
         i = next(i for i, (n, _) in enumerate(chunks) if n.endswith("#dval"))
         chunks[i] = (chunks[i][0], _flip(chunks[i][1], [0]))  # a wrong value on the wire
         return chunks, st

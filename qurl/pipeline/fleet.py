@@ -69,7 +69,8 @@ class _SlotState:
 
 class Fleet:
     def __init__(self, cfg: Config, run_dir: Path, key: bytes, model_dir: str, *, vocab_size: int,
-                 spawn: bool = True, worker_threads: int = 0) -> None:
+                 spawn: bool = True, worker_threads: int = 0,
+                 planner: SyncPlanner | None = None) -> None:
         from qurl.stream.channel import Receiver, Sender
 
         self.cfg, self.run_dir, self.key = cfg, Path(run_dir), key
@@ -92,7 +93,7 @@ class Fleet:
                                    timeout_s=GROUP_TIMEOUT_S)
         self.need_group = True
         self.need_full = False  # a worker asked for a full sync (refused delta, failed verify)
-        self.planner = SyncPlanner(d.sync_mode, d.full_sync_every)
+        self.planner = planner or SyncPlanner(d.sync_mode, d.full_sync_every)
         self._holder: tuple[int, str] | None = None  # what every group member was last sent
         self._replaced: list[int] = []
         self.sync_acks: list[dict[str, Any]] = []  # "synced" acks since the caller last took them

@@ -20,6 +20,10 @@ engine checks before applying anything. The planner remembers v as the next base
 the send succeeds; the receivers' `holder` decides whether it can be used.
 
 `fallbacks` counts every full sync by reason over the planner's life (cumulative, for records).
+
+One compare pass per sync: `diff(chunks)` finds the changed positions of every tensor against the
+previous version (the flip fraction is counted from them, qurl/weights.py) and `plan` reuses them
+for the delta of the same chunks.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from qurl.sync.delta import Chunks, DeltaStats, encode_named
+from qurl.sync.delta import Chunks, DeltaStats, diff_named, encode_named
 from qurl.sync.digest import combine, named_digests
 
 SYNC_MODES = ("delta", "full")
@@ -82,6 +86,14 @@ class SyncPlanner:
         self._prev_digest: str | None = None
         self._since_full = 0
         self.fallbacks: Counter[str] = Counter()
+        self._diffed: tuple[Sequence, dict[str, torch.Tensor]] | None = None
+
+    def diff(self, chunks: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Changed positions of `chunks` (the next version) against the last version planned,
+        per tensor (qurl.sync.delta.diff_named); {} before the first. Kept for `plan(chunks)`."""
+        pos = {} if self._prev is None else diff_named(self._prev, chunks)
+        self._diffed = (chunks, pos)
+        return pos
 
     @property
     def last(self) -> tuple[int, str] | None:
@@ -104,7 +116,8 @@ class SyncPlanner:
                             stats=_full_stats(chunks), digest_s=digest_s)
         else:
             t1 = time.perf_counter()
-            wire, st = encode_named(self._prev, chunks)
+            known = self._diffed[1] if self._diffed and self._diffed[0] is chunks else None
+            wire, st = encode_named(self._prev, chunks, known)
             plan = SyncPlan(version, "delta", "", wire, digests, digest,
                             base=(self._prev_version, self._prev_digest), stats=st,
                             encode_s=time.perf_counter() - t1, digest_s=digest_s)
@@ -138,6 +151,7 @@ class SyncPlanner:
     def _remember(self, chunks: Sequence[tuple[str, torch.Tensor]], version: int, digest: str,
                   mode: str) -> None:
         self._prev = dict(chunks)  # views into the quantizer's arena: intact until v+2 is built
+        self._diffed = None
         self._prev_version, self._prev_digest = int(version), digest
         self._since_full = 0 if mode == "full" else self._since_full + 1
 
