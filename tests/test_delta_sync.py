@@ -52,6 +52,15 @@ def test_roundtrip_across_blocks_is_bit_exact(dtype):
     assert torch.equal(prev.view(torch.uint8), prev.view(torch.uint8))  # base untouched
 
 
+def test_a_single_change_packs_on_the_wire():
+    from qurl.sync.buckets import align_order, layout_of, pack, unpack
+
+    prev = torch.zeros(70_000, dtype=torch.int8)
+    chunks = align_order(D.encode_tensor("w", prev, _flip(prev, [69_999])))
+    got = dict(unpack(pack(chunks, layout_of(chunks)), layout_of(chunks)))
+    assert D.apply_named({"w": prev}, got.items())["w"][69_999] == 1
+
+
 def test_fp8_signed_zero_is_a_change():
     prev = torch.zeros(10, dtype=torch.float8_e4m3fn)
     new = prev.clone()

@@ -89,7 +89,8 @@ def encode_positions(pos: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch
     """Ascending flat positions int64 [k] -> (low 16 bits as int16 [k], cumulative per-block
     counts int32 [ceil(numel / 2^16)])."""
     pos = pos.to(torch.int64).contiguous()
-    low = pos.view(torch.int16)[::4].contiguous()  # the low 16 bits (little-endian int64)
+    low = torch.empty(pos.numel(), dtype=torch.int16)  # (a fresh, truly contiguous tensor)
+    low.copy_(pos.view(torch.int16)[::4])  # the low 16 bits (little-endian int64)
     bounds = torch.arange(1, n_blocks(numel) + 1, dtype=torch.int64) << BLOCK_BITS
     return low, torch.searchsorted(pos, bounds).to(torch.int32)
 
