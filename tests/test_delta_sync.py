@@ -342,3 +342,63 @@ def test_receiver_process_applies_deltas_and_catches_a_corrupted_one(model_dir):
     fresh = LocalEngine(model_dir, precision="int8")
     WeightSync("int8", mode="full").push(iter(versions[-1]), fresh, 4)
     assert out["state"] == named_digests(fresh.model.state_dict().items())
+
+
+# ------------------------------------------------------------------ a real training run
+
+TIMING_KEYS = ("time", "tokens_per_s", "wall", "threads/")
+
+
+@pytest.mark.slow
+def test_twenty_delta_syncs_of_a_run_equal_a_full_sync_and_train_the_same(runs_dir, monkeypatch):
+    """A 20-step sync-loop run (tiny model, default lr) with delta sync: every sync after the
+    first is a delta and verified; the run's engine and a receiver in another process (the async
+    workers' path) fed the same 21 versions end byte-equal to a fresh full sync of the last one;
+    and the same run with full syncs logs the same training metrics, step for step."""
+    from pipeline_helpers import tiny_cfg, use_free_dist_port
+
+    from qurl.learn import InProcessRollout, train
+    from qurl.metrics import read_metrics
+
+    use_free_dist_port()
+    root = runs_dir("delta20")
+    captured, kept = [], {}
+    push = WeightSync.push
+
+    def spy(self, named, engine, version):
+        named = [(n, t.detach().clone()) for n, t in named]
+        captured.append(named)
+        return push(self, iter(named), engine, version)
+
+    def close(self):
+        kept.update(engine=self.engine, model_dir=self.z.run.model_dir)
+
+    monkeypatch.setattr(WeightSync, "push", spy)
+    monkeypatch.setattr(InProcessRollout, "close", close)
+    small = {"rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 8,
+             "optim.lr": 3e-5, "deploy.ckpt_every": 0, "data.train_size": 40}
+    train(tiny_cfg(root, "delta", 20, **small))
+    monkeypatch.setattr(WeightSync, "push", push)
+    train(tiny_cfg(root, "full", 20, **small, **{"deploy.sync_mode": "full"}))
+
+    recs = {m: [r for r in read_metrics(root / m / "metrics.jsonl") if r["kind"] == "train"]
+            for m in ("delta", "full")}
+    d = recs["delta"]
+    assert len(captured) == 21 and [r["step"] for r in d] == list(range(1, 21))
+    assert all(r["sync/delta"] == 1.0 and r["sync/verified"] == 1.0 for r in d)
+    assert all(r["sync/bytes"] < r["sync/full_bytes"] for r in d)
+    assert all(r["sync/bytes"] == r["sync/full_bytes"] for r in recs["full"])
+    assert any(r["flip_frac"] > 0 for r in d) and any(r["grad_norm"] > 0 for r in d)
+    for rd, rf in zip(d, recs["full"]):  # the policy cannot tell how its weights travelled
+        for k, v in rd.items():
+            if not k.startswith(("sync/",) + TIMING_KEYS) and "time" not in k:
+                assert rf[k] == v or (v != v and rf[k] != rf[k]), (rd["step"], k, v, rf[k])
+
+    engine, model_dir = kept["engine"], kept["model_dir"]
+    fresh = LocalEngine(model_dir, precision="int8")
+    WeightSync("int8", mode="full").push(iter(captured[-1]), fresh, 20)
+    assert engine.version == 20 and _same(engine, fresh)
+    out = gloo_replay(model_dir, "int8", captured)
+    assert [p.mode for p in out["plans"]] == ["full"] + ["delta"] * 20
+    assert all(a["bad"] == [] and not a.get("resynced") for a in out["acks"])
+    assert out["state"] == named_digests(fresh.model.state_dict().items())
