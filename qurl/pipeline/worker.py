@@ -22,9 +22,9 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
 Every sync is verified: after the receiver commits a version the worker hashes what its engine
 holds against the learner's digests (qurl/sync/digest.py, sent with the first announcement). A
 delta whose base the engine does not hold verified is refused before anything is written (the
-engine keeps its version); a mismatch leaves the engine unverified, and the worker abandons the
-generation in progress (its prompts go back to the queue) and generates nothing until a full sync
-verifies. Either way it asks the controller for a full sync (`resync` with the reason) and stays
+engine keeps its version); a mismatch leaves the engine unverified. Either way the worker abandons
+the generation in progress (its prompts go back to the queue) and generates nothing until a full
+sync verifies. Either way it asks the controller for a full sync (`resync` with the reason) and stays
 in the group.
 
 Prompts and control share one ordered channel per slot, so a weight update announced before a prompt
@@ -287,9 +287,10 @@ class RolloutWorker:
             log.warning("slot %d: delta v%s refused: %s", self.slot, first.get("version"), e)
             self._send_control({"op": "resync", "reason": "refused",
                                 "version": int(self.engine.version)})
+            self.weights_ok = False  # behind the controller's version: wait for the full sync
             for msg in deferred:
                 self._handle(msg)
-            return
+            raise _Unverified()
         except Exception as e:  # dead peer, timeout, bad chunk: the controller re-forms the group
             self.counts["sync_failures"] += 1
             log.warning("slot %d: weight sync v%s failed: %s", self.slot, first.get("version"), e)
