@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from qurl.sync.arena import ChunkArena
-from qurl.sync.delta import (apply_positions, check_delta, diff_named, encode_named,
-                             group_delta_chunks)
+from qurl.sync.delta import (apply_positions, check_delta, delta_nbytes, diff_named,
+                             encode_named, group_delta_chunks)
 from qurl.sync.digest import combine, named_digests
 from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import WeightReceiver
@@ -46,15 +46,18 @@ FLIPS = (0.005, 0.02, 0.05)
 KINDS = ("codes", "scales", "pass")
 
 
-def engine_chunks_at(shape: str, layers: int | None = None, seed: int = 0
+def engine_chunks_at(shape: str, layers: int | None = None, seed: int = 0, meta: bool = False
                      ) -> list[tuple[str, torch.Tensor]]:
     """Engine chunks (int8 codes + fp32 scales, bf16 pass-throughs) at `shape`, random values;
-    layers: only the first this many decoder layers (every shape of a layer is exact)."""
+    layers: only the first this many decoder layers (every shape of a layer is exact);
+    meta: tensors on the meta device (names, shapes and dtypes only)."""
     hidden, n_layers, heads, kv_heads, ffn, vocab, tied = DELTA_SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
     kv = hidden // heads * kv_heads
 
     def bf16(*s: int) -> torch.Tensor:
+        if meta:
+            return torch.empty(*s, dtype=torch.bfloat16, device="meta")
         return (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
 
     out = [("model.embed_tokens.weight", bf16(vocab, hidden))]
@@ -68,9 +71,13 @@ def engine_chunks_at(shape: str, layers: int | None = None, seed: int = 0
                                    ("mlp.gate_proj", (ffn, hidden), False),
                                    ("mlp.up_proj", (ffn, hidden), False),
                                    ("mlp.down_proj", (hidden, ffn), False)):
-            out.append((p + kind + ".weight",
-                        torch.randint(-127, 128, (o, n), generator=g, dtype=torch.int8)))
-            out.append((p + kind + ".weight_scale", torch.rand(o, 1, generator=g) * 1e-3 + 1e-4))
+            if meta:
+                out.append((p + kind + ".weight", torch.empty(o, n, dtype=torch.int8, device="meta")))
+                out.append((p + kind + ".weight_scale", torch.empty(o, 1, device="meta")))
+            else:
+                out.append((p + kind + ".weight",
+                            torch.randint(-127, 128, (o, n), generator=g, dtype=torch.int8)))
+                out.append((p + kind + ".weight_scale", torch.rand(o, 1, generator=g) * 1e-3 + 1e-4))
             if bias:
                 out.append((p + kind + ".bias", bf16(o)))
             if kind == "self_attn.o_proj":
@@ -79,6 +86,38 @@ def engine_chunks_at(shape: str, layers: int | None = None, seed: int = 0
     if not tied:
         out.append(("lm_head.weight", bf16(vocab, hidden)))
     return out
+
+
+def shape_specs(shape: str) -> list[tuple[str, int, int, str]]:
+    """(name, numel, itemsize, kind) of every engine chunk at `shape`, without building any."""
+    return [(n, t.numel(), t.element_size(), _kind(n, t))
+            for n, t in engine_chunks_at(shape, meta=True)]
+
+
+def bytes_model(shape: str, fracs: dict[str, float]) -> tuple[int, int]:
+    """(full bytes, delta bytes) of one sync at `shape` when fracs[kind] of each tensor's
+    elements changed: closed form of qurl/sync/delta.py's choice per tensor."""
+    full = delta = 0
+    for _, numel, item, kind in shape_specs(shape):
+        k = int(round(fracs[kind] * numel))
+        full += numel * item
+        delta += 0 if k == 0 else min(delta_nbytes(k, numel, item), numel * item)
+    return full, delta
+
+
+def print_bytes_table(settings: list[tuple[str, dict[str, float]]],
+                      shapes: tuple[str, ...] = tuple(DELTA_SHAPES)) -> list[dict]:
+    """Bytes of full vs delta per shape and flip setting, in closed form (no memory needed: the
+    7B shapes too)."""
+    rows = []
+    print(f"{'shapes':<13} {'flips':>10} {'full MiB':>9} {'delta MiB':>9} {'delta/full':>10}")
+    for shape in shapes:
+        for label, fracs in settings:
+            full, delta = bytes_model(shape, fracs)
+            rows.append({"shape": shape, "flips": label, "full_bytes": full, "delta_bytes": delta})
+            print(f"{shape:<13} {label:>10} {full / 2**20:9.1f} {delta / 2**20:9.1f} "
+                  f"{delta / full:10.4f}")
+    return rows
 
 
 def _kind(name: str, t: torch.Tensor) -> str:
@@ -163,14 +202,22 @@ def _mean_fracs(path: str) -> dict[str, float]:
             "pass": sum(r["pass_bf16"] for r in rows) / len(rows)}
 
 
+def flip_settings(flips: tuple[float, ...], flips_from: tuple[str, ...]
+                  ) -> list[tuple[str, dict[str, float]]]:
+    out = [(f"{f:.1%}", {k: f for k in KINDS}) for f in flips]
+    for path in flips_from:
+        out.append((path.rsplit("/", 1)[-1].removesuffix(".json"), _mean_fracs(path)))
+    return out
+
+
 def bench_delta(shapes: tuple[str, ...] = ("qwen2.5-0.5b", "qwen2.5-1.5b"),
                 flips: tuple[float, ...] = FLIPS, flips_from: tuple[str, ...] = (),
                 bucket_mb: float = 64.0, repeats: int = 3, layers: int | None = None) -> list[dict]:
     """Print and return one row per (shape, flip setting); see the module docstring."""
-    settings: list[tuple[str, dict[str, float]]] = [
-        (f"{f:.1%}", {k: f for k in KINDS}) for f in flips]
-    for path in flips_from:
-        settings.append((path.rsplit("/", 1)[-1].removesuffix(".json"), _mean_fracs(path)))
+    settings = flip_settings(flips, flips_from)
+    print("bytes per sync, closed form (qurl.bench.sync_delta.bytes_model):")
+    print_bytes_table(settings)
+    print("measured:")
     ctx = mp.get_context("spawn")
     ctl, ann_q, ack_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     port = free_port()
