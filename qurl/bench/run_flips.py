@@ -69,6 +69,8 @@ def measure(sets: list[str]) -> list[dict[str, Any]]:
 
     def quantize(self, named):  # type: ignore[no-untyped-def]
         chunks, stats = orig(self, named)
+        if self.precision != cfg.rollout.precision:  # the evaluator's full-precision policy
+            return chunks, stats
         if prev:
             seen.append(change_fractions(prev, chunks))
         prev.clear()
