@@ -102,9 +102,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         shapes = tuple(s for s in args.delta_shapes.split(",") if s)
         bad = [s for s in shapes if s not in DELTA_SHAPES]
         if bad:
-            print(f"qurl bench sync --delta-shapes: unknown {bad[0]!r} (known: "
-                  f"{', '.join(DELTA_SHAPES)})", file=sys.stderr)
-            return 2
+            raise InputError(f"--delta-shapes: unknown {bad[0]!r} (known: "
+                             f"{', '.join(DELTA_SHAPES)})")
         bench_delta(shapes=shapes, flips_from=tuple(args.flips_from),
                     bucket_mb=args.bucket_mb or 64.0, repeats=args.repeats,
                     layers=args.layers or None)
