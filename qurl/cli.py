@@ -106,6 +106,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from qurl.bench.stream import bench_stream
 
         bench_stream()
+    elif args.delta:
+        from qurl.bench.sync_delta import DELTA_SHAPES, bench_delta
+
+        shapes = tuple(s for s in args.delta_shapes.split(",") if s)
+        bad = [s for s in shapes if s not in DELTA_SHAPES]
+        if bad:
+            raise InputError(f"--delta-shapes: unknown {bad[0]!r} (known: "
+                             f"{', '.join(DELTA_SHAPES)})")
+        bench_delta(shapes=shapes, flips_from=tuple(args.flips_from),
+                    bucket_mb=args.bucket_mb or 64.0, repeats=args.repeats,
+                    layers=args.layers or None)
     else:
         from qurl.bench.sync import bench_sync
 
@@ -220,6 +231,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="sync: synthetic weight shapes (qurl.bench.sync.SHAPES)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="sync: bucket budget in MiB (default: the config's deploy.bucket_mb)")
+    p.add_argument("--delta", action="store_true",
+                   help="sync: full 8-bit vs delta sync, bytes and time (qurl/bench/sync_delta.py)")
+    p.add_argument("--delta-shapes", default="qwen2.5-0.5b,qwen2.5-1.5b",
+                   help="sync --delta: comma-separated shapes (qurl.bench.sync_delta.DELTA_SHAPES)")
+    p.add_argument("--flips-from", action="append", default=[], metavar="JSON",
+                   help="sync --delta: also the per-kind change fractions of a real run "
+                        "(rows of python -m qurl.bench.run_flips --out); repeatable")
+    p.add_argument("--layers", type=int, default=0,
+                   help="sync --delta: only the first N decoder layers of each shape (0: all)")
+    p.add_argument("--repeats", type=int, default=3, help="sync --delta: timed rounds")
     p.set_defaults(fn=cmd_bench)
     from qurl.data.fetch import TRAINING_SETS
     from qurl.models.registry import MODELS

@@ -4,6 +4,12 @@ This is the synchronous path (learner and engine in one process). The learner's 
 already carry UAQ's invariant scaling, so quantizing them directly gives the grid the engine uses.
 The flip fraction — the share of 8-bit codes that changed since the previous sync — is measured here
 on the exact codes sent, split into the layers UAQ scales (q/k/v/gate/up) and the others.
+
+Each version goes as a delta against the previous one when the engine holds it verified, else in
+full (qurl/sync/plan.py), and the engine then proves it holds the sender's bits (qurl/sync/digest.py:
+`verify`); a mismatch is resynced in full at once and counted, and a second mismatch is an error:
+the loop never samples from weights that differ from the learner's. Engines without `verify` (the
+SGLang adapter) get full syncs and records say `sync/verified` = NaN (not checked).
 """
 from __future__ import annotations
 
@@ -13,39 +19,27 @@ from typing import Iterable
 import torch
 
 from qurl.engines.base import Engine
-from qurl.quant.flips import flip_fractions
+from qurl.quant.flips import aggregate_flips
 from qurl.quant.named import NAMED_FORMATS
 from qurl.sync.arena import ArenaQuantizer
+from qurl.sync.plan import SyncPlanner
 
-
-class FlipTracker:
-    """Flip fraction between consecutive syncs, from the exact 8-bit codes sent."""
-
-    def __init__(self) -> None:
-        self._prev_codes: dict[str, torch.Tensor] = {}
-
-    def update(self, chunks: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        codes = {n: t for n, t in chunks if t.dtype in (torch.int8, torch.float8_e4m3fn)}
-        stats: dict[str, float] = {}
-        if self._prev_codes and codes:
-            flips = flip_fractions(self._prev_codes, codes)
-            stats = {"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
-                     "flip_frac/unscaled": flips["unscaled"]}
-        self._prev_codes = codes
-        return stats
+CODES = (torch.int8, torch.float8_e4m3fn)
 
 
 class WeightSync:
     """Quantize (into wire-bucket arenas, see qurl/sync/arena.py) and load each version."""
 
     def __init__(self, precision: str, bucket_bytes: int = 64 << 20,
-                 wire_dtype: torch.dtype | None = None) -> None:
-        """wire_dtype: the dtype the engine holds full-precision tensors in (None: the masters')."""
+                 wire_dtype: torch.dtype | None = None, mode: str = "delta",
+                 full_every: int = 0) -> None:
+        """wire_dtype: the dtype the engine holds full-precision tensors in (None: the masters').
+        mode / full_every: deploy.sync_mode / deploy.full_sync_every (qurl/sync/plan.py)."""
         if precision not in NAMED_FORMATS:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision
         self.quantizer = ArenaQuantizer(precision, bucket_bytes, wire_dtype)
-        self.flips = FlipTracker()
+        self.planner = SyncPlanner(mode, full_every)
 
     def quantize(self, named: Iterable[tuple[str, torch.Tensor]],
                  ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
@@ -53,20 +47,73 @@ class WeightSync:
         stats: gather / quantize seconds and the flip fraction since the previous version."""
         chunks, gather_s, quant_s = self.quantizer.quantize(named)
         stats = {"sync/time_gather": gather_s, "sync/time_quantize": quant_s}
-        stats.update(self.flips.update(chunks))
+        t0 = time.perf_counter()
+        # the flip fraction, from the exact codes sent; the same compare feeds the delta
+        changed = self.planner.diff(chunks if self.planner.mode == "delta" else
+                                    [(n, t) for n, t in chunks if t.dtype in CODES])
+        flips = aggregate_flips({n: p.numel() for n, p in changed.items()},
+                                {n: t.numel() for n, t in chunks})
+        if flips:
+            stats.update({"flip_frac": flips["all"], "flip_frac/uaq_scaled": flips["uaq_scaled"],
+                          "flip_frac/unscaled": flips["unscaled"]})
+        stats["sync/time_diff"] = time.perf_counter() - t0
         return chunks, stats
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], engine: Engine | None,
              version: int) -> dict[str, float]:
-        """Quantize and load one version into `engine`. `named` must be consumed on every TP rank
-        (it is a collective); ranks without an engine pass engine=None and quantize nothing."""
+        """Quantize and load one version into `engine`, as a delta when it can take one, and
+        verify it (module docstring). `named` must be consumed on every TP rank (it is a
+        collective); ranks without an engine pass engine=None and quantize nothing."""
         if engine is None:
             for _ in named:
                 pass
             return {}
         chunks, stats = self.quantize(named)
+        verify = getattr(engine, "verify", None)
+        holder = (engine.version, getattr(engine, "digest", None))
+        plan = first = self.planner.plan(chunks, version, holder, can_delta=verify is not None)
         t1 = time.perf_counter()
-        engine.load_weights(iter(chunks), version)
-        stats.update({"sync/time_load": time.perf_counter() - t1,
-                      "sync/bytes": float(sum(t.numel() * t.element_size() for _, t in chunks))})
+        try:
+            self._load(engine, plan)
+            refused = False
+        except ValueError as e:
+            from qurl.engines.local import StaleBase
+            if not isinstance(e, StaleBase):
+                raise
+            refused = True
+        load_s, verify_s, mismatched, verified = time.perf_counter() - t1, 0.0, 0.0, float("nan")
+        sent = plan.stats.bytes
+        if refused:
+            plan = self.planner.full(plan, chunks, "refused")
+            self._load(engine, plan)
+            sent += plan.stats.bytes
+        if verify is not None:
+            t2 = time.perf_counter()
+            bad = verify(plan.digests)
+            verified = 0.0 if bad else 1.0
+            if bad:  # never sample from weights that differ from the learner's: resync in full
+                mismatched = float(len(bad))
+                plan = self.planner.full(plan, chunks, "mismatch")
+                self._load(engine, plan)
+                sent += plan.stats.bytes
+                again = verify(plan.digests)
+                if again:
+                    raise RuntimeError(f"weight sync v{version}: the engine's {again[0]} differs "
+                                       "from the learner's even after a full resync")
+            verify_s = time.perf_counter() - t2
+        stats.update(first.metrics())  # what was tried; a resync is counted apart
+        if plan is not first:
+            stats[f"sync/resync/{plan.reason}"] = 1.0
+        stats.update(self.planner.metrics())
+        stats.update({"sync/time_load": load_s, "sync/time_verify": verify_s,
+                      "sync/bytes": float(sent),
+                      "sync/verified": verified,
+                      "sync/verify_mismatches": mismatched})
         return stats
+
+    @staticmethod
+    def _load(engine: Engine, plan) -> None:
+        if plan.base is None:
+            engine.load_weights(iter(plan.chunks), plan.version)
+        else:
+            engine.load_weights(iter(plan.chunks), plan.version, base=plan.base)  # type: ignore[call-arg]

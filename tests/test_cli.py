@@ -112,3 +112,8 @@ def _free_port() -> int:
     from qurl.learner.dist import free_port
 
     return free_port()
+
+
+def test_bench_sync_delta_refuses_an_unknown_shape():
+    line = one_error_line(qurl("bench", "sync", "--delta", "--delta-shapes", "qwen2.5-0.5b,gpt5"))
+    assert "--delta-shapes: unknown 'gpt5'" in line

@@ -290,6 +290,13 @@ class DeployConfig:
     """Shared HMAC key of the stream (>= 16 bytes); empty = random per run, kept in the run dir."""
     bucket_mb: PositiveFloat = 64.0
     """Weight-broadcast bucket size in MiB."""
+    sync_mode: Literal["delta", "full"] = "delta"
+    """Weight sync after each step: delta = only the 8-bit codes, scales and pass-through values
+    whose bits changed since the version the engines hold (whole tensors where that is smaller;
+    everything when an engine does not hold the previous version exactly); full = every tensor,
+    every time. Both are verified by digests at every sync (docs/delta_sync.md)."""
+    full_sync_every: Count = 0
+    """With sync_mode = delta: every this many syncs one is full anyway; 0 = only when needed."""
     worker_backend: Literal["gloo", "nccl"] = "gloo"
     """Controller -> workers weight group: gloo (CPU tensors; right for SGLang workers, which
     forward to their servers) or nccl (each worker on a GPU of its own with a local engine)."""

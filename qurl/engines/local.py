@@ -26,6 +26,14 @@ generation makes the same trade: recomputing the prefix would cost a prefill per
 values; 8-bit codes arrive with their `_scale`) and full-precision linears are quantized before
 anything is written, so a bad chunk raises ValueError naming the tensor and leaves the old weights
 and version in place. Staging holds one copy of the incoming tensors.
+
+Deltas and verification (qurl/sync/delta.py, qurl/sync/digest.py). `load_weights(..., base=(v-1,
+digest))` also accepts delta chunks (`<name>#dpos/#dend/#dval`): it refuses (`StaleBase`, before
+reading a chunk) unless the engine holds exactly v-1 with that verified digest, validates every
+delta against the tensor it changes, and writes the changed positions in place at commit (a
+tensor not named keeps its bits). `verify(digests)` hashes what the engine holds, under the
+sender's names and in the dtype each tensor was last sent in, and returns the names that differ;
+only a verified version can be the base of the next delta (`digest`; any load clears it).
 """
 from __future__ import annotations
 
@@ -39,7 +47,9 @@ from torch import nn
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
-from qurl.quant.formats import all_finite
+from qurl.quant.formats import all_finite, fp8_has_nan
+from qurl.sync.delta import apply_positions, check_delta, group_delta_chunks
+from qurl.sync.digest import combine, mismatches, tensor_digest
 from qurl.types import GenRequest, GenResult
 
 PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
@@ -47,6 +57,10 @@ LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE = "_scale"
+
+
+class StaleBase(ValueError):
+    """A delta computed against a version the engine does not hold (exactly): resync in full."""
 
 
 def quantize_model_linears(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
@@ -105,6 +119,8 @@ class LocalEngine:
         self._gen = torch.Generator().manual_seed(seed)
         self._version = 0
         self.adopted = False  # whether the last load_weights took the chunks' memory as its own
+        self._digest: str | None = None  # combined digest of the version verified (None: not)
+        self._wire_dtype: dict[str, torch.dtype] = {}  # dtype each tensor was last sent in
         # transformers 5.2x renamed forward's `past_key_values` to `cache` (old name deprecated).
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -121,8 +137,14 @@ class LocalEngine:
         return list(self._tensors)
 
     # ------------------------------------------------------------------ weights
+    @property
+    def digest(self) -> str | None:
+        """Combined digest (qurl/sync/digest.py) of the weights, if `verify` vouched for them
+        since the last load; None otherwise."""
+        return self._digest
+
     def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                     adopt: bool = False) -> None:
+                     adopt: bool = False, base: tuple[int, str] | None = None) -> None:
         """Stage, validate and then commit named tensors; set `version` after the last one.
 
         adopt=True: the caller promises the chunks' memory stays untouched until the next load
@@ -130,23 +152,76 @@ class LocalEngine:
         the model with its dtype, the engine takes them as its own (`.data` swapped at commit)
         instead of copying them; otherwise it copies, as without `adopt`. All or nothing, so the
         engine never holds some tensors in the caller's memory and some in its own; `adopted`
-        says which happened (the receiver reuses its other bank only after an adoption)."""
+        says which happened (the receiver reuses its other bank only after an adoption).
+
+        base=(v-1, digest): a delta sync (module docstring); StaleBase unless this engine holds
+        exactly that verified version. Without base, delta chunks are unknown names (refused)."""
+        if base is not None and (self._version, self._digest) != (int(base[0]), base[1]):
+            raise StaleBase(f"delta for base v{base[0]} ({base[1]}): this engine holds "
+                            f"v{self._version} ({self._digest or 'unverified'})")
         staged: dict[str, torch.Tensor] = {}
         for name, t in chunks:
-            staged[name] = self._check_chunk(name, t, copy=not adopt)
-        writes = self._resolve(staged)
+            if base is None or "#d" not in name:
+                staged[name] = self._check_chunk(name, t, copy=not adopt)
+            else:
+                staged[name] = t.detach().to(self.device, copy=not adopt)
+        staged, deltas = group_delta_chunks(staged.items())
+        checked = {n: self._check_delta(n, parts) for n, parts in deltas.items()}
+        writes = self._resolve(staged, partial=base is not None)
         n_live = len({id(t) for t in self._tensors.values()})  # tied weights: two names, one tensor
-        take = adopt and len({id(self._tensors[n]) for n in writes}) == n_live and all(
-            t.dtype == self._tensors[n].dtype and t.device == self._tensors[n].device
-            and t.is_contiguous() for n, t in writes.items())
+        take = adopt and not checked and len({id(self._tensors[n]) for n in writes}) == n_live \
+            and all(t.dtype == self._tensors[n].dtype and t.device == self._tensors[n].device
+                    and t.is_contiguous() for n, t in writes.items())
         with torch.no_grad():
             for name, t in writes.items():
                 if take:
                     self._tensors[name].data = t
                 else:
                     self._tensors[name].copy_(t)
+            for name, (pos, val) in checked.items():
+                apply_positions(self._tensors[name], pos, val)
+        self._wire_dtype.update({n: t.dtype for n, t in staged.items()})
         self.adopted = take
         self._version = int(version)
+        self._digest = None
+
+    def verify(self, digests: dict[str, str]) -> list[str]:
+        """Hash the tensors named in `digests` (the sender's, of the version just loaded) as the
+        engine holds them, cast to the dtype they were sent in; [] and `digest` set when all
+        match, else the names that differ (`digest` stays None: no delta builds on them)."""
+        got = {}
+        for name in digests:
+            t = self._tensors.get(name)
+            if t is not None:
+                want = self._wire_dtype.get(name, t.dtype)
+                got[name] = tensor_digest(t if t.dtype == want else t.to(want))
+        bad = mismatches(digests, got)
+        self._digest = None if bad else combine(digests)
+        return bad
+
+    def _check_delta(self, name: str, parts: dict[str, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate one delta against the live tensor it changes (writes nothing)."""
+        if name not in self._tensors:
+            raise ValueError(f"{name}: delta for no tensor of the engine's model")
+        target = self._tensors[name]
+        want = self._wire_dtype.get(name, target.dtype)
+        if want != target.dtype:
+            raise ValueError(f"{name}: a delta needs the tensor sent in the engine's dtype "
+                             f"({target.dtype}), it was sent as {want}")
+        pos, val = check_delta(name, target, parts)
+        if val.dtype in CODE_DTYPES:
+            qmod = self._qlinears.get(name)
+            if qmod is None:
+                raise ValueError(f"{name}: got 8-bit codes ({val.dtype}) for a full-precision tensor")
+            if val.dtype == torch.float8_e4m3fn and fp8_has_nan(val):
+                raise ValueError(f"{name}: fp8 codes contain NaN")
+        elif not all_finite(val):
+            raise ValueError(f"{name}: contains NaN or inf")
+        elif name.endswith(SCALE) and name[: -len(SCALE)] in self._qlinears and \
+                not bool((val > 0).all()):
+            raise ValueError(f"{name}: scales must be finite and > 0")
+        return pos, val
 
     def _check_chunk(self, name: str, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -172,11 +247,18 @@ class LocalEngine:
             raise ValueError(f"{name}: contains NaN or inf")
         return t.detach().to(self.device, copy=copy)  # copy: the sender may reuse its buffers
 
-    def _resolve(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pair codes with scales and quantize full-precision linears; returns the tensors to write."""
+    def _resolve(self, staged: dict[str, torch.Tensor], partial: bool = False
+                 ) -> dict[str, torch.Tensor]:
+        """Pair codes with scales and quantize full-precision linears; returns the tensors to write.
+        partial (a delta sync): codes or a scale may come alone (the other unchanged or sent as a
+        delta, checked on its own); the engine's current partner is then checked with it."""
         writes = dict(staged)
         for name, qmod in self._qlinears.items():
             w, s = staged.get(name), staged.get(name + SCALE)
+            if partial and (w is None) != (s is None) and (w is None or w.dtype in CODE_DTYPES):
+                qmod.check_codes(self._tensors[name] if w is None else w,
+                                 self._tensors[name + SCALE] if s is None else s, name)
+                continue
             if w is None:
                 if s is not None:
                     raise ValueError(f"{name + SCALE}: scale sent without its codes {name}")

@@ -82,17 +82,19 @@ class Controller:
             self._restore(z.run.state)
         self.trained_log = TrainedLog(self.run_dir / TRAINED_FILE, z.run.start)
         key = load_or_create_key(self.run_dir, cfg.deploy.stream_key)
-        self.fleet = Fleet(cfg, self.run_dir, key, z.run.model_dir,
-                           vocab_size=self.engine.vocab_size,
-                           spawn=cfg.deploy.rollout == "workers",
-                           # each local worker gets the learner's share of the node's cores
-                           worker_threads=learner_threads(cfg))
-        self.fleet.inbox.current_version = self.version
         self.chunks: list[tuple[str, torch.Tensor]] = []
         # What passes through is sent in the workers' engines' dtype (bf16/fp16 for SGLang); the
         # evaluation engine loads the same chunks, so it scores the actor the workers run.
         self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.bucket_mb * (1 << 20)),
-                               engine_wire_dtype(cfg, z.run.model_dir))
+                               engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync_mode,
+                               full_every=cfg.deploy.full_sync_every)
+        self.fleet = Fleet(cfg, self.run_dir, key, z.run.model_dir,
+                           vocab_size=self.engine.vocab_size,
+                           spawn=cfg.deploy.rollout == "workers",
+                           # each local worker gets the learner's share of the node's cores
+                           worker_threads=learner_threads(cfg),
+                           planner=self.sync.planner)  # one compare pass: flips + delta
+        self.fleet.inbox.current_version = self.version
         self.eval_version: int | None = None  # the version the evaluation engine holds
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._trained: list = []  # the dispatches of the batch being trained
@@ -159,7 +161,7 @@ class Controller:
             self.fleet.check_procs()
             for slot in self.fleet.take_replaced():
                 self.work.reclaim(slot)
-            if self.fleet.need_group:
+            if self.fleet.need_group or self.fleet.need_full:
                 self._push()
                 continue
             self.work.dispatch(self.version, self.fleet.ready_slots(), self._send)

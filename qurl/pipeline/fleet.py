@@ -19,6 +19,14 @@ rendezvous port and generation number), hosts rank 0 itself, and re-broadcasts t
 from its cached chunks (no learner collective needed). A slot is *ready* — may receive prompts —
 only once it is in the current group and has the current weights.
 
+Delta syncs (qurl/sync/plan.py). A version goes as a delta against the previous one only when
+the group has not been re-formed since that version was broadcast to it (so every member received
+it) and no worker has asked for a full sync since; the first announcement carries the header
+(base, digests). Each worker refuses a delta whose base it does not hold verified and checks
+every sync against the digests (qurl/pipeline/worker.py); either failure comes back as a `resync`
+control message with its reason, counted (`resync/<reason>`), and the current version is sent
+again in full. Local-engine workers only: an SGLang worker forwards whole versions to its server.
+
 A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
 whose hello comes from a new pid is *replaced*: its socket is closed (queued messages to the dead
 process are discarded) and `take_replaced()` reports it once so the controller re-dispatches
@@ -41,6 +49,7 @@ from qurl.config import Config
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
 from qurl.sync.broadcaster import Broadcaster, GroupSpec
+from qurl.sync.plan import SyncPlanner
 
 log = logging.getLogger("qurl.fleet")
 
@@ -48,6 +57,7 @@ GROUP_TIMEOUT_S = 120.0  # rendezvous and every broadcast of the weight group
 JOIN_TIMEOUT_S = 600.0  # a worker must say hello within this (process start + engine build)
 PING_EVERY_S = 2.0
 MAX_RESTARTS = 10  # per slot and run: a worker that keeps dying is a bug to report, not to retry
+RESYNC_REASONS = ("refused", "mismatch")  # why a worker asks for a full sync
 
 
 @dataclass
@@ -59,7 +69,8 @@ class _SlotState:
 
 class Fleet:
     def __init__(self, cfg: Config, run_dir: Path, key: bytes, model_dir: str, *, vocab_size: int,
-                 spawn: bool = True, worker_threads: int = 0) -> None:
+                 spawn: bool = True, worker_threads: int = 0,
+                 planner: SyncPlanner | None = None) -> None:
         from qurl.stream.channel import Receiver, Sender
 
         self.cfg, self.run_dir, self.key = cfg, Path(run_dir), key
@@ -81,6 +92,9 @@ class Fleet:
                                    bucket_bytes=int(d.bucket_mb * (1 << 20)),
                                    timeout_s=GROUP_TIMEOUT_S)
         self.need_group = True
+        self.need_full = False  # a worker asked for a full sync (refused delta, failed verify)
+        self.planner = planner or SyncPlanner(d.sync_mode, d.full_sync_every)
+        self._holder: tuple[int, str] | None = None  # what every group member was last sent
         self._replaced: list[int] = []
         self.sync_acks: list[dict[str, Any]] = []  # "synced" acks since the caller last took them
         self.counts: Counter[str] = Counter()
@@ -143,6 +157,10 @@ class Fleet:
                 self.need_group = True
         elif op == "synced":
             self.sync_acks.append(meta)
+        elif op == "resync":  # the worker holds weights a delta cannot build on: send all
+            reason = meta.get("reason")
+            self.counts[f"resync/{reason if reason in RESYNC_REASONS else 'other'}"] += 1
+            self.need_full, self._holder = True, None
         else:
             self.counts["control_unknown"] += 1
 
@@ -221,6 +239,7 @@ class Fleet:
             return lambda: None  # workers answer through their acks, not here
 
         self._close_group()
+        self._holder = None  # new members (or a restarted one) hold who knows what
         self.weights.form(self.n + 1, invite)
         self.counts["groups_formed"] += 1
 
@@ -230,23 +249,33 @@ class Fleet:
             s.ready = False
 
     def broadcast(self, chunks: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        """Send one version to every worker in the current group. Raises on a failed broadcast
-        (the group is then closed and need_group set)."""
+        """Send one version to every worker in the current group, as a delta when every member
+        holds the previous one (module docstring). Raises on a failed broadcast (the group is
+        then closed and need_group set)."""
+        holder = None if self.need_full else self._holder
+        plan = self.planner.plan(chunks, version, holder,
+                                 can_delta=self.cfg.rollout.engine == "local")
+        header = plan.header()
+
         def announce(ann: Any) -> None:
             meta = {"op": "weights", **ann.to_dict()}
+            if ann.index == 0:
+                meta["sync"] = header
             for i in range(self.n):
                 if not self.send_control(i, meta):
                     raise RuntimeError(f"weight announcement to slot {i} not sent")
 
+        self._holder = None  # until every member has it
         try:
-            stats = self.weights.send(iter(chunks), version, announce=announce)
+            stats = self.weights.send(iter(plan.chunks), version, announce=announce)
         except Exception:
             self.need_group = True
             self._close_group()
             raise
+        self._holder, self.need_full = (version, plan.digest), False
         for s in self.slots:
             s.ready = True
-        return stats.metrics()
+        return {**stats.metrics(), **plan.metrics(), **self.planner.metrics()}
 
     def push(self, chunks: list[tuple[str, torch.Tensor]], version: int, on_traj: Any,
              max_attempts: int = 5) -> dict[str, float]:

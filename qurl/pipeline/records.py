@@ -18,13 +18,19 @@ from qurl.metrics import read_metrics
 
 
 def ack_stats(acks: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """Slowest worker's load and pause time among the `synced` acks received."""
+    """Slowest worker's load and pause time among the `synced` acks received, and their
+    verification: `sync/verified` 1 when every ack says its engine matched the learner's digests,
+    0 when one did not (it then asked for a full resync), NaN when no ack came."""
     acks = list(acks)
     out = {}
     for k in ("load_s", "pause_s"):
         vals = [a[k] for a in acks if isinstance(a.get(k), (int, float))]
         if vals:
             out[f"sync/worker_{k[:-2]}_max"] = float(max(vals))
+    # every worker checks each sync against the learner's digests (qurl/pipeline/worker.py)
+    checks = [a["verified"] for a in acks if isinstance(a.get("verified"), (int, float))]
+    out["sync/verified"] = float(min(checks)) if checks else float("nan")
+    out["sync/verify_mismatches"] = float(sum(1 for c in checks if c == 0))
     return out
 
 

@@ -19,6 +19,14 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    (`rollout.generate_groups`), and sends the whole batch back as one trajectory message whose
    prompt_uids are the dispatch keys (`uid@did`).
 
+Every sync is verified: after the receiver commits a version the worker hashes what its engine
+holds against the learner's digests (qurl/sync/digest.py, sent with the first announcement). A
+delta whose base the engine does not hold verified is refused before anything is written (the
+engine keeps its version); a mismatch leaves the engine unverified. Either way the worker abandons
+the generation in progress (its prompts go back to the queue) and generates nothing until a full
+sync verifies. Either way it asks the controller for a full sync (`resync` with the reason) and stays
+in the group.
+
 Prompts and control share one ordered channel per slot, so a weight update announced before a prompt
 is always seen before it. Between decode steps the worker polls that channel: a weight update that
 lands mid-generation is loaded at once and the remaining tokens are sampled, and tagged, with the new
@@ -78,6 +86,10 @@ class _Abort(Exception):
     """Abandon the current generation (controller changed or asked us to stop)."""
 
 
+class _Unverified(_Abort):
+    """The engine's weights failed verification: redo the current generation after a resync."""
+
+
 class RolloutWorker:
     def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0,
                  host: str = "", reconnect_s: float = RECONNECT_S, threads: int = 0) -> None:
@@ -111,8 +123,9 @@ class RolloutWorker:
         self.joined = False
         self.gen_seen = -1  # latest weight-group generation we were invited to
         self.stop = False
+        self.weights_ok = True  # False after a failed verification, until a sync verifies
         self.counts = {"batches": 0, "trajectories": 0, "syncs": 0, "sync_failures": 0,
-                       "bad_control": 0}
+                       "bad_control": 0, "delta_refused": 0, "verify_mismatches": 0}
         self._connect(info)
 
     # ------------------------------------------------------------------ connection
@@ -175,8 +188,14 @@ class RolloutWorker:
 
     def _pump(self, timeout_ms: int) -> None:
         """Handle every queued message (waiting up to timeout_ms for the first)."""
+        unverified = None
         for msg in self.inbox.recv_many(1000, timeout_ms=timeout_ms):
-            self._handle(msg)
+            try:
+                self._handle(msg)
+            except _Unverified as e:  # handle the rest first: they may hold prompts
+                unverified = e
+        if unverified is not None:
+            raise unverified
 
     def _handle(self, msg: Any) -> None:
         meta = msg.meta
@@ -259,8 +278,19 @@ class RolloutWorker:
                 raise RuntimeError(f"control {op!r} arrived inside a weight sync")
             raise TimeoutError("no next bucket announcement within 300 s")
 
+        from qurl.engines.local import StaleBase
+
         try:
             stats = self.weights_rx.receive(next_announcement)
+        except StaleBase as e:  # every broadcast was joined: the group is fine, ask for all
+            self.counts["delta_refused"] += 1
+            log.warning("slot %d: delta v%s refused: %s", self.slot, first.get("version"), e)
+            self._send_control({"op": "resync", "reason": "refused",
+                                "version": int(self.engine.version)})
+            self.weights_ok = False  # behind the controller's version: wait for the full sync
+            for msg in deferred:
+                self._handle(msg)
+            raise _Unverified()
         except Exception as e:  # dead peer, timeout, bad chunk: the controller re-forms the group
             self.counts["sync_failures"] += 1
             log.warning("slot %d: weight sync v%s failed: %s", self.slot, first.get("version"), e)
@@ -269,9 +299,30 @@ class RolloutWorker:
                 self._handle(msg)
             return
         self.counts["syncs"] += 1
+        verified, t1 = self._verify(stats.header), time.perf_counter()
         self._send_control({"op": "synced", "version": int(self.engine.version),
                             "load_s": stats.total_s, "recv_s": stats.recv_s,
-                            "pause_s": time.perf_counter() - t0, "bytes": stats.bytes})
+                            "pause_s": t1 - t0, "bytes": stats.bytes, "verified": verified,
+                            "mode": (stats.header or {}).get("mode", "full")})
+        if verified == 0.0:
+            self._send_control({"op": "resync", "reason": "mismatch",
+                                "version": int(self.engine.version)})
+            raise _Unverified()
+
+    def _verify(self, header: dict[str, Any] | None) -> float | None:
+        """Check the engine against the sync's digests: 1.0 match, 0.0 mismatch (weights_ok
+        cleared until a sync verifies), None when there is nothing to check with."""
+        verify = getattr(self.engine, "verify", None)
+        digests = (header or {}).get("digests")
+        if verify is None or not isinstance(digests, dict):
+            return None
+        bad = verify(digests)
+        if bad:
+            self.counts["verify_mismatches"] += 1
+            log.warning("slot %d: weights v%d differ from the learner's in %d tensors (%s): "
+                        "asking for a full sync", self.slot, self.engine.version, len(bad), bad[0])
+        self.weights_ok = not bad
+        return 0.0 if bad else 1.0
 
     # ------------------------------------------------------------------ rollout
 
@@ -282,7 +333,7 @@ class RolloutWorker:
 
     def _take_batch(self) -> list[tuple[Any, dict[str, Any], float]]:
         """Every queued task once the dispatch burst is complete (or has waited BURST_WAIT_S)."""
-        if not self.tasks or not self.joined:
+        if not self.tasks or not self.joined or not self.weights_ok:
             return []
         if not self.tasks[-1][1].get("burst_end") and \
                 time.monotonic() - self.tasks[0][2] < BURST_WAIT_S:
@@ -306,9 +357,13 @@ class RolloutWorker:
                                       step=task.version + 1, keys=[meta["key"]])
             examples.append(Example(uid=meta["key"], prompt="", answer=meta["answer"]))
         v_start = int(self.engine.version)
-        groups, gen = generate_groups(self.engine, requests, examples, self.codec,
-                                      reward_timeout_s=self.cfg.deploy.reward_timeout_s,
-                                      between_steps=self._between_steps)
+        try:
+            groups, gen = generate_groups(self.engine, requests, examples, self.codec,
+                                          reward_timeout_s=self.cfg.deploy.reward_timeout_s,
+                                          between_steps=self._between_steps)
+        except _Unverified:  # sampled partly from unverified weights: redo after the resync
+            self.tasks.extendleft(reversed(batch))
+            return
         trajs = [t for g in groups for t in g]
         meta, tensors = pack_trajectories(trajs)
         meta.update({"slot": self.slot, "session": self.session, "engine_version_start": v_start,

@@ -53,16 +53,24 @@ def flip_fractions(before: Mapping[str, torch.Tensor], after: Mapping[str, torch
     if names != other:
         missing = sorted(set(names) ^ set(other))
         raise ValueError(f"before/after hold different quantized linears, e.g. {missing[0]!r}")
-    flips: dict[str, int] = {}
-    total: dict[str, int] = {}
+    changed = {}
     for name in names:
         try:
-            k = _changed(before[name], after[name])
+            changed[name] = _changed(before[name], after[name])
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from err
+    return aggregate_flips(changed, {n: before[n].numel() for n in names})
+
+
+def aggregate_flips(changed: Mapping[str, int], numel: Mapping[str, int]) -> dict[str, float]:
+    """The groups of `flip_fractions` from per-tensor counts of changed codes (quantized-linear
+    names only; others are ignored): for a caller that already compared the codes."""
+    flips: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for name in sorted(n for n in changed if is_quantized_linear(n)):
         kind = name.rsplit(".", 2)[-2]  # "q_proj", "down_proj", ...
         group = "uaq_scaled" if uaq_scaled(name) else "unscaled"
         for key in ("all", group, kind):
-            flips[key] = flips.get(key, 0) + k
-            total[key] = total.get(key, 0) + before[name].numel()
+            flips[key] = flips.get(key, 0) + changed[name]
+            total[key] = total.get(key, 0) + numel[name]
     return {key: flips[key] / total[key] for key in flips}

@@ -36,6 +36,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "int8": torch.int8,
     "uint8": torch.uint8,
+    "int16": torch.int16,  # delta positions (qurl/sync/delta.py)
     "float8_e4m3fn": torch.float8_e4m3fn,
     "int32": torch.int32,
     "int64": torch.int64,
@@ -187,12 +188,24 @@ def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Ten
     return out
 
 
+def _owner(name: str) -> str:
+    """The weight a chunk belongs to: `x`, `x_scale`, `x_scale_inv` and the delta parts of any
+    of them (`x#dpos`, `x_scale#dval`, qurl/sync/delta.py) all belong to `x`."""
+    name = name.split("#d", 1)[0]
+    for suffix in ("_scale_inv", "_scale"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def group_pairs(chunks: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group each tensor with the scale(s) that directly follow it (`<name>_scale`,
-    `<name>_scale_inv`), so quantized codes and their scales stay in one bucket."""
+    `<name>_scale_inv`), and the parts of a delta with each other, so quantized codes and their
+    scales (whole or as deltas) stay in one bucket."""
     group: list[tuple[str, torch.Tensor]] = []
     for name, t in chunks:
-        if group and name in (group[0][0] + "_scale", group[0][0] + "_scale_inv"):
+        if group and (name in (group[0][0] + "_scale", group[0][0] + "_scale_inv")
+                      or ("#d" in name + group[0][0] and _owner(name) == _owner(group[0][0]))):
             group.append((name, t))
             continue
         if group:

@@ -19,6 +19,12 @@ Invariants:
   so this is checkable;
 - announcements must arrive in order (index 0, 1, ...) with one version; anything else is a
   ValueError before any broadcast is joined for it.
+
+Delta syncs (qurl/sync/plan.py). The first announcement (in its dict form) may carry the sync's
+header under "sync": mode, base (v-1 and its digest) and the digests of v. For a delta the
+engine gets `base=` and refuses (qurl.engines.local.StaleBase, before writing anything) unless it
+holds exactly that base; the receiver still joins every broadcast of the sync, so the group stays
+usable, and re-raises. The header comes back in `ReceiveStats.header` for the caller to verify.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class ReceiveStats:
     recv_s: float = 0.0  # inside broadcasts
     total_s: float = 0.0  # including the engine's load
     versions_seen: list[int] = field(default_factory=list)  # engine.version at each bucket boundary
+    header: dict[str, Any] | None = None  # the sync's header (delta base, digests), if sent
 
 
 class WeightReceiver:
@@ -113,10 +120,13 @@ class WeightReceiver:
             a = next_announcement()
             return a if isinstance(a, BucketAnnouncement) else BucketAnnouncement.from_dict(a)
 
-        first = get()
+        raw = next_announcement()
+        header = raw.get("sync") if isinstance(raw, dict) else None
+        first = raw if isinstance(raw, BucketAnnouncement) else BucketAnnouncement.from_dict(raw)
+        base = _delta_base(header)
         if first.index != 0:
             raise ValueError(f"sync v{first.version}: first announcement has index {first.index}")
-        stats = ReceiveStats(version=first.version)
+        stats = ReceiveStats(version=first.version, header=header)
         t_start = time.perf_counter()
         ready: queue.Queue = queue.Queue(maxsize=1)
 
@@ -154,13 +164,18 @@ class WeightReceiver:
                     stats.versions_seen.append(self.engine.version)
                     return
 
+        extra: dict[str, Any] = {} if base is None else {"base": base}
         try:
+            if base is not None and not callable(getattr(self.engine, "verify", None)):
+                raise ValueError(f"sync v{first.version} is a delta and this engine cannot "
+                                 "apply deltas")
             if self.adopt:
-                self.engine.load_weights(chunks(), first.version, adopt=True)  # type: ignore[call-arg]
+                self.engine.load_weights(chunks(), first.version, adopt=True,  # type: ignore[call-arg]
+                                         **extra)
                 if getattr(self.engine, "adopted", False):
                     self._bank ^= 1  # the engine holds this bank now; the next sync uses the other
             else:
-                self.engine.load_weights(chunks(), first.version)
+                self.engine.load_weights(chunks(), first.version, **extra)
         finally:
             # If the engine failed, the fetch thread still joins the remaining broadcasts (the
             # sender is sending them); drain it so the group stays usable, then re-raise.
@@ -172,3 +187,18 @@ class WeightReceiver:
             thread.join()
         stats.total_s = time.perf_counter() - t_start
         return stats
+
+
+def _delta_base(header: Any) -> tuple[int, str] | None:
+    """(v-1, digest) of a delta sync's header; None for a full sync or no header."""
+    if header is None:
+        return None
+    if not isinstance(header, dict) or header.get("mode") not in ("delta", "full"):
+        raise ValueError(f"sync header: bad mode in {header!r:.120}")
+    if header["mode"] == "full":
+        return None
+    base = header.get("base")
+    if not (isinstance(base, (list, tuple)) and len(base) == 2 and isinstance(base[0], int)
+            and isinstance(base[1], str)):
+        raise ValueError(f"sync header: a delta needs base [version, digest], got {base!r:.80}")
+    return int(base[0]), base[1]
