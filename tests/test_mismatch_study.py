@@ -66,3 +66,15 @@ def test_prompt_columns_must_not_be_marked():
     mask = torch.tensor([[1, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match="before its row's prompt"):
         response_positions(mask, torch.tensor([1]))
+
+
+def test_report_replaces_only_its_block():
+    from qurl.studies.mismatch_report import replace_block
+
+    page = "# T\n\n## Rollout speed\n\nspeed text\n"
+    once = replace_block(page, "uaq", "table 1")
+    assert once.startswith(page.rstrip()) and "## UAQ on this model" in once
+    twice = replace_block(once + "\nafter\n", "uaq", "table 2")
+    assert "table 1" not in twice and "table 2" in twice
+    assert "speed text" in twice and twice.rstrip().endswith("after")
+    assert twice.count("## UAQ on this model") == 1
