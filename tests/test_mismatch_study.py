@@ -78,3 +78,13 @@ def test_report_replaces_only_its_block():
     assert "table 1" not in twice and "table 2" in twice
     assert "speed text" in twice and twice.rstrip().endswith("after")
     assert twice.count("## UAQ on this model") == 1
+
+
+def test_boundary_counts_by_hand():
+    from qurl.studies.grid_ties import boundary_counts
+
+    # row absmax 127 -> scale 1: boundaries at k + 0.5
+    w = torch.tensor([[127.0, 0.5, 2.5, 3.4, 1.0 + 1e-3], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    c = boundary_counts(w, [0.01, 0.2])
+    assert c["elements"] == 10 and c["ties"] == 2  # 0.5 and 2.5; the zero row has none
+    assert c["within:0.01"] == 2 and c["within:0.2"] == 3  # + 3.4 (0.1 from 3.5)
