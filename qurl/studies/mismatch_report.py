@@ -61,7 +61,23 @@ def _pct(x: float) -> str:
     return "–" if math.isnan(x) else f"{100 * x:.2f}%"
 
 
-def mismatch_block(arms: list[dict], missing: list[str], plot: str) -> str:
+def exact_header(arms: list[dict]) -> list[str]:
+    """The headline table of mismatch_exact's arms (exact per-position values and sampled tokens)."""
+    lines = ["| rollout | learner | contexts / positions | KL exact, mean | KL exact, p99 of positions | "
+             "KL sampled (k3) | k3 p99 | max ρ (sampled) | ρ > 2 exact | ρ > 2 sampled | ρ < 1/2 sampled |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for a in arms:
+        s = a["summary"]
+        lines.append(f"| {a['precision']} | {a['learner']} | {a['responses']} / {a['positions']} | "
+                     f"{_g(a['kl_exact'])} | {_g(a['kl_exact_p99'])} | {_g(s['kl_mean'])} | "
+                     f"{_g(s['kl_p99'])} | {_g(s['rho_max'], 3)} | {_pct(a['trunc_exact'])} | "
+                     f"{_pct(s['trunc_frac'])} | {_pct(s['rho_low_frac'])} |")
+    return lines
+
+
+def mismatch_block(arms: list[dict], missing: list[str], plot: str, exact: bool = False) -> str:
+    if exact:
+        return _buckets(exact_header(arms), arms, plot)
     lines = ["| rollout | learner | responses | tokens | KL mean | KL p99 | max ρ | ρ > 2 (TIS cuts) | "
              "ACR widens | ρ < 1/2 | mean reward |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -73,6 +89,11 @@ def mismatch_block(arms: list[dict], missing: list[str], plot: str) -> str:
                      f"{_pct(s['rho_low_frac'])} | {a['reward_mean']:.3f} |")
     if missing:
         lines += ["", f"Not measured (no data in this run): {', '.join(missing)}."]
+    return _buckets(lines, arms, plot)
+
+
+def _buckets(lines: list[str], arms: list[dict], plot: str) -> str:
+    """lines + the by-position and by-probability tables of `arms` + the plot link."""
     for key, title, edges in (("by_position", "response position", POSITION_EDGES),
                               ("by_prob", "π_prox of the sampled token", PROB_EDGES)):
         heads = [f"[{_g(lo, 3)}, {_g(hi, 3)}" + ("]" if i == len(edges) - 2 else ")")
@@ -169,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qurl.studies.mismatch_report",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, help="directory of mismatch_collect's files")
+    p.add_argument("--exact", type=Path, help="mismatch_exact's arms JSON (instead of --data)")
     p.add_argument("--uaq", type=Path, help="uaq_probe's JSON")
     p.add_argument("--sync-bytes", action="store_true", help="measure and write the sync-bytes block")
     p.add_argument("--model", default="smollm2-135m")
@@ -185,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         png = plot_arms(arms, a.page.with_name(a.page.stem + "_mismatch.png"))
         page = replace_block(page, "mismatch", mismatch_block(arms, missing, png.name))
         raw["mismatch"] = {"arms": arms, "missing": missing}
+    if a.exact is not None:
+        res = json.loads(a.exact.read_text())
+        arms = res["arms"]
+        png = plot_arms(arms, a.page.with_name(a.page.stem + "_mismatch.png"))
+        page = replace_block(page, "mismatch", mismatch_block(arms, [], png.name, exact=True))
+        raw["mismatch_exact"] = res
     if a.uaq is not None:
         res = json.loads(a.uaq.read_text())
         page = replace_block(page, "uaq", uaq_block(res))
