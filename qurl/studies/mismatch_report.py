@@ -75,6 +75,10 @@ def exact_header(arms: list[dict]) -> list[str]:
     return lines
 
 
+def _pct_sig(x: float) -> str:
+    return "–" if math.isnan(x) else f"{100 * x:.2g}%"
+
+
 def mismatch_block(arms: list[dict], missing: list[str], plot: str, exact: bool = False) -> str:
     if exact:
         return _buckets(exact_header(arms), arms, plot)
@@ -143,19 +147,35 @@ def plot_arms(arms: list[dict], out: Path) -> Path:
     return out
 
 
+def read_uaq(path: Path) -> dict:
+    """uaq_probe's JSON lines -> {"flips": [...], "invariance": [...]} (a later row for the same
+    (s, lr, step) or s replaces an earlier one)."""
+    flips: dict[tuple, dict] = {}
+    inv: dict[float, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r.get("kind") == "invariance":
+                inv[r["s"]] = r
+            else:
+                flips[(r["s"], r["lr"], r["step"])] = r
+    return {"flips": [flips[k] for k in sorted(flips)], "invariance": list(inv.values())}
+
+
 def uaq_block(res: dict) -> str:
-    lines = [f"Learner fp32, {res['rows']} responses ({res['tokens']} tokens), "
-             f"{res['steps']} steps per learning rate; flip fraction = share of 8-bit codes changed "
-             "since the previous sync.", "",
+    rows = sorted({r["rows"] for r in res["flips"]})
+    lines = [f"Learner fp32, {', '.join(map(str, rows))} responses per step; flip fraction = share "
+             "of 8-bit codes changed since the previous sync.", "",
              "| s | lr | sync after step | INT8 all | INT8 q/k/v/gate/up | INT8 o/down | FP8 all | "
              "FP8 q/k/v/gate/up | FP8 o/down | grad norm |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["flips"]:
-        cells = [_pct(r.get(f"{f}/flip_frac{k}", float("nan")))
+        cells = [_pct_sig(r.get(f"{f}/flip_frac{k}", float("nan")))
                  for f in ("int8", "fp8") for k in ("", "/uaq_scaled", "/unscaled")]
         lines.append(f"| {r['s']:g} | {r['lr']:g} | {r['step']} | " + " | ".join(cells) +
                      f" | {_g(r['grad_norm'], 3)} |")
-    lines += ["", "| s | positions × vocab | max \\|Δlogit\\| vs s = 1 | mean \\|Δlogit\\| | max \\|logit\\| |",
+    lines += ["", "Logits of the fp32 HF model with UAQ at s against the unscaled model, full vocabulary:", "",
+              "| s | positions × vocab | max \\|Δlogit\\| vs s = 1 | mean \\|Δlogit\\| | max \\|logit\\| |",
               "| ---: | ---: | ---: | ---: | ---: |"]
     for r in res["invariance"]:
         lines.append(f"| {r['s']:g} | {r['positions']} × 49152 | {r['max_abs_dlogit']:.3g} | "
@@ -191,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, help="directory of mismatch_collect's files")
     p.add_argument("--exact", type=Path, help="mismatch_exact's arms JSON (instead of --data)")
-    p.add_argument("--uaq", type=Path, help="uaq_probe's JSON")
+    p.add_argument("--uaq", type=Path, help="uaq_probe's JSON lines")
     p.add_argument("--sync-bytes", action="store_true", help="measure and write the sync-bytes block")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--page", type=Path, default=Path("docs/real_model.md"))
@@ -214,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         page = replace_block(page, "mismatch", mismatch_block(arms, [], png.name, exact=True))
         raw["mismatch_exact"] = res
     if a.uaq is not None:
-        res = json.loads(a.uaq.read_text())
+        res = read_uaq(a.uaq)
         page = replace_block(page, "uaq", uaq_block(res))
         raw["uaq"] = res
     if a.sync_bytes:
