@@ -88,3 +88,22 @@ def test_boundary_counts_by_hand():
     c = boundary_counts(w, [0.01, 0.2])
     assert c["elements"] == 10 and c["ties"] == 2  # 0.5 and 2.5; the zero row has none
     assert c["within:0.01"] == 2 and c["within:0.2"] == 3  # + 3.4 (0.1 from 3.5)
+
+
+def test_read_uaq_keeps_the_latest_row(tmp_path):
+    import json
+
+    from qurl.studies.mismatch_report import read_uaq, uaq_block
+
+    rows = [{"kind": "flip", "s": 1.0, "lr": 1e-6, "step": 1, "rows": 2, "grad_norm": 1.0,
+             "int8/flip_frac": 0.5},
+            {"kind": "flip", "s": 1.0, "lr": 1e-6, "step": 1, "rows": 2, "grad_norm": 1.0,
+             "int8/flip_frac": 0.25},
+            {"kind": "invariance", "s": 1.5, "max_abs_dlogit": 1e-4, "mean_abs_dlogit": 1e-5,
+             "max_abs_logit": 30.0, "positions": 10}]
+    f = tmp_path / "u.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    res = read_uaq(f)
+    assert len(res["flips"]) == 1 and res["flips"][0]["int8/flip_frac"] == 0.25
+    text = uaq_block(res)
+    assert "| 25% |" in text and "| 1e-06 | 1 |" in text and "0.0001" in text
