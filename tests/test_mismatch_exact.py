@@ -1,0 +1,48 @@
+"""qurl.studies.mismatch_exact: exact KL and truncation from full distributions, and the sampled
+per-token statistics drawn from them, against closed forms."""
+import math
+
+import pytest
+import torch
+
+from qurl.studies.mismatch_exact import analyse, exact_kl, exact_trunc, response_rows, sampled_tokens
+
+
+def _pair():
+    b = torch.tensor([[0.5, 0.25, 0.25], [0.9, 0.05, 0.05]])
+    p = torch.tensor([[0.25, 0.5, 0.25], [0.9, 0.05, 0.05]])
+    return b.log(), p.log()
+
+
+def test_exact_kl_and_trunc_closed_form():
+    lb, lp = _pair()
+    kl = exact_kl(lb, lp)
+    assert kl[0].item() == pytest.approx(0.5 * math.log(2) + 0.25 * math.log(0.5), rel=1e-6)
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-7)
+    tr = exact_trunc(lb, lp, cap=1.5)  # ρ = 2 on token 1 of row 0, drawn with p_b = 0.25
+    assert tr.tolist() == pytest.approx([0.25, 0.0], abs=1e-7)
+
+
+def test_sampled_tokens_follow_behav():
+    lb, lp = _pair()
+    behav, prox = sampled_tokens(lb, lp, 20000, seed=1)
+    assert behav.shape == (2, 20000)
+    share_tok1 = float((behav[0] == math.log(0.25)).float().mean())  # tokens 1 and 2 share p_b
+    assert share_tok1 == pytest.approx(0.5, abs=0.02)
+    k3 = torch.expm1(prox - behav) - (prox - behav)  # mean k3 under π_b estimates the exact KL
+    assert float(k3[0].double().mean()) == pytest.approx(float(exact_kl(lb, lp)[0]), rel=0.1)
+
+
+def test_analyse_pairs_sides_and_positions():
+    ctx = {"tokens": torch.zeros(2, 5, dtype=torch.long),
+           "loss_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)}
+    assert response_rows(ctx) == [(0, 2, 4), (1, 1, 5)]
+    V = 3
+    lsm = {"engine:int8": torch.log_softmax(torch.randn(6, V, generator=torch.Generator().manual_seed(0)), -1),
+           "learner:float32": torch.log_softmax(torch.zeros(6, V), -1)}
+    arms = analyse(ctx, lsm, k=8)
+    assert [(a["precision"], a["learner"]) for a in arms] == [("int8", "float32")]
+    a = arms[0]
+    assert a["positions"] == 6 and a["summary"]["tokens"] == 48
+    assert a["kl_exact"] == pytest.approx(float(exact_kl(lsm["engine:int8"], lsm["learner:float32"]).mean()))
+    assert [r["tokens"] for r in a["by_position"]][0] == 48  # positions 0..3 all in [0, 8)
