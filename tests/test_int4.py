@@ -82,6 +82,27 @@ def test_int4_linear_is_a_float_linear_of_the_dequantized_weight():
     torch.testing.assert_close(q(x), lin.bias.detach().expand(3, 4, 5))
 
 
+def test_rows_128_does_not_tile_use_the_largest_dividing_power_of_two():
+    """A real model's hidden 576 (SmolLM2-135M) = 9 x 64: groups of 64 there, 128 elsewhere; the
+    linear, the named layout and the dequantizer all follow the group the shapes imply."""
+    from qurl.quant.int4 import int4_group
+
+    assert [int4_group(n) for n in (576, 1536, 256, 96)] == [64, 128, 128, 32]
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(576, 6, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
+    q = Int4Linear.from_linear(lin)
+    assert q.weight_scale.shape == (6, 9)
+    codes, scale = _reference(lin.weight.detach(), 64)
+    assert torch.equal(q.weight.double(), codes) and torch.allclose(q.weight_scale.double(), scale)
+    named = dict(quantize_named({"model.layers.0.self_attn.q_proj.weight": lin.weight.detach()},
+                                "w4a16"))
+    assert named["model.layers.0.self_attn.q_proj.weight_scale"].shape == (6, 9)
+    torch.testing.assert_close(dequantize_int4_groups(q.weight, q.weight_scale),
+                               codes.float() * scale.float().repeat_interleave(64, 1))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("m") / "tiny2", "tiny", seed=1,

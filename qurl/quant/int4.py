@@ -15,13 +15,25 @@ float matmul (qurl.engines.qlinear.Int4Linear).
 Invariants, as for the 8-bit formats (qurl.quant.formats): scales fp32, finite, > 0 (an all-zero
 group gets scale 1 and zero codes); non-finite input is refused; `in` must be a multiple of `group`
 (a ValueError naming the shape otherwise); arithmetic in fp32 whatever the input dtype.
+
+Group size per weight: `int4_group(in)` = gcd(in, 128), so 128 wherever it tiles the row and the
+largest power-of-two divisor below it otherwise (a real model's hidden 576 = 9 x 64 gets groups
+of 64, where 128 cannot tile). The group is implied by the shapes (in // scale columns), so the
+dequantizer and every check read it from the scale.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 INT4_MAX = 7
 INT4_GROUP = 128
+
+
+def int4_group(cols: int) -> int:
+    """The group size for a weight with `cols` input columns: gcd(cols, 128) (module docstring)."""
+    return math.gcd(int(cols), INT4_GROUP)
 
 
 def _check(w: torch.Tensor, group: int) -> None:

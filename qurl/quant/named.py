@@ -15,7 +15,8 @@ with fmt "fp8_block" (SGLang's `fp8` method with `weight_block_size` [128, 128])
 Everything else (embeddings, lm_head, norms, biases) passes through untouched: those stay in full
 precision in a W8A8 model. With fmt "bf16" nothing is quantized (the full-precision rollout baseline).
 With fmt "w4a16" (the study's weight-only stress format, qurl.quant.int4) the codes are int8 values
-in [-7, 7] and `_scale` holds one fp32 scale per group of 128 input columns: [out, in // 128].
+in [-7, 7] and `_scale` holds one fp32 scale per group of 128 input columns: [out, in // 128]
+(gcd(in, 128) columns where 128 does not tile the row: qurl.quant.int4.int4_group).
 
 Invariant: `dequantize_named(dict(quantize_named(chunks, fmt)))` has exactly the names of `chunks`,
 with linears equal to their quantization round trip and everything else identical.
@@ -34,7 +35,7 @@ import torch
 
 from qurl.quant.formats import (FORMATS, dequantize_fp8_block, dequantize_per_channel,
                                 quantize_fp8_block, quantize_per_channel)
-from qurl.quant.int4 import dequantize_int4_groups, quantize_int4_groups
+from qurl.quant.int4 import dequantize_int4_groups, int4_group, quantize_int4_groups
 
 SCALE_SUFFIX = "_scale"
 BLOCK_SCALE_SUFFIX = "_scale_inv"
@@ -68,7 +69,7 @@ def quantize_named(
                 if fmt == "fp8_block":
                     codes, scale = quantize_fp8_block(tensor, FP8_BLOCK)
                 elif fmt == "w4a16":
-                    codes, scale = quantize_int4_groups(tensor)
+                    codes, scale = quantize_int4_groups(tensor, int4_group(tensor.shape[1]))
                 else:
                     codes, scale = quantize_per_channel(tensor, fmt)  # type: ignore[arg-type]
             except ValueError as err:
