@@ -231,8 +231,10 @@ class LocalEngine:
             raise ValueError(f"request {r.rid}: prompt token id {bad[0]} outside [0, {self.vocab_size})")
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         use_cache=True, **{self._cache_kw: cache})
+        # logits_to_keep=1: the head (hidden x vocab, 49k rows on real models) runs on the last
+        # position only; a prefill would otherwise compute it for every prompt token.
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float().cpu()  # [B, V]
 
     @torch.no_grad()

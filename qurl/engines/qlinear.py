@@ -11,10 +11,21 @@ At run time every token's activation row is quantized dynamically (`quantize_per
     y = (xq @ weight^T) * x_scale * weight_scale^T + bias
 
 where the product of codes is computed by an 8-bit kernel:
-- INT8: `torch._int_mm` (int8 x int8 -> exact int32 accumulation; no dequantize-then-float). On CPU
-  it takes any shape. On CUDA it needs M > 16 and K, N multiples of 8, so rows are zero-padded to
-  at least 32 and K/N to multiples of 8 there (zero rows/columns add nothing to the sum). The int32
-  sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
+- INT8: an exact int8 x int8 -> int32 GEMM (no dequantize-then-float), by one of two kernels
+  (`Int8Linear.backend`):
+  * `torch._int_mm` (oneDNN on CPU, cuBLAS on CUDA). On CPU it takes any shape. On CUDA it needs
+    M > 16 and K, N multiples of 8, so rows are zero-padded to at least 32 and K/N to multiples of
+    8 there (zero rows/columns add nothing to the sum).
+  * FBGEMM (`fbgemm_int8_product`, the CPU default where it is exact): on x86 CPUs without VNNI
+    (AVX2 only) oneDNN's int8 GEMM is ~20x slower than an fp32 GEMM of the same shape, while
+    FBGEMM's u8 x s8 kernels are ~2x faster than fp32. FBGEMM takes *unsigned* 7-bit activations
+    (its AVX2 kernels add pairs of u8*s8 products in saturating int16: 2 * 127 * 127 fits, 2 * 255 * 127
+    does not), so the signed codes are split, x = max(x, 0) - max(-x, 0), both halves in [0, 127],
+    stacked into one GEMM of 2M rows, and subtracted. FBGEMM's dynamic linear quantizes its float
+    input itself with scale (max - min) / 127; a pinned row holding 127 makes that scale exactly 1
+    and the zero point 0, so its quantization is the identity on our integer codes and its output
+    is float(int32 sum) with unit weight scales: the same numbers as `_int_mm` (tested bit-equal).
+  The int32 sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
 - FP8: `torch._scaled_mm` (unit tensor-wise scales, fp32 output) on CUDA devices with an FP8 GEMM
   (sm89+, probed once per device). Elsewhere (CPU) an *exact emulation*:
   the codes are widened to fp32 (every E4M3 value is exactly representable) and multiplied in fp32.
@@ -53,6 +64,45 @@ def int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     a_p = _pad_to(_pad_to(a, 1, k8), 0, max(m, 32))
     w_p = _pad_to(_pad_to(w, 1, k8), 0, n8)
     return torch._int_mm(a_p, w_p.t())[:m, :n]
+
+
+def _fbgemm_pack(codes: torch.Tensor):
+    """int8 codes [N, K] -> FBGEMM packed weight with unit scale and zero point 0."""
+    q = torch._make_per_tensor_quantized_tensor(codes.contiguous(), 1.0, 0)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def fbgemm_int8_product(a: torch.Tensor, packed, pin: torch.Tensor) -> torch.Tensor:
+    """Exact `a @ w^T` as fp32 via FBGEMM (see the module docstring): a [M, K] int8 codes in
+    [-127, 127], `packed` from `_fbgemm_pack(w)`, pin [1, K] int8 (127 then zeros) -> [M, N] fp32."""
+    m = a.shape[0]
+    halves = torch.cat([a, a.neg(), pin]).clamp_(min=0).to(torch.float32)  # [2M + 1, K] in [0, 127]
+    out = torch.ops.quantized.linear_dynamic(halves, packed, True)  # reduce_range: 7-bit, [0, 127]
+    return out[:m] - out[m : 2 * m]
+
+
+_FBGEMM_OK: list[bool] = []
+
+
+def fbgemm_int8_available() -> bool:
+    """Whether the FBGEMM int8 product works here and equals `torch._int_mm` bit for bit (probed
+    once, on extreme codes +-127 and random ones)."""
+    if not _FBGEMM_OK:
+        ok = torch.backends.quantized.engine in ("x86", "fbgemm") and hasattr(torch.ops, "quantized")
+        if ok:
+            try:
+                g = torch.Generator().manual_seed(0)
+                a = torch.randint(-127, 128, (6, 72), generator=g, dtype=torch.int8)
+                w = torch.randint(-127, 128, (10, 72), generator=g, dtype=torch.int8)
+                a[0], a[1], w[0], w[1] = 127, -127, 127, -127
+                pin = torch.zeros(1, 72, dtype=torch.int8)
+                pin[0, 0] = 127
+                got = fbgemm_int8_product(a, _fbgemm_pack(w), pin)
+                ok = torch.equal(got, torch._int_mm(a, w.t()).to(torch.float32))
+            except (RuntimeError, NotImplementedError, AttributeError):
+                ok = False
+        _FBGEMM_OK.append(ok)
+    return _FBGEMM_OK[0]
 
 
 _SCALED_MM_OK: dict[tuple[str, int | None], bool] = {}
@@ -157,11 +207,32 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """W8A8 INT8 linear: int8 per-channel weights, per-token dynamic int8 activations, torch._int_mm."""
+    """W8A8 INT8 linear: int8 per-channel weights, per-token dynamic int8 activations, an exact
+    int8 GEMM. `backend` ("auto" | "int_mm" | "fbgemm"): "auto" takes FBGEMM on CPU where
+    `fbgemm_int8_available()`, else `torch._int_mm`. The FBGEMM packing of the codes is cached,
+    keyed on the weight buffer's storage and version counter (any new codes invalidate it)."""
 
     fmt = "int8"
+    backend: str = "auto"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._packed: tuple[tuple[int, int], object, torch.Tensor] | None = None
+
+    def _fbgemm(self) -> tuple[object, torch.Tensor]:
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._packed is None or self._packed[0] != key:
+            pin = torch.zeros(1, self.in_features, dtype=torch.int8)
+            pin[0, 0] = 127
+            self._packed = (key, _fbgemm_pack(self.weight), pin)
+        return self._packed[1], self._packed[2]
 
     def _code_product(self, xq: torch.Tensor) -> torch.Tensor:
+        use = self.backend
+        if use == "auto":
+            use = "fbgemm" if xq.device.type == "cpu" and fbgemm_int8_available() else "int_mm"
+        if use == "fbgemm":
+            return fbgemm_int8_product(xq, *self._fbgemm())
         return int8_matmul(xq, self.weight).to(torch.float32)
 
 
