@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear
+from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
 from qurl.quant.formats import all_finite
@@ -45,12 +45,15 @@ from qurl.types import GenRequest, GenResult
 PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
 LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            ("mlp.gate_proj", "mlp.up_proj"))
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE = "_scale"
 
 
-def quantize_model_linears(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
-    """Replace the 7 linears of every decoder layer of an HF causal LM by 8-bit modules, in place.
+def quantize_model_linears(model: nn.Module, fmt: str, fuse: bool = True) -> dict[str, QuantLinear]:
+    """Replace the 7 linears of every decoder layer of an HF causal LM by 8-bit modules, in place;
+    `fuse`: run each layer's q/k/v and gate/up as one GEMM each (qlinear.Siblings; W8A8 only).
 
     Returns {HF weight name ("model.layers.0.self_attn.q_proj.weight"): module}."""
     out: dict[str, QuantLinear] = {}
@@ -61,6 +64,9 @@ def quantize_model_linears(model: nn.Module, fmt: str) -> dict[str, QuantLinear]
             qmod = QUANT_LINEARS[fmt].from_linear(getattr(parent, attr))
             setattr(parent, attr, qmod)
             out[f"model.layers.{i}.{kind}.weight"] = qmod
+        if fuse:  # q/k/v read one input, gate/up another: one quantization and GEMM each
+            for group in SIBLINGS:
+                fuse_siblings([out[f"model.layers.{i}.{kind}.weight"] for kind in group])
     return out
 
 

@@ -39,6 +39,8 @@ writing anything; output dtype equals the input dtype.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -67,8 +69,13 @@ def int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _fbgemm_pack(codes: torch.Tensor):
-    """int8 codes [N, K] -> FBGEMM packed weight with unit scale and zero point 0."""
-    q = torch._make_per_tensor_quantized_tensor(codes.contiguous(), 1.0, 0)
+    """int8 codes [N, K] -> FBGEMM packed weight with unit scale and zero point 0.
+
+    torch 2.13 warns that quantized tensor dtypes (qint8) are deprecated; the packing needs one.
+    When they are gone, `fbgemm_int8_available()` turns False and the layers use torch._int_mm."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        q = torch._make_per_tensor_quantized_tensor(codes.contiguous(), 1.0, 0)
     return torch.ops.quantized.linear_prepack(q, None)
 
 
@@ -194,6 +201,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out] in x.dtype."""
+        group = self.__dict__.get("_siblings")
+        if group is not None:
+            return group[0].output(group[1], x)
+        return self._own_forward(x)
+
+    def _own_forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         xq, xs = quantize_per_token(x2, self.fmt)  # type: ignore[arg-type]
@@ -312,6 +325,76 @@ class Int4Linear(QuantLinear):
         """x: [..., in] -> [..., out] in x.dtype."""
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return nn.functional.linear(x, self._weight(x.dtype), bias)
+
+
+class Siblings:
+    """Linears that read the same input (a layer's q/k/v, or gate/up), run as one W8A8 GEMM.
+
+    Per-token activation scales depend only on the input and the weight scales are per output
+    channel, so concatenating the members' codes along the output dim and quantizing the input
+    once gives every member exactly its own output (int8: bit-equal, the int32 sum is exact; fp8
+    emulation: up to fp32 summation order), with one activation quantization and one GEMM where
+    there were 3 (or 2). The first member called with a new input computes all outputs; the others
+    take theirs (views of one [.., sum out] tensor) until every member has had its output.
+
+    The members keep their own buffers as named tensors (load_weights writes them), re-pointed at
+    views of the fused codes/scales so no weight is held twice. A write into a member (copy_: the
+    shared version counter moves) or a buffer swap (`.data =`: the storage moves) is seen at the
+    next call, which re-concatenates (one copy per weight load) and re-points."""
+
+    def __init__(self, mods: list[QuantLinear]) -> None:
+        k = {m.in_features for m in mods}
+        if len(k) != 1 or len({type(m) for m in mods}) != 1 or isinstance(mods[0], Int4Linear):
+            raise ValueError("siblings must be W8A8 linears of one format with one in_features")
+        self.mods, self.sizes = mods, [m.out_features for m in mods]
+        first = mods[0]
+        bias = first.bias is not None
+        self.fused = type(first)(k.pop(), sum(self.sizes), bias,
+                                 first.bias.dtype if bias else torch.float32, device=first.weight.device)
+        self._key: tuple | None = None
+        self._pending: tuple[torch.Tensor, int, list[torch.Tensor], set[int]] | None = None
+        for i, m in enumerate(mods):
+            m.__dict__["_siblings"] = (self, i)  # a plain attribute: not a submodule, not in state_dict
+
+    def _state(self) -> tuple:
+        return tuple((t.data_ptr(), t._version) for m in self.mods
+                     for t in (m.weight, m.weight_scale, m.bias) if t is not None)
+
+    def _refresh(self) -> None:
+        if self._key == self._state():
+            return
+        f = self.fused
+        with torch.no_grad():
+            for name in ("weight", "weight_scale", "bias"):
+                if getattr(f, name) is None:
+                    continue
+                parts = [getattr(m, name) for m in self.mods]
+                setattr(f, name, torch.cat(parts))
+                off = 0
+                for m, n in zip(self.mods, self.sizes):
+                    getattr(m, name).data = getattr(f, name)[off : off + n]
+                    off += n
+        f._packed = None  # new codes: drop the int8 packing / the fp8 widening of the old ones
+        f._wide = None
+        self._key = self._state()
+
+    def output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Member i's output for input x: [..., in] -> [..., out_i] in x.dtype."""
+        p = self._pending
+        if p is None or p[0] is not x or p[1] != x._version or i in p[3]:
+            self._refresh()
+            outs = list(self.fused._own_forward(x).split(self.sizes, dim=-1))
+            p = self._pending = (x, x._version, outs, set())
+        p[3].add(i)
+        out = p[2][i]
+        if len(p[3]) == len(self.mods):
+            self._pending = None  # everyone has theirs: hold no activations between calls
+        return out
+
+
+def fuse_siblings(mods: list[QuantLinear]) -> Siblings | None:
+    """Group W8A8 linears reading one input (see Siblings); None for int4 (weight-only) layers."""
+    return None if isinstance(mods[0], Int4Linear) else Siblings(mods)
 
 
 QUANT_LINEARS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "fp8": Fp8Linear,
