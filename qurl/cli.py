@@ -97,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens,
                            arms=tuple(a for a in args.arms.split(",") if a), rounds=args.rounds,
-                           num_threads=args.threads, profile=args.profile)
+                           num_threads=args.threads, profile=args.profile, gemms=args.gemms)
     elif args.what == "stream":
         from qurl.bench.stream import bench_stream
 
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="engine: torch threads")
     p.add_argument("--profile", action="store_true",
                    help="engine: one profiled run per arm (top ops by self CPU time) instead")
+    p.add_argument("--gemms", action="store_true",
+                   help="engine: CPU time of one decode-step GEMM per kernel and shape instead")
     p.add_argument("--shapes", default="small", choices=("small", "qwen2.5-0.5b"),
                    help="sync: synthetic weight shapes (qurl.bench.sync.SHAPES)")
     p.add_argument("--bucket-mb", type=float, default=None,

@@ -20,6 +20,9 @@ On CPU, int8 is an exact int8 GEMM (FBGEMM where exact, else torch._int_mm) and 
 emulation of an E4M3 GEMM (engines/qlinear.py). Threads are pinned to `num_threads` (2 on the CPU
 machines) for the run and restored afterwards.
 
+`gemms=True` instead times one decode-step GEMM per kernel for the model's shapes (`bench_gemms`,
+CPU time, one thread): which kernel bounds a precision.
+
 `profile=True` instead runs each arm once under torch.profiler (a short decode, `new_tokens` as
 given) and prints the ops with the most self CPU time: where a decode step's time goes.
 
@@ -128,6 +131,56 @@ def _profile(runs: dict, reqs: list[GenRequest], rows: int) -> None:
                                         max_name_column_width=48))
 
 
+def _cpu_us(fn: Callable[[], object], reps: int = 9) -> float:
+    """Median CPU time of one call in microseconds (thread CPU time: robust to a loaded machine)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        ts.append(time.thread_time() - t0)
+    return statistics.median(ts) * 1e6
+
+
+def bench_gemms(model_dir: Path, batch: int = 32) -> dict[str, dict[str, float]]:
+    """CPU time of one decode-step GEMM ([batch, K] x [K, N]) per kernel, for the model's shapes
+    (q/k/v fused, o, gate/up fused, down, head): fp32, bf16, int8 torch._int_mm, int8 FBGEMM (the
+    split used by Int8Linear, activation halves included), fp8 emulation. One thread."""
+    import json
+
+    from qurl.engines.qlinear import _fbgemm_pack, fbgemm_int8_available, fbgemm_int8_product
+
+    c = json.loads((model_dir / "config.json").read_text())
+    h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd
+    shapes = {"qkv": (h, qkv), "o": (c["num_attention_heads"] * hd, h),
+              "gate_up": (h, 2 * c["intermediate_size"]), "down": (c["intermediate_size"], h),
+              "head": (h, c["vocab_size"])}
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, dict[str, float]] = {}
+    for name, (k, n) in shapes.items():
+        a, w = torch.randn(batch, k, generator=g), torch.randn(n, k, generator=g)
+        ab, wb = a.bfloat16(), w.bfloat16()
+        ai = torch.randint(-127, 128, (batch, k), generator=g, dtype=torch.int8)
+        wi = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        wit, wf8 = wi.t(), w.to(torch.float8_e4m3fn).float().t()
+        row = {"fp32": _cpu_us(lambda: a @ w.t()),
+               "bf16": _cpu_us(lambda: torch.nn.functional.linear(ab, wb)),
+               "int8 _int_mm": _cpu_us(lambda: torch._int_mm(ai, wit)),
+               "fp8 emul.": _cpu_us(lambda: ai.float() @ wf8)}
+        if fbgemm_int8_available():
+            packed, pin = _fbgemm_pack(wi), torch.zeros(1, k, dtype=torch.int8)
+            pin[0, 0] = 127
+            row["int8 fbgemm"] = _cpu_us(lambda: fbgemm_int8_product(ai, packed, pin))
+        out[f"{name} {k}x{n}"] = row
+    kernels = list(next(iter(out.values())))
+    print(f"CPU microseconds per GEMM, M = {batch} rows (one decode step), 1 thread, median of 9")
+    print(f"{'shape':>18} " + " ".join(f"{k:>13}" for k in kernels))
+    for name, row in out.items():
+        print(f"{name:>18} " + " ".join(f"{row[k]:13.0f}" for k in kernels))
+    return out
+
+
 def bench_local_engine(
     preset: str = "small",
     batch: int = 32,
@@ -140,6 +193,7 @@ def bench_local_engine(
     seed: int = 0,
     profile: bool = False,
     profile_rows: int = 20,
+    gemms: bool = False,
     verbose: bool = True,
 ) -> dict:
     """Time every arm `rounds` times, interleaved; print a table and return
@@ -157,6 +211,9 @@ def bench_local_engine(
     tmp = tempfile.TemporaryDirectory(prefix="qurl-bench-")
     try:
         model_dir = resolve_model(preset, Path(tmp.name), seed)
+        if gemms:
+            torch.set_num_threads(1)
+            return {"model": preset, "gemms": bench_gemms(model_dir, batch)}
         runs, n_params, tok = {}, 0, None
         for arm in arms:
             runs[arm], model = _build(arm, model_dir, batch, seed)
