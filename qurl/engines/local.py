@@ -133,7 +133,10 @@ class LocalEngine:
         the model with its dtype, the engine takes them as its own (`.data` swapped at commit)
         instead of copying them; otherwise it copies, as without `adopt`. All or nothing, so the
         engine never holds some tensors in the caller's memory and some in its own; `adopted`
-        says which happened (the receiver reuses its other bank only after an adoption)."""
+        says which happened (the receiver reuses its other bank only after an adoption). W8A8
+        engines run each layer's q/k/v and gate/up as one GEMM (qlinear.Siblings): their first
+        forward after a load concatenates those codes into the engine's own buffer (one copy of the
+        linear codes per load) and lets go of the adopted chunks for them."""
         staged: dict[str, torch.Tensor] = {}
         for name, t in chunks:
             staged[name] = self._check_chunk(name, t, copy=not adopt)
