@@ -101,7 +101,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
         from qurl.bench.engines import bench_local_engine
 
-        bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens)
+        bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens,
+                           arms=tuple(a for a in args.arms.split(",") if a), rounds=args.rounds,
+                           num_threads=args.threads, profile=args.profile, gemms=args.gemms)
     elif args.what == "stream":
         from qurl.bench.stream import bench_stream
 
@@ -224,9 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_study)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "stream", "sync"))
-    p.add_argument("--preset-model", default="small")
+    p.add_argument("--preset-model", default="small",
+                   help="engine: a preset (tiny, small: random weights), a fetched model "
+                        "(smollm2-135m) or a checkpoint directory")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--arms", default="generate,bf16,int8,fp8",
+                   help="engine: comma-separated arms (qurl.bench.engines.ARMS: generate, bf16, "
+                        "int8, fp8, w4a16, fp32, int8-fp32)")
+    p.add_argument("--rounds", type=int, default=3, help="engine: interleaved timing rounds")
+    p.add_argument("--threads", type=int, default=2, help="engine: torch threads")
+    p.add_argument("--profile", action="store_true",
+                   help="engine: one profiled run per arm (top ops by self CPU time) instead")
+    p.add_argument("--gemms", action="store_true",
+                   help="engine: CPU time of one decode-step GEMM per kernel and shape instead")
     p.add_argument("--shapes", default="small", choices=("small", "qwen2.5-0.5b"),
                    help="sync: synthetic weight shapes (qurl.bench.sync.SHAPES)")
     p.add_argument("--bucket-mb", type=float, default=None,

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.engines import qlinear
-from qurl.engines.qlinear import Fp8Linear, Int8Linear, from_linear, int8_matmul, scaled_mm_available
+from qurl.engines.qlinear import (Fp8Linear, Int8Linear, fbgemm_int8_available, from_linear, int8_matmul,
+                                  scaled_mm_available)
 from qurl.quant.formats import quantize_per_token
 
 
@@ -42,41 +42,13 @@ def test_quant_linear_equals_code_reference(fmt, bias):
 
 
 def test_int_mm_is_used_with_int8_operands(monkeypatch):
-    monkeypatch.setattr(qlinear, "fast_int8_gemm", lambda device: True)
     mod = from_linear(_linear(), "int8")
+    monkeypatch.setattr(mod, "backend", "int_mm")
     seen = []
     real = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: seen.append((a.dtype, b.dtype)) or real(a, b))
     mod(torch.randn(3, 40))
     assert seen == [(torch.int8, torch.int8)]
-
-
-def test_fp32_int8_product_is_exact_at_the_extremes(monkeypatch):
-    """The fp32 path gives torch._int_mm's int32 result bit for bit, also where one fp32 GEMM
-    over all of K would round: K = 3000 products of -128 * -128 sum to 49,152,000 > 2^24, and
-    random codes with a large odd offset exercise the low bits."""
-    g = torch.Generator().manual_seed(0)
-    k = 3000
-    a = torch.randint(-128, 128, (5, k), generator=g, dtype=torch.int8)
-    w = torch.randint(-128, 128, (7, k), generator=g, dtype=torch.int8)
-    a[0], w[0] = -128, -128
-    a[1], w[1] = 127, 127  # 3000 * 16129 = 48,387,000: odd, > 2^24, rounds in a single fp32 sum
-    ref = torch._int_mm(a, w.t())
-    got = qlinear.int8_matmul_fp32(a, w.to(torch.float32))
-    assert got.dtype == torch.int32 and torch.equal(got, ref)
-    assert int(ref[0, 0]) == k * 128 * 128
-    assert int(ref[1, 1]) == k * 127 * 127
-    # The layer's slow-kernel path equals the _int_mm path, and the cache follows new codes.
-    mod = from_linear(_linear(), "int8")
-    x = torch.randn(6, 40, generator=g)
-    monkeypatch.setattr(qlinear, "fast_int8_gemm", lambda device: True)
-    fast = mod(x)
-    monkeypatch.setattr(qlinear, "fast_int8_gemm", lambda device: False)
-    assert torch.equal(mod(x), fast)
-    other = from_linear(_linear(seed=1), "int8")
-    mod.load_codes(other.weight, other.weight_scale)
-    mod.bias.copy_(other.bias)
-    assert torch.equal(mod(x), other(x))
 
 
 def test_fp8_backends_agree():
@@ -112,6 +84,28 @@ def test_load_codes_validates_and_refreshes_fp8_cache():
         from_linear(_linear(), "int4")
 
 
+@pytest.mark.skipif(not fbgemm_int8_available(), reason="FBGEMM int8 not usable on this CPU/build")
+def test_fbgemm_int8_equals_int_mm_bit_for_bit(monkeypatch):
+    """The FBGEMM path (split signed codes into two 7-bit halves, unit scales) is the same exact int8
+    GEMM as torch._int_mm: equal outputs, on saturating codes and on a reloaded weight."""
+    lin = _linear(inp=96, out=48, bias=True)
+    mod = from_linear(lin, "int8")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=g)
+    x[0] = 5.0  # every code +127 (against the weight's own extremes: the saturating case)
+    x[1, ::2], x[1, 1::2] = -3.0, 3.0
+    outs = {}
+    for backend in ("int_mm", "fbgemm"):
+        monkeypatch.setattr(mod, "backend", backend)
+        outs[backend] = mod(x), mod(x.to(torch.bfloat16))
+    assert torch.equal(outs["int_mm"][0], outs["fbgemm"][0])
+    assert torch.equal(outs["int_mm"][1], outs["fbgemm"][1])
+    mod.load_codes(*mod.quantize(torch.randn(48, 96, generator=g)))  # the packed cache must refresh
+    a = mod(x)
+    monkeypatch.setattr(mod, "backend", "int_mm")
+    assert torch.equal(a, mod(x))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_int8_matmul_cuda_padding_matches_cpu():
@@ -119,3 +113,38 @@ def test_int8_matmul_cuda_padding_matches_cpu():
     a = torch.randint(-127, 128, (3, 20), generator=g, dtype=torch.int8)  # M <= 16, K % 8 != 0
     w = torch.randint(-127, 128, (12, 20), generator=g, dtype=torch.int8)  # N % 8 != 0
     assert torch.equal(int8_matmul(a.cuda(), w.cuda()).cpu(), int8_matmul(a, w))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_fused_siblings_equal_separate_linears_and_follow_new_codes(fmt):
+    """q/k/v run as one GEMM give each member its own output (int8 bit-equal; fp8 up to fp32
+    summation order), hold no second copy of the codes, and pick up codes loaded into a member."""
+    import copy
+
+    from qurl.engines.qlinear import Siblings
+
+    alone = [from_linear(_linear(inp=64, out=n, bias=True, seed=n), fmt) for n in (32, 16, 16)]
+    fused = copy.deepcopy(alone)
+    Siblings(fused)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 64, generator=g)
+
+    def check():
+        for a, f in zip(alone, fused):
+            want, got = a(x), f(x)
+            assert got.shape == want.shape == (3, 4, a.out_features)
+            if fmt == "int8":
+                assert torch.equal(got, want)
+            else:
+                assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+    check()
+    assert fused[1].weight.data_ptr() == fused[0].weight.data_ptr() + 32 * 64  # views, one copy
+    codes, scale = alone[1].quantize(torch.randn(16, 64, generator=g))
+    alone[1].load_codes(codes, scale)
+    fused[1].load_codes(codes, scale)
+    check()
+    fused[2].weight.data = alone[2].weight.clone()  # a buffer swap (the engine's adopt path)
+    alone[2].load_codes(*alone[2].quantize(torch.randn(16, 64, generator=g)))
+    fused[2].weight.data, fused[2].weight_scale.data = alone[2].weight.clone(), alone[2].weight_scale.clone()
+    check()

@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear
+from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
 from qurl.quant.formats import all_finite, fp8_has_nan
@@ -55,6 +55,8 @@ from qurl.types import GenRequest, GenResult
 PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
 LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            ("mlp.gate_proj", "mlp.up_proj"))
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE = "_scale"
 
@@ -63,8 +65,9 @@ class StaleBase(ValueError):
     """A delta computed against a version the engine does not hold (exactly): resync in full."""
 
 
-def quantize_model_linears(model: nn.Module, fmt: str) -> dict[str, QuantLinear]:
-    """Replace the 7 linears of every decoder layer of an HF causal LM by 8-bit modules, in place.
+def quantize_model_linears(model: nn.Module, fmt: str, fuse: bool = True) -> dict[str, QuantLinear]:
+    """Replace the 7 linears of every decoder layer of an HF causal LM by 8-bit modules, in place;
+    `fuse`: run each layer's q/k/v and gate/up as one GEMM each (qlinear.Siblings; W8A8 only).
 
     Returns {HF weight name ("model.layers.0.self_attn.q_proj.weight"): module}."""
     out: dict[str, QuantLinear] = {}
@@ -75,6 +78,9 @@ def quantize_model_linears(model: nn.Module, fmt: str) -> dict[str, QuantLinear]
             qmod = QUANT_LINEARS[fmt].from_linear(getattr(parent, attr))
             setattr(parent, attr, qmod)
             out[f"model.layers.{i}.{kind}.weight"] = qmod
+        if fuse:  # q/k/v read one input, gate/up another: one quantization and GEMM each
+            for group in SIBLINGS:
+                fuse_siblings([out[f"model.layers.{i}.{kind}.weight"] for kind in group])
     return out
 
 
@@ -152,7 +158,10 @@ class LocalEngine:
         the model with its dtype, the engine takes them as its own (`.data` swapped at commit)
         instead of copying them; otherwise it copies, as without `adopt`. All or nothing, so the
         engine never holds some tensors in the caller's memory and some in its own; `adopted`
-        says which happened (the receiver reuses its other bank only after an adoption).
+        says which happened (the receiver reuses its other bank only after an adoption). W8A8
+        engines run each layer's q/k/v and gate/up as one GEMM (qlinear.Siblings): their first
+        forward after a load concatenates those codes into the engine's own buffer (one copy of the
+        linear codes per load) and lets go of the adopted chunks for them.
 
         base=(v-1, digest): a delta sync (module docstring); StaleBase unless this engine holds
         exactly that verified version. Without base, delta chunks are unknown names (refused)."""
@@ -316,10 +325,10 @@ class LocalEngine:
             raise ValueError(f"request {r.rid}: prompt token id {bad[0]} outside [0, {self.vocab_size})")
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        # logits_to_keep=1: only the last position's logits are needed; over a 49k vocabulary the
-        # head of a whole prefill would cost as much as several layers.
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        # logits_to_keep=1: the head (hidden x vocab, 49k rows on real models) runs on the last
+        # position only; a prefill would otherwise compute it for every prompt token.
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float().cpu()  # [B, V]
 
     @torch.no_grad()

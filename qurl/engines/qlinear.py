@@ -11,16 +11,21 @@ At run time every token's activation row is quantized dynamically (`quantize_per
     y = (xq @ weight^T) * x_scale * weight_scale^T + bias
 
 where the product of codes is computed by an 8-bit kernel:
-- INT8: `torch._int_mm` (int8 x int8 -> exact int32 accumulation; no dequantize-then-float). On CPU
-  it takes any shape. On CUDA it needs M > 16 and K, N multiples of 8, so rows are zero-padded to
-  at least 32 and K/N to multiples of 8 there (zero rows/columns add nothing to the sum). The int32
-  sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
-  CPUs without AVX512 (VNNI) have no fast int8 GEMM: there torch's `_int_mm` measured ~30x slower
-  than an fp32 GEMM of the same shape (AMD EPYC, AVX2, 2560x576 @ 576x1536). There the product is
-  computed *exactly* in fp32 instead (`int8_matmul_fp32`): codes widened to fp32 (cached), K split
-  into chunks of at most 1024, so that every partial sum of a chunk is an integer of magnitude
-  <= 1024 * 128^2 = 2^24 and therefore exact in fp32 whatever the summation order; the chunks'
-  results are summed in int32. Same int32 result as `_int_mm`, bit for bit.
+- INT8: an exact int8 x int8 -> int32 GEMM (no dequantize-then-float), by one of two kernels
+  (`Int8Linear.backend`):
+  * `torch._int_mm` (oneDNN on CPU, cuBLAS on CUDA). On CPU it takes any shape. On CUDA it needs
+    M > 16 and K, N multiples of 8, so rows are zero-padded to at least 32 and K/N to multiples of
+    8 there (zero rows/columns add nothing to the sum).
+  * FBGEMM (`fbgemm_int8_product`, the CPU default where it is exact): on x86 CPUs without VNNI
+    (AVX2 only) oneDNN's int8 GEMM is ~20x slower than an fp32 GEMM of the same shape, while
+    FBGEMM's u8 x s8 kernels are ~2x faster than fp32. FBGEMM takes *unsigned* 7-bit activations
+    (its AVX2 kernels add pairs of u8*s8 products in saturating int16: 2 * 127 * 127 fits, 2 * 255 * 127
+    does not), so the signed codes are split, x = max(x, 0) - max(-x, 0), both halves in [0, 127],
+    stacked into one GEMM of 2M rows, and subtracted. FBGEMM's dynamic linear quantizes its float
+    input itself with scale (max - min) / 127; a pinned row holding 127 makes that scale exactly 1
+    and the zero point 0, so its quantization is the identity on our integer codes and its output
+    is float(int32 sum) with unit weight scales: the same numbers as `_int_mm` (tested bit-equal).
+  The int32 sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
 - FP8: `torch._scaled_mm` (unit tensor-wise scales, fp32 output) on CUDA devices with an FP8 GEMM
   (sm89+, probed once per device). Elsewhere (CPU) an *exact emulation*:
   the codes are widened to fp32 (every E4M3 value is exactly representable) and multiplied in fp32.
@@ -34,11 +39,13 @@ writing anything; output dtype equals the input dtype.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from qurl.quant.formats import code_dtype, fp8_has_nan, quantize_per_channel, quantize_per_token
-from qurl.quant.int4 import (check_int4_codes, dequantize_int4_groups, int4_group,
+from qurl.quant.int4 import (INT4_GROUP, check_int4_codes, dequantize_int4_groups,
                              quantize_int4_groups)
 
 
@@ -61,26 +68,48 @@ def int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(a_p, w_p.t())[:m, :n]
 
 
-_EXACT_FP32_K = 1024  # 1024 * 128 * 128 = 2^24: any sum of that many int8 products is exact in fp32
+def _fbgemm_pack(codes: torch.Tensor):
+    """int8 codes [N, K] -> FBGEMM packed weight with unit scale and zero point 0.
+
+    torch 2.13 warns that quantized tensor dtypes (qint8) are deprecated; the packing needs one.
+    When they are gone, `fbgemm_int8_available()` turns False and the layers use torch._int_mm."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        q = torch._make_per_tensor_quantized_tensor(codes.contiguous(), 1.0, 0)
+    return torch.ops.quantized.linear_prepack(q, None)
 
 
-def int8_matmul_fp32(a: torch.Tensor, w_wide: torch.Tensor) -> torch.Tensor:
-    """Exact `a @ w^T` of int8 codes with fp32 GEMMs: a [M, K] int8, w_wide [N, K] the fp32 copy
-    of the int8 codes -> [M, N] int32, equal to torch._int_mm bit for bit (module docstring)."""
-    k = a.shape[1]
-    a32 = a.to(torch.float32)
-    out = None
-    for lo in range(0, k, _EXACT_FP32_K):
-        part = (a32[:, lo:lo + _EXACT_FP32_K] @ w_wide[:, lo:lo + _EXACT_FP32_K].t()).to(torch.int32)
-        out = part if out is None else out + part
-    return out
+def fbgemm_int8_product(a: torch.Tensor, packed, pin: torch.Tensor) -> torch.Tensor:
+    """Exact `a @ w^T` as fp32 via FBGEMM (see the module docstring): a [M, K] int8 codes in
+    [-127, 127], `packed` from `_fbgemm_pack(w)`, pin [1, K] int8 (127 then zeros) -> [M, N] fp32."""
+    m = a.shape[0]
+    halves = torch.cat([a, a.neg(), pin]).clamp_(min=0).to(torch.float32)  # [2M + 1, K] in [0, 127]
+    out = torch.ops.quantized.linear_dynamic(halves, packed, True)  # reduce_range: 7-bit, [0, 127]
+    return out[:m] - out[m : 2 * m]
 
 
-def fast_int8_gemm(device: torch.device) -> bool:
-    """Whether `device` has a fast int8 GEMM for torch._int_mm: CUDA, or a CPU with AVX512 (VNNI)."""
-    if device.type != "cpu":
-        return True
-    return "AVX512" in torch.backends.cpu.get_cpu_capability()
+_FBGEMM_OK: list[bool] = []
+
+
+def fbgemm_int8_available() -> bool:
+    """Whether the FBGEMM int8 product works here and equals `torch._int_mm` bit for bit (probed
+    once, on extreme codes +-127 and random ones)."""
+    if not _FBGEMM_OK:
+        ok = torch.backends.quantized.engine in ("x86", "fbgemm") and hasattr(torch.ops, "quantized")
+        if ok:
+            try:
+                g = torch.Generator().manual_seed(0)
+                a = torch.randint(-127, 128, (6, 72), generator=g, dtype=torch.int8)
+                w = torch.randint(-127, 128, (10, 72), generator=g, dtype=torch.int8)
+                a[0], a[1], w[0], w[1] = 127, -127, 127, -127
+                pin = torch.zeros(1, 72, dtype=torch.int8)
+                pin[0, 0] = 127
+                got = fbgemm_int8_product(a, _fbgemm_pack(w), pin)
+                ok = torch.equal(got, torch._int_mm(a, w.t()).to(torch.float32))
+            except (RuntimeError, NotImplementedError, AttributeError):
+                ok = False
+        _FBGEMM_OK.append(ok)
+    return _FBGEMM_OK[0]
 
 
 _SCALED_MM_OK: dict[tuple[str, int | None], bool] = {}
@@ -170,17 +199,14 @@ class QuantLinear(nn.Module):
     def _code_product(self, xq: torch.Tensor) -> torch.Tensor:  # [M, in] codes -> [M, out] fp32
         raise NotImplementedError
 
-    def _widened(self) -> torch.Tensor:
-        """The codes as fp32 [out, in], cached and keyed on the weight buffer's version counter, so
-        any in-place write of new codes invalidates it."""
-        ver = self.weight._version
-        cached = getattr(self, "_wide", None)
-        if cached is None or cached[0] != ver:
-            self._wide = (ver, self.weight.to(torch.float32))
-        return self._wide[1]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out] in x.dtype."""
+        group = self.__dict__.get("_siblings")
+        if group is not None:
+            return group[0].output(group[1], x)
+        return self._own_forward(x)
+
+    def _own_forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         xq, xs = quantize_per_token(x2, self.fmt)  # type: ignore[arg-type]
@@ -194,14 +220,33 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """W8A8 INT8 linear: int8 per-channel weights, per-token dynamic int8 activations, torch._int_mm."""
+    """W8A8 INT8 linear: int8 per-channel weights, per-token dynamic int8 activations, an exact
+    int8 GEMM. `backend` ("auto" | "int_mm" | "fbgemm"): "auto" takes FBGEMM on CPU where
+    `fbgemm_int8_available()`, else `torch._int_mm`. The FBGEMM packing of the codes is cached,
+    keyed on the weight buffer's storage and version counter (any new codes invalidate it)."""
 
     fmt = "int8"
+    backend: str = "auto"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._packed: tuple[tuple[int, int], object, torch.Tensor] | None = None
+
+    def _fbgemm(self) -> tuple[object, torch.Tensor]:
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._packed is None or self._packed[0] != key:
+            pin = torch.zeros(1, self.in_features, dtype=torch.int8)
+            pin[0, 0] = 127
+            self._packed = (key, _fbgemm_pack(self.weight), pin)
+        return self._packed[1], self._packed[2]
 
     def _code_product(self, xq: torch.Tensor) -> torch.Tensor:
-        if fast_int8_gemm(xq.device):
-            return int8_matmul(xq, self.weight).to(torch.float32)
-        return int8_matmul_fp32(xq, self._widened()).to(torch.float32)
+        use = self.backend
+        if use == "auto":
+            use = "fbgemm" if xq.device.type == "cpu" and fbgemm_int8_available() else "int_mm"
+        if use == "fbgemm":
+            return fbgemm_int8_product(xq, *self._fbgemm())
+        return int8_matmul(xq, self.weight).to(torch.float32)
 
 
 class Fp8Linear(QuantLinear):
@@ -214,6 +259,16 @@ class Fp8Linear(QuantLinear):
 
     fmt = "fp8"
     backend: str = "auto"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._wide: tuple[int, torch.Tensor] | None = None
+
+    def _widened(self) -> torch.Tensor:
+        ver = self.weight._version
+        if self._wide is None or self._wide[0] != ver:
+            self._wide = (ver, self.weight.to(torch.float32))
+        return self._wide[1]
 
     def _code_product(self, xq: torch.Tensor) -> torch.Tensor:
         use = self.backend
@@ -240,11 +295,13 @@ class Int4Linear(QuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, bias_dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:
         nn.Module.__init__(self)
-        self.group = int4_group(in_features)  # 128, or gcd(in, 128) where 128 does not tile
+        if in_features % INT4_GROUP:
+            raise ValueError(f"int4 linear: in_features={in_features} is not a multiple of the "
+                             f"group size {INT4_GROUP}")
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
                                                    device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, in_features // self.group,
+        self.register_buffer("weight_scale", torch.ones(out_features, in_features // INT4_GROUP,
                                                         dtype=torch.float32, device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
@@ -253,10 +310,10 @@ class Int4Linear(QuantLinear):
         self._deq: tuple[int, int, torch.dtype, torch.Tensor] | None = None
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_int4_groups(w, self.group)
+        return quantize_int4_groups(w)
 
     def check_codes(self, codes: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> None:
-        check_int4_codes(codes, scale, (self.out_features, self.in_features), self.group, name=name)
+        check_int4_codes(codes, scale, (self.out_features, self.in_features), name=name)
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         key = (self.weight._version, self.weight_scale._version, dtype)
@@ -268,6 +325,76 @@ class Int4Linear(QuantLinear):
         """x: [..., in] -> [..., out] in x.dtype."""
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return nn.functional.linear(x, self._weight(x.dtype), bias)
+
+
+class Siblings:
+    """Linears that read the same input (a layer's q/k/v, or gate/up), run as one W8A8 GEMM.
+
+    Per-token activation scales depend only on the input and the weight scales are per output
+    channel, so concatenating the members' codes along the output dim and quantizing the input
+    once gives every member exactly its own output (int8: bit-equal, the int32 sum is exact; fp8
+    emulation: up to fp32 summation order), with one activation quantization and one GEMM where
+    there were 3 (or 2). The first member called with a new input computes all outputs; the others
+    take theirs (views of one [.., sum out] tensor) until every member has had its output.
+
+    The members keep their own buffers as named tensors (load_weights writes them), re-pointed at
+    views of the fused codes/scales so no weight is held twice. A write into a member (copy_: the
+    shared version counter moves) or a buffer swap (`.data =`: the storage moves) is seen at the
+    next call, which re-concatenates (one copy per weight load) and re-points."""
+
+    def __init__(self, mods: list[QuantLinear]) -> None:
+        k = {m.in_features for m in mods}
+        if len(k) != 1 or len({type(m) for m in mods}) != 1 or isinstance(mods[0], Int4Linear):
+            raise ValueError("siblings must be W8A8 linears of one format with one in_features")
+        self.mods, self.sizes = mods, [m.out_features for m in mods]
+        first = mods[0]
+        bias = first.bias is not None
+        self.fused = type(first)(k.pop(), sum(self.sizes), bias,
+                                 first.bias.dtype if bias else torch.float32, device=first.weight.device)
+        self._key: tuple | None = None
+        self._pending: tuple[torch.Tensor, int, list[torch.Tensor], set[int]] | None = None
+        for i, m in enumerate(mods):
+            m.__dict__["_siblings"] = (self, i)  # a plain attribute: not a submodule, not in state_dict
+
+    def _state(self) -> tuple:
+        return tuple((t.data_ptr(), t._version) for m in self.mods
+                     for t in (m.weight, m.weight_scale, m.bias) if t is not None)
+
+    def _refresh(self) -> None:
+        if self._key == self._state():
+            return
+        f = self.fused
+        with torch.no_grad():
+            for name in ("weight", "weight_scale", "bias"):
+                if getattr(f, name) is None:
+                    continue
+                parts = [getattr(m, name) for m in self.mods]
+                setattr(f, name, torch.cat(parts))
+                off = 0
+                for m, n in zip(self.mods, self.sizes):
+                    getattr(m, name).data = getattr(f, name)[off : off + n]
+                    off += n
+        f._packed = None  # new codes: drop the int8 packing / the fp8 widening of the old ones
+        f._wide = None
+        self._key = self._state()
+
+    def output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Member i's output for input x: [..., in] -> [..., out_i] in x.dtype."""
+        p = self._pending
+        if p is None or p[0] is not x or p[1] != x._version or i in p[3]:
+            self._refresh()
+            outs = list(self.fused._own_forward(x).split(self.sizes, dim=-1))
+            p = self._pending = (x, x._version, outs, set())
+        p[3].add(i)
+        out = p[2][i]
+        if len(p[3]) == len(self.mods):
+            self._pending = None  # everyone has theirs: hold no activations between calls
+        return out
+
+
+def fuse_siblings(mods: list[QuantLinear]) -> Siblings | None:
+    """Group W8A8 linears reading one input (see Siblings); None for int4 (weight-only) layers."""
+    return None if isinstance(mods[0], Int4Linear) else Siblings(mods)
 
 
 QUANT_LINEARS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "fp8": Fp8Linear,
