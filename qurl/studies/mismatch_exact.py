@@ -68,8 +68,17 @@ def response_rows(ctx: dict) -> list[tuple[int, int, int]]:
     return out
 
 
-def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0) -> torch.Tensor:
-    """[N, V] fp32 log-softmax at the response positions, by the engine or the learner `side`."""
+def _save(t: torch.Tensor, path: Path | None) -> None:
+    if path is not None:  # after every row, atomically: a stopped run keeps the rows it finished
+        tmp = path.with_suffix(".tmp")
+        torch.save(t, tmp)
+        tmp.replace(path)
+
+
+def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
+                    save_to: Path | None = None) -> torch.Tensor:
+    """[N, V] fp32 log-softmax at the response positions, by the engine or the learner `side`;
+    with save_to, the rows done so far are written there after each row."""
     from qurl.models.registry import resolve_base
     from qurl.studies.mismatch_collect import study_config
 
@@ -84,6 +93,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0) -> torch.Te
         for b, s, e in rows:
             logits = engine.token_logits(toks[b, :s].tolist(), toks[b, s:e].tolist())
             parts.append(torch.log_softmax(logits.float(), -1))
+            _save(torch.cat(parts), save_to)
         return torch.cat(parts)
     from qurl.learner.dist import destroy_learner_dist, free_port, init_learner_dist
     from qurl.learner.megatron import MegatronLearner
@@ -98,6 +108,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0) -> torch.Te
         for b, s, e in rows:  # one row at a time: full-vocab logits of a batch are large
             logits = learner.logits(toks[b:b + 1, :e])[0]  # [e, V]; row j predicts token j+1
             parts.append(torch.log_softmax(logits[s - 1:e - 1].float(), -1).cpu())
+            _save(torch.cat(parts), save_to)
     finally:
         destroy_learner_dist()
     return torch.cat(parts)
@@ -107,6 +118,11 @@ def analyse(ctx: dict, lsm: dict[str, torch.Tensor], k: int = 64, seed: int = 0,
             cap: float = 2.0) -> list[dict]:
     """One arm per (engine precision, learner dtype) pair present in `lsm` (keys as `side`)."""
     rows = response_rows(ctx)
+    have = min((t.shape[0] for t in lsm.values()), default=0)  # a side stopped early: its rows
+    ends = torch.tensor([e - s for _, s, e in rows]).cumsum(0)
+    rows = rows[:int((ends <= have).sum())]
+    n = sum(e - s for _, s, e in rows)
+    lsm = {k: t[:n] for k, t in lsm.items()}
     pos = torch.cat([torch.arange(e - s) for _, s, e in rows])  # [N] response index
     arms = []
     for prec in ENGINE_SIDES:
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--side {a.side!r}: expected one of {', '.join(valid)}", file=sys.stderr)
             return 2
         out = d / f"lsm_{a.side.replace(':', '_')}.pt"
-        torch.save(side_logsoftmax(ctx, a.side, a.model, a.seed), out)
+        side_logsoftmax(ctx, a.side, a.model, a.seed, save_to=out)
         print(out)
         return 0
     lsm = {f.stem[4:].replace("_", ":", 1): torch.load(f) for f in sorted(d.glob("lsm_*.pt"))}
