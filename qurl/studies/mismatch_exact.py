@@ -40,14 +40,16 @@ LEARNER_SIDES = ("float32", "bfloat16")
 
 
 def exact_kl(lsm_behav: torch.Tensor, lsm_prox: torch.Tensor) -> torch.Tensor:
-    """KL(π_behav‖π_prox) per position, float64. lsm_*: [N, V] log-probabilities -> [N]."""
-    b, p = lsm_behav.double(), lsm_prox.double()
+    """KL(π_behav‖π_prox) per position, float64. lsm_*: [N, V] log-probabilities -> [N].
+    Both are renormalised in float64 first: an fp32 log-softmax is off by a constant of ~1e-8 per
+    position, which would otherwise enter the KL whole."""
+    b, p = torch.log_softmax(lsm_behav.double(), -1), torch.log_softmax(lsm_prox.double(), -1)
     return (b.exp() * (b - p)).sum(-1)
 
 
 def exact_trunc(lsm_behav: torch.Tensor, lsm_prox: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
     """P_{v~π_behav}(ρ(v) > cap) per position: [N] float64."""
-    b, p = lsm_behav.double(), lsm_prox.double()
+    b, p = torch.log_softmax(lsm_behav.double(), -1), torch.log_softmax(lsm_prox.double(), -1)
     return (b.exp() * ((p - b) > torch.log(torch.tensor(cap, dtype=torch.float64)))).sum(-1)
 
 
