@@ -119,19 +119,19 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
 def analyse(ctx: dict, lsm: dict[str, torch.Tensor], k: int = 64, seed: int = 0,
             cap: float = 2.0) -> list[dict]:
     """One arm per (engine precision, learner dtype) pair present in `lsm` (keys as `side`)."""
-    rows = response_rows(ctx)
-    have = min((t.shape[0] for t in lsm.values()), default=0)  # a side stopped early: its rows
-    ends = torch.tensor([e - s for _, s, e in rows]).cumsum(0)
-    rows = rows[:int((ends <= have).sum())]
-    n = sum(e - s for _, s, e in rows)
-    lsm = {k: t[:n] for k, t in lsm.items()}
-    pos = torch.cat([torch.arange(e - s) for _, s, e in rows])  # [N] response index
+    all_rows = response_rows(ctx)
+    ends = torch.tensor([e - s for _, s, e in all_rows]).cumsum(0)
     arms = []
     for prec in ENGINE_SIDES:
         for dt in LEARNER_SIDES:
             b, p = lsm.get(f"engine:{prec}"), lsm.get(f"learner:{dt}")
             if b is None or p is None:
                 continue
+            have = min(b.shape[0], p.shape[0])  # a side stopped early: the rows both finished
+            rows = all_rows[:int((ends <= have).sum())]
+            n = sum(e - s for _, s, e in rows)
+            b, p = b[:n], p[:n]
+            pos = torch.cat([torch.arange(e - s) for _, s, e in rows])  # [n] response index
             behav, prox = sampled_tokens(b, p, k, seed)
             mask = torch.ones_like(behav, dtype=torch.bool)
             adv = torch.ones(behav.shape[0])  # A > 0 everywhere: ACR would widen every ρ > C
