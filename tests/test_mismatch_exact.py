@@ -46,3 +46,15 @@ def test_analyse_pairs_sides_and_positions():
     assert a["positions"] == 6 and a["summary"]["tokens"] == 48
     assert a["kl_exact"] == pytest.approx(float(exact_kl(lsm["engine:int8"], lsm["learner:float32"]).mean()))
     assert [r["tokens"] for r in a["by_position"]][0] == 48  # positions 0..3 all in [0, 8)
+
+
+def test_analyse_uses_the_rows_every_side_finished():
+    ctx = {"tokens": torch.zeros(2, 5, dtype=torch.long),
+           "loss_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)}
+    g = torch.Generator().manual_seed(1)
+    lsm = {"engine:int8": torch.log_softmax(torch.randn(3, 4, generator=g), -1),  # row 0 + 1 of row 1
+           "learner:float32": torch.log_softmax(torch.randn(6, 4, generator=g), -1)}
+    a = analyse(ctx, lsm, k=4)[0]
+    assert a["responses"] == 1 and a["positions"] == 2  # only row 0 is complete on both sides
+    assert a["kl_exact"] == pytest.approx(float(exact_kl(lsm["engine:int8"][:2],
+                                                         lsm["learner:float32"][:2]).mean()))

@@ -40,14 +40,16 @@ LEARNER_SIDES = ("float32", "bfloat16")
 
 
 def exact_kl(lsm_behav: torch.Tensor, lsm_prox: torch.Tensor) -> torch.Tensor:
-    """KL(π_behav‖π_prox) per position, float64. lsm_*: [N, V] log-probabilities -> [N]."""
-    b, p = lsm_behav.double(), lsm_prox.double()
+    """KL(π_behav‖π_prox) per position, float64. lsm_*: [N, V] log-probabilities -> [N].
+    Both are renormalised in float64 first: an fp32 log-softmax is off by a constant of ~1e-8 per
+    position, which would otherwise enter the KL whole."""
+    b, p = torch.log_softmax(lsm_behav.double(), -1), torch.log_softmax(lsm_prox.double(), -1)
     return (b.exp() * (b - p)).sum(-1)
 
 
 def exact_trunc(lsm_behav: torch.Tensor, lsm_prox: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
     """P_{v~π_behav}(ρ(v) > cap) per position: [N] float64."""
-    b, p = lsm_behav.double(), lsm_prox.double()
+    b, p = torch.log_softmax(lsm_behav.double(), -1), torch.log_softmax(lsm_prox.double(), -1)
     return (b.exp() * ((p - b) > torch.log(torch.tensor(cap, dtype=torch.float64)))).sum(-1)
 
 
@@ -68,8 +70,17 @@ def response_rows(ctx: dict) -> list[tuple[int, int, int]]:
     return out
 
 
-def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0) -> torch.Tensor:
-    """[N, V] fp32 log-softmax at the response positions, by the engine or the learner `side`."""
+def _save(t: torch.Tensor, path: Path | None) -> None:
+    if path is not None:  # after every row, atomically: a stopped run keeps the rows it finished
+        tmp = path.with_suffix(".tmp")
+        torch.save(t, tmp)
+        tmp.replace(path)
+
+
+def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
+                    save_to: Path | None = None) -> torch.Tensor:
+    """[N, V] fp32 log-softmax at the response positions, by the engine or the learner `side`;
+    with save_to, the rows done so far are written there after each row."""
     from qurl.models.registry import resolve_base
     from qurl.studies.mismatch_collect import study_config
 
@@ -84,6 +95,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0) -> torch.Te
         for b, s, e in rows:
             logits = engine.token_logits(toks[b, :s].tolist(), toks[b, s:e].tolist())
             parts.append(torch.log_softmax(logits.float(), -1))
+            _save(torch.cat(parts), save_to)
         return torch.cat(parts)
     from qurl.learner.dist import destroy_learner_dist, free_port, init_learner_dist
     from qurl.learner.megatron import MegatronLearner
@@ -98,6 +110,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0) -> torch.Te
         for b, s, e in rows:  # one row at a time: full-vocab logits of a batch are large
             logits = learner.logits(toks[b:b + 1, :e])[0]  # [e, V]; row j predicts token j+1
             parts.append(torch.log_softmax(logits[s - 1:e - 1].float(), -1).cpu())
+            _save(torch.cat(parts), save_to)
     finally:
         destroy_learner_dist()
     return torch.cat(parts)
@@ -106,14 +119,19 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0) -> torch.Te
 def analyse(ctx: dict, lsm: dict[str, torch.Tensor], k: int = 64, seed: int = 0,
             cap: float = 2.0) -> list[dict]:
     """One arm per (engine precision, learner dtype) pair present in `lsm` (keys as `side`)."""
-    rows = response_rows(ctx)
-    pos = torch.cat([torch.arange(e - s) for _, s, e in rows])  # [N] response index
+    all_rows = response_rows(ctx)
+    ends = torch.tensor([e - s for _, s, e in all_rows]).cumsum(0)
     arms = []
     for prec in ENGINE_SIDES:
         for dt in LEARNER_SIDES:
             b, p = lsm.get(f"engine:{prec}"), lsm.get(f"learner:{dt}")
             if b is None or p is None:
                 continue
+            have = min(b.shape[0], p.shape[0])  # a side stopped early: the rows both finished
+            rows = all_rows[:int((ends <= have).sum())]
+            n = sum(e - s for _, s, e in rows)
+            b, p = b[:n], p[:n]
+            pos = torch.cat([torch.arange(e - s) for _, s, e in rows])  # [n] response index
             behav, prox = sampled_tokens(b, p, k, seed)
             mask = torch.ones_like(behav, dtype=torch.bool)
             adv = torch.ones(behav.shape[0])  # A > 0 everywhere: ACR would widen every ρ > C
@@ -152,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--side {a.side!r}: expected one of {', '.join(valid)}", file=sys.stderr)
             return 2
         out = d / f"lsm_{a.side.replace(':', '_')}.pt"
-        torch.save(side_logsoftmax(ctx, a.side, a.model, a.seed), out)
+        side_logsoftmax(ctx, a.side, a.model, a.seed, save_to=out)
         print(out)
         return 0
     lsm = {f.stem[4:].replace("_", ":", 1): torch.load(f) for f in sorted(d.glob("lsm_*.pt"))}
