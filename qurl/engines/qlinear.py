@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from qurl.quant.formats import code_dtype, fp8_has_nan, quantize_per_channel, quantize_per_token
-from qurl.quant.int4 import (INT4_GROUP, check_int4_codes, dequantize_int4_groups,
+from qurl.quant.int4 import (check_int4_codes, dequantize_int4_groups, int4_group,
                              quantize_int4_groups)
 
 
@@ -295,13 +295,11 @@ class Int4Linear(QuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, bias_dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:
         nn.Module.__init__(self)
-        if in_features % INT4_GROUP:
-            raise ValueError(f"int4 linear: in_features={in_features} is not a multiple of the "
-                             f"group size {INT4_GROUP}")
+        self.group = int4_group(in_features)  # 128, or gcd(in, 128) where 128 does not tile
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
                                                    device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, in_features // INT4_GROUP,
+        self.register_buffer("weight_scale", torch.ones(out_features, in_features // self.group,
                                                         dtype=torch.float32, device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
@@ -310,10 +308,10 @@ class Int4Linear(QuantLinear):
         self._deq: tuple[int, int, torch.dtype, torch.Tensor] | None = None
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_int4_groups(w)
+        return quantize_int4_groups(w, self.group)
 
     def check_codes(self, codes: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> None:
-        check_int4_codes(codes, scale, (self.out_features, self.in_features), name=name)
+        check_int4_codes(codes, scale, (self.out_features, self.in_features), self.group, name=name)
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         key = (self.weight._version, self.weight_scale._version, dtype)
