@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pulling a multi-GB CUDA build. On GPU images set TORCH_SPEC to the image's torch (or "").
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-sglang bench clean
+.PHONY: setup run test test-real test-sglang bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,13 @@ run: setup
 	$(BIN)/qurl report runs/$(RUN)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not real_model" tests
+
+# The real pretrained model through every layer (tests/test_real_model.py; tens of minutes on 2
+# cores, so not part of `make test`): fetches SmolLM2-135M first (a no-op when already there).
+test-real: setup
+	$(BIN)/qurl fetch smollm2-135m
+	$(BIN)/python -m pytest -v -m real_model tests/test_real_model.py
 
 # The real SGLang 0.5.23 server on this CPU (no CUDA packages; tests/sglang_cpu/README.md), in its
 # own venv, and the tests that drive it with qurl's adapter (skipped by `make test` without it).
