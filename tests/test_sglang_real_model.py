@@ -35,7 +35,8 @@ from qurl.types import GenRequest, SamplingParams
 from qurl.weights import WeightSync
 from tests import sglang_real
 from tests.sglang_real import fuse_like_sglang, held_like, launch, needs_sglang, read_back, server_env
-from tests.test_sglang_real import _bytes, _check_run, _train
+from tests.sglang_real import raw_bytes as _bytes
+from tests.test_sglang_real import _check_run, _train
 
 MODEL = "smollm2-135m"
 _PATH = registry.model_path(MODEL)
