@@ -18,7 +18,7 @@ ENV PYTHONUNBUFFERED=1 \
 # touched (no --upgrade, and qurl itself is installed with --no-deps).
 RUN python -m pip install \
         "megatron-core==0.16.1" \
-        "gguf>=0.10" \
+        "gguf==0.19.0" \
         "blake3==1.0.11" \
         "math-verify==0.9.0" \
         "pyarrow==26.0.1" \
