@@ -1,5 +1,8 @@
 """The local rollout engine: a batched, KV-cached sampling decoder over an HF model, in bf16/int8/fp8
 (and w4a16, int4 weight-only: the ablation study's declared stress format, qurl.quant.int4).
+(Just over the ~400-line norm: the transactional weight load — full and delta chunks staged,
+checked, committed and verified — has to see the same tensors the decoder runs on; splitting it
+out is the next refactor, noted in the session-8 closing note.)
 
 On CPU machines this is the engine; everywhere it is the numerical reference for what an 8-bit
 rollout engine should return. It wraps the HF Qwen2/Llama model loaded from a checkpoint dir and,

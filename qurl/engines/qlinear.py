@@ -1,4 +1,6 @@
 """8-bit linear layers (W8A8) for the local rollout engine: real int8 GEMMs, FP8 E4M3 GEMMs.
+(Just over the ~400-line norm: the exact FBGEMM int8 kernel and the fused q/k/v, gate/up siblings
+belong with the layers they compute; the kernels are the candidate to move to a kernels module.)
 
 A W8A8 linear `y = x W^T + b` with `W: [out, in]` holds
 - `weight`: 8-bit codes `[out, in]` (int8 or float8_e4m3fn), per output channel symmetric,

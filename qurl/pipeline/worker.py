@@ -1,4 +1,7 @@
 """A rollout worker process: one engine, fed prompts by the controller, streaming trajectories back.
+(Over the ~400-line norm since delta sync: the worker's receive / verify / ask-for-full-resync
+cycle lives beside its generation loop, which it must pause and redo; a split into a sync
+client module is the next step.)
 
     python -m qurl.pipeline.worker --run-dir runs/<run> --slot 0 [--host H] [--parent-pid PID]
 
