@@ -350,9 +350,6 @@ TIMING_KEYS = ("time", "tokens_per_s", "wall", "threads/")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(run=False, reason="open (session 8): after the merge with the fused W8A8 "
-                   "engine this run made 23 weight pushes where the test expects 21 (1 + 20 "
-                   "steps); not yet diagnosed, so the 20-sync exactness claim is not shown")
 @pytest.mark.timeout(3000)  # 25 RL steps; minutes on a loaded 2-core machine
 def test_twenty_delta_syncs_of_a_run_equal_a_full_sync_and_train_the_same(runs_dir, monkeypatch):
     """A 20-step sync-loop run (tiny model, default lr) with delta sync: every sync after the
@@ -370,16 +367,19 @@ def test_twenty_delta_syncs_of_a_run_equal_a_full_sync_and_train_the_same(runs_d
     push = WeightSync.push
 
     def spy(self, named, engine, version):
+        if self.precision != "int8":  # the fp-policy evaluation engine's own bf16 pushes
+            return push(self, named, engine, version)
         named = [(n, t.detach().clone()) for n, t in named]
         captured.append(named)
         return push(self, iter(named), engine, version)
 
-    def close(self):
-        kept.update(engine=self.engine, model_dir=self.z.run.model_dir)
+    def close(self):  # keep the delta run's engine (the first run) for the comparison below
+        if not kept:
+            kept.update(engine=self.engine, model_dir=self.z.run.model_dir)
 
     monkeypatch.setattr(WeightSync, "push", spy)
     monkeypatch.setattr(InProcessRollout, "close", close)
-    small = {"rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 8,
+    small = {"rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
              "optim.lr": 3e-5, "deploy.ckpt_every": 0, "data.train_size": 40}
     train(tiny_cfg(root, "delta", 20, **small))
     monkeypatch.setattr(WeightSync, "push", push)
@@ -396,7 +396,7 @@ def test_twenty_delta_syncs_of_a_run_equal_a_full_sync_and_train_the_same(runs_d
     assert len(recs["full"]) == 5
     for rd, rf in zip(d, recs["full"]):  # the policy cannot tell how its weights travelled
         for k, v in rd.items():
-            if not k.startswith(("sync/",) + TIMING_KEYS) and "time" not in k:
+            if not k.startswith("sync/") and not any(t in k for t in TIMING_KEYS):
                 assert rf[k] == v or (v != v and rf[k] != rf[k]), (rd["step"], k, v, rf[k])
 
     engine, model_dir = kept["engine"], kept["model_dir"]
