@@ -16,13 +16,13 @@ with an engine in this process at the current version: the synchronous loop. The
 (qurl/pipeline/controller.py) dispatches prompts to rollout workers under the staleness bound η and
 pops B complete groups from its buffer; its weights go to the workers through the weight group.
 With η = 0 it dispatches exactly the sync loop's prompts at the current version, with the same
-request seeds (qurl/rollout.make_requests), and everything after `next_groups` is this one loop, so
+request seeds (qurl/rollout/requests.py `make_requests`), and everything after `next_groups` is this one loop, so
 η = 0 reproduces the sync loop by construction. The other TP ranks run the same loop with no source:
 they receive the batch, train, take part in the weight gather and write their checkpoint shard.
 
 This module alone decides the record shapes and metric names (train: rollout statistics of the
 trained batch, the source's timings and statistics (with sync DAPO dynamic sampling: those of every
-sampled response, qurl/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
+sampled response, qurl/rollout/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
 qurl/evaluation/suite.py, rollout engine and full-precision policy side by side), the eval /
 checkpoint cadence and the checkpoint state: step, version, RNG and the source's own state (the
 data cursor; for async also the buffer, staleness counters and ledger).
@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from qurl.batching import build_batch
+from qurl.rollout.batch import build_batch
 from qurl.config import Config
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
@@ -44,7 +44,8 @@ from qurl.engines.factory import make_engine
 from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import broadcast_object
 from qurl.metrics import MetricsLogger
-from qurl.rollout import PromptCodec, group_stats
+from qurl.rollout.requests import PromptCodec
+from qurl.rollout.generate import group_stats
 from qurl.runs import rng_state, set_rng_state
 from qurl.start import OpenedRun, open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory

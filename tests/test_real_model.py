@@ -57,7 +57,7 @@ def _tokenizer():
 
 
 def _chat_ids(tok, question: str) -> list[int]:
-    from qurl.rollout import PromptCodec
+    from qurl.rollout.requests import PromptCodec
 
     return PromptCodec(tok, "chat").encode(question)
 
@@ -72,9 +72,9 @@ def _hf_logp(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- tokenizer and template
 def test_bpe_tokenizer_chat_template_and_eos_that_is_also_pad() -> None:
-    from qurl.batching import build_batch
+    from qurl.rollout.batch import build_batch
     from qurl.engines.local import LocalEngine
-    from qurl.rollout import PromptCodec
+    from qurl.rollout.requests import PromptCodec
     from qurl.types import Trajectory
 
     tok = _tokenizer()

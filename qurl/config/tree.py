@@ -156,7 +156,7 @@ class AlgoConfig:
     """Passes over the batch per step."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose accuracies are all equal and sample more prompts until the batch
-    holds prompts_per_step groups (qurl/dynamic_sampling.py)."""
+    holds prompts_per_step groups (qurl/rollout/dynamic_sampling.py)."""
     max_sample_rounds: Positive = 16
     """Dynamic sampling: rollouts per step at most before the step fails."""
     overlong_buffer: Count = 0

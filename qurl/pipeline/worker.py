@@ -17,9 +17,9 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
-   last prompt of a burst), builds G requests per prompt with the sync loop's `rollout.make_requests`
+   last prompt of a burst), builds G requests per prompt with the sync loop's `make_requests`
    (seeded by run seed, dispatch version + 1, dataset uid, sample index), generates and scores them
-   (`rollout.generate_groups`), and sends the whole batch back as one trajectory message whose
+   (qurl/rollout/generate.py `generate_groups`), and sends the whole batch back as one trajectory message whose
    prompt_uids are the dispatch keys (`uid@did`).
 
 Every sync is verified: after the receiver commits a version the worker hashes what its engine
@@ -100,7 +100,7 @@ class RolloutWorker:
         0 (a worker started by hand on its own machine) = deploy.torch_threads or every core."""
         from qurl.engines.factory import make_engine
         from qurl.pipeline.session import read_key
-        from qurl.rollout import PromptCodec
+        from qurl.rollout.requests import PromptCodec
         from qurl.runs import read_config
         from qurl.placement import set_threads, threads_for
 
@@ -348,7 +348,8 @@ class RolloutWorker:
     def _rollout(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
         from qurl.data.datasets import Example
         from qurl.pipeline.ledger import split_key
-        from qurl.rollout import generate_groups, make_requests
+        from qurl.rollout.generate import generate_groups
+        from qurl.rollout.requests import make_requests
         from qurl.stream.payload import pack_trajectories
 
         requests, examples = [], []
