@@ -29,7 +29,7 @@ _TORCHRUN_QUIET_S = 10.0  # how long a rank > 0 under torchrun leaves rank 0 to 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
     if getattr(args, "resume", None):
-        from qurl.runs import read_config
+        from qurl.train.rundir import read_config
 
         cfg = read_config(Path(args.resume))
         return validate(override(cfg, parse_sets(args.set or [])))
@@ -73,20 +73,20 @@ def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> di
         from qurl.pipeline.controller import train_async
 
         return train_async(cfg, resume=resume, rank=rank, world_size=world_size)
-    from qurl.learn import train
+    from qurl.train.inline import train
 
     return train(cfg, resume=resume, rank=rank, world_size=world_size)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qurl.report import report
+    from qurl.train.report import report
 
     print(report(args.run_dir, args.out))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from qurl.evaluate import eval_run
+    from qurl.evaluation.run_eval import eval_run
 
     from qurl.evaluation.suite import summary
 

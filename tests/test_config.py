@@ -133,7 +133,7 @@ def test_old_names_on_the_command_line_name_the_new_field(old, new):
 
 def test_old_config_toml_files_still_read(tmp_path):
     """A run directory written before the redesign resumes: its config.toml maps to today's fields."""
-    from qurl.runs import read_config
+    from qurl.train.rundir import read_config
 
     run = tmp_path / "old"
     run.mkdir()

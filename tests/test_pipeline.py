@@ -21,7 +21,7 @@ import zmq
 
 from pipeline_helpers import (TIMING, assert_each_prompt_once, tiny_cfg, trained_uids,
                               use_free_dist_port)
-from qurl.metrics import read_metrics
+from qurl.train.metrics_log import read_metrics
 from qurl.pipeline.ledger import Ledger, split_key
 from qurl.pipeline.session import load_or_create_key, read_key, read_session
 from qurl.stream.payload import pack_trajectories
@@ -158,7 +158,7 @@ def _comparable(rec: dict) -> dict:
 
 @pytest.mark.slow
 def test_eta0_async_reproduces_sync(run_root):
-    from qurl.learn import train
+    from qurl.train.inline import train
     from qurl.pipeline.controller import train_async
 
     steps = 3
@@ -189,7 +189,7 @@ def test_eta0_async_reproduces_sync(run_root):
 def _trained_rows(run_dir):
     """The sync loop's per-step prompt order: the data cursor's, reproduced from the config."""
     from qurl.data.cursor import DataCursor
-    from qurl.runs import read_config
+    from qurl.train.rundir import read_config
     from qurl.data.splits import load_datasets
 
     cfg = read_config(run_dir)

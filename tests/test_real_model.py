@@ -267,7 +267,7 @@ def _sets(tmp_path: Path, name: str, **extra) -> list[str]:
 
 
 def _records(run: Path, kind: str) -> list[dict]:
-    from qurl.metrics import read_metrics
+    from qurl.train.metrics_log import read_metrics
 
     timing = ("time/", "tokens_per_s", "sync/time", "threads/")
     return [{k: v for k, v in r.items() if not any(t in k for t in timing)}

@@ -287,7 +287,7 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     precision=fp8_block: every step's weights reach the server as FP8 codes + 128x128
     `_scale_inv` scales, byte-equal to the learner's final master weights quantized."""
     from qurl.config import load_config
-    from qurl.learn import train
+    from qurl.train.inline import train
     from transformers import AutoConfig
 
     from qurl.models.convert import megatron_to_hf

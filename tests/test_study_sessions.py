@@ -10,7 +10,7 @@ import pytest
 
 from pipeline_helpers import TIMING, tiny_cfg
 from qurl.config import ConfigError, override
-from qurl.metrics import read_metrics
+from qurl.train.metrics_log import read_metrics
 from qurl.studies.ablation import ablation
 from qurl.studies.store import FILES, arm_dir, finished
 

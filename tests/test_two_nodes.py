@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_helpers import cli_sets, tiny_sets
-from qurl.metrics import read_metrics
+from qurl.train.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 NODES = ("10.77.0.1", "10.77.0.2")

@@ -36,7 +36,7 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
 
     from qurl.engines.sglang import SGLangEngine
     from qurl.placement import sglang_base_gpus
-    from qurl.runs import run_dir_for
+    from qurl.train.rundir import run_dir_for
 
     d = cfg.deploy
     gpus = None if cfg.sglang.urls else sglang_base_gpus(  # launched here: after the learner's

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from qurl.algo.loss import loss_denominator, loss_options, policy_loss
-from qurl.checksums import FileSum, save_torch
+from qurl.train.checksums import FileSum, save_torch
 from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine

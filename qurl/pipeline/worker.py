@@ -101,7 +101,7 @@ class RolloutWorker:
         from qurl.engines.factory import make_engine
         from qurl.pipeline.session import read_key
         from qurl.rollout.requests import PromptCodec
-        from qurl.runs import read_config
+        from qurl.train.rundir import read_config
         from qurl.placement import set_threads, threads_for
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)

@@ -6,7 +6,7 @@
                groups of mixed accuracy, qurl/rollout/dynamic_sampling.py); after training, re-quantize
                -> engine (flip fraction measured)
 
-The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/loop.py, shared with
+The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/train/loop.py, shared with
 the async pipeline (qurl/pipeline/controller.py), whose η = 0 reduces to this source.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from qurl.data.cursor import DataCursor
 from qurl.rollout.dynamic_sampling import sample_groups
 from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
-from qurl.loop import RankZero, train_loop
+from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
 from qurl.weights import WeightSync
 

@@ -20,7 +20,7 @@ from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.registry import resolve_base
 from qurl.ranks import launch
-from qurl.runs import CheckpointDir, read_config, run_dir_for
+from qurl.train.rundir import CheckpointDir, read_config, run_dir_for
 from qurl.placement import learner_threads, set_threads
 from qurl.weights import WeightSync
 

@@ -1,6 +1,6 @@
 """The training loop of every mode: ask a batch source for groups, train, hand it the new weights.
 
-    open the run (qurl/start.py); rank 0 loads the data and builds an engine and the batch source
+    open the run (qurl/train/run_setup.py); rank 0 loads the data and builds an engine and the batch source
     source.publish(v0)                      the UAQ-scaled master weights, quantized, to the actor
     evaluate at step 0 (fresh run)
     for step in start+1 .. run.steps:
@@ -11,7 +11,7 @@
         log the train record; evaluate / checkpoint as configured
     evaluate at the end
 
-A batch source is where rollouts come from. `InProcessRollout` (qurl/learn.py) generates each batch
+A batch source is where rollouts come from. `InProcessRollout` (qurl/train/inline.py) generates each batch
 with an engine in this process at the current version: the synchronous loop. The async `Controller`
 (qurl/pipeline/controller.py) dispatches prompts to rollout workers under the staleness bound η and
 pops B complete groups from its buffer; its weights go to the workers through the weight group.
@@ -43,11 +43,11 @@ from qurl.engines.base import Engine
 from qurl.engines.factory import make_engine
 from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import broadcast_object
-from qurl.metrics import MetricsLogger
+from qurl.train.metrics_log import MetricsLogger
 from qurl.rollout.requests import PromptCodec
 from qurl.rollout.generate import group_stats
-from qurl.runs import rng_state, set_rng_state
-from qurl.start import OpenedRun, open_run, save_checkpoint
+from qurl.train.rundir import rng_state, set_rng_state
+from qurl.train.run_setup import OpenedRun, open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory
 
 
