@@ -49,7 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                              "run.name": Path(args.resume).name})
     from qurl.data.splits import load_datasets
     from qurl.models.registry import resolve_base
-    from qurl.ranks import launch
+    from qurl.deploy.ranks import run_ranks
 
     load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
     from qurl.models.fits import check_fits
@@ -60,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # a model the layout cannot split (TP over its heads, SGLang's block FP8): one line, not ranks
     check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
-    result = launch(_train_entry, cfg, resume=bool(args.resume))
+    result = run_ranks(_train_entry, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # its own parser: options pass through untouched
-        from qurl.launch import main_launch
+        from qurl.deploy.launch import main_launch
 
         return main_launch(argv[1:])
     parser = argparse.ArgumentParser(prog="qurl", description=__doc__,

@@ -16,7 +16,7 @@ from qurl.quant.named import engine_chunks
 from qurl.sync import delta as D
 from qurl.sync.digest import combine, named_digests, tensor_digest
 from qurl.sync.plan import SyncPlanner
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -24,7 +24,7 @@ from qurl.engines.sglang import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangEngi
 from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
 from tests.sglang_real import (TIMEOUTS, checksums, env, fuse_like_sglang,  # noqa: F401
                                held_like, is_8bit, launch, models, needs_sglang, raw_bytes,
                                read_back, read_back_with_ptrs, run_leaving_no_server,

@@ -60,7 +60,7 @@ def measure(sets: list[str]) -> list[dict[str, Any]]:
     from qurl.config import load_config
     from qurl.train.inline import train
     from qurl.train.metrics_log import read_metrics
-    from qurl.weights import WeightSync
+    from qurl.sync.publish import WeightSync
 
     cfg = load_config(sets=sets)
     seen: list[dict[str, float]] = []

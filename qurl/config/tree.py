@@ -255,7 +255,7 @@ class DeployConfig:
     """Rollout engines: SGLang servers (inline) or worker processes, one engine each."""
     torch_threads: Count = 0
     """torch CPU threads per process; 0 = the node's cores shared by the processes computing at
-    once (qurl/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
+    once (qurl/deploy/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
     reward_timeout_s: PositiveFloat = 5.0
     """Time limit of scoring one answer (math verification can hang on adversarial output)."""
     # ---- learner ranks

@@ -20,7 +20,7 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     whatever rollout.engine says — the async controller's evaluation engine, which must not take
     the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
     The local engine runs on this process's current GPU when there is one; SGLang servers
-    launched here get GPUs of their own after the learner's (qurl/placement.py). precision: overrides
+    launched here get GPUs of their own after the learner's (qurl/deploy/placement.py). precision: overrides
     rollout.precision (with local=True; "bf16" = the unquantized policy, for evaluation)."""
     if cfg.rollout.engine == "local" or local:
         import torch
@@ -35,7 +35,7 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     import torch
 
     from qurl.engines.sglang import SGLangEngine
-    from qurl.placement import sglang_base_gpus
+    from qurl.deploy.placement import sglang_base_gpus
     from qurl.train.rundir import run_dir_for
 
     d = cfg.deploy

@@ -55,7 +55,7 @@ A server that refuses a bucket (HTTP 400 before joining its broadcast) is report
 broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
 server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader).
 Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
-qurl/placement.py); the weight group's backend is sglang.backend.
+qurl/deploy/placement.py); the weight group's backend is sglang.backend.
 A server that stops answering is restarted (when qurl launched it), the weight group is formed
 anew, and the current weights are sent again (so the engine keeps the last synced chunks in CPU
 memory: the size of the 8-bit model). Every HTTP call has a timeout; a malformed reply is an
@@ -118,7 +118,7 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
     `--custom-weight-loader` naming qurl's restore (qurl/engines/sglang_loader.py), without which
     they refuse online 8-bit updates. `python`: the interpreter that has sglang (default:
     $QURL_SGLANG_PYTHON, else this one). base_gpu: `--base-gpu-id` (TP rank r computes on GPU
-    base_gpu + r; qurl/placement.py), unless `extra` sets it."""
+    base_gpu + r; qurl/deploy/placement.py), unless `extra` sets it."""
     python = python or os.environ.get("QURL_SGLANG_PYTHON") or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--tp-size", str(tp), "--host", host, "--port", str(port),
@@ -404,7 +404,7 @@ class SGLangEngine:
         run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
         None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
         group_port: where the servers reach this process's weight group (port 0 = a free one).
-        base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/placement.py
+        base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/deploy/placement.py
         `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU)."""
         quant, fmt = QUANTIZATION[precision]
         urls = list(sg.urls)

@@ -98,7 +98,7 @@ class Evaluator:
                  max_examples: int | None = None) -> None:
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
-        from qurl.weights import WeightSync
+        from qurl.sync.publish import WeightSync
 
         self.cfg, self.fp = cfg, needs_fp_policy(cfg)
         self.sets: dict[str, list[Example]] = {}

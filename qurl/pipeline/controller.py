@@ -42,11 +42,11 @@ from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.train.loop import RankZero, train_loop
 from qurl.pipeline.dispatch import Dispatcher
-from qurl.placement import learner_threads
+from qurl.deploy.placement import learner_threads
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.quant.named import dequantize_named
 from qurl.types import Trajectory
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
 
 log = logging.getLogger("qurl.controller")
 

@@ -102,7 +102,7 @@ class RolloutWorker:
         from qurl.pipeline.session import read_key
         from qurl.rollout.requests import PromptCodec
         from qurl.train.rundir import read_config
-        from qurl.placement import set_threads, threads_for
+        from qurl.deploy.placement import set_threads, threads_for
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
@@ -114,7 +114,7 @@ class RolloutWorker:
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
         if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
-            from qurl.placement import worker_gpu  # one GPU per worker, after the learner's
+            from qurl.deploy.placement import worker_gpu  # one GPU per worker, after the learner's
 
             torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count()))
         self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)

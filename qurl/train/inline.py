@@ -22,7 +22,7 @@ from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
 
 
 class InProcessRollout:

@@ -20,7 +20,7 @@ from qurl.learner.dist import broadcast_object, gather_object, init_learner_dist
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import prepare_base_model
 from qurl.train.rundir import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
-from qurl.placement import learner_threads, set_threads
+from qurl.deploy.placement import learner_threads, set_threads
 
 
 @dataclass

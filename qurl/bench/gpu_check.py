@@ -161,7 +161,7 @@ def check_sglang(tmp: Path, precisions: tuple[str, ...] = ("int8", "fp8", "fp8_b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qurl.gpu_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m qurl.bench.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-learner", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
