@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qurl.engines.factory import make_engine
-from qurl.engines.sglang import (SGLangEngine, SGLangError, SGLangUnavailable, ServerSpec, Timeouts,
-                                 parse_generate, server_command)
+from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.protocol import SGLangError, SGLangUnavailable, parse_generate
+from qurl.engines.sglang.server import ServerSpec, server_command
 from qurl.sync.group import free_port
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from qurl.engines.local import LocalEngine
-from qurl.engines.sglang import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangEngine, SGLangError,
-                                 ServerSpec)
+from qurl.engines.sglang.protocol import QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError
+from qurl.engines.sglang.engine import SGLangEngine
+from qurl.engines.sglang.server import ServerSpec
 from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams

@@ -217,7 +217,7 @@ class LearnerConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """The SGLang engine's own settings (qurl/engines/sglang.py takes only this section)."""
+    """The SGLang engine's own settings (qurl/engines/sglang/engine.py takes only this section)."""
     urls: tuple[str, ...] = ()
     """Attach to these running servers; empty = launch deploy.engines servers locally."""
     args: tuple[str, ...] = ()
