@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.engines.local import LocalEngine, StaleBase
+from qurl.engines.local import LocalEngine
+from qurl.engines.local_weights import StaleBase
 from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.named import engine_chunks
 from qurl.sync import delta as D
