@@ -48,8 +48,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = override(cfg, {"deploy.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
     from qurl.data.splits import load_datasets
-    from qurl.models.registry import resolve_base
     from qurl.deploy.ranks import run_ranks
+    from qurl.models.registry import resolve_base
 
     load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
     from qurl.models.fits import check_fits

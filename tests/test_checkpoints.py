@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pipeline_helpers import tiny_cfg, use_free_dist_port
-from qurl.train.checksums import MANIFEST, damage, hash_file, read_manifest
 from qurl.errors import CheckpointError
+from qurl.train.checksums import MANIFEST, damage, hash_file, read_manifest
 from qurl.train.inline import train
 from qurl.train.metrics_log import read_metrics
 from qurl.train.rundir import CheckpointDir
@@ -149,8 +149,8 @@ def _save_on_two_ranks(rank: int, world_size: int, tmp: str) -> dict | None:
     per-rank checksums are gathered on rank 0, which commits the manifest."""
     import torch.distributed as dist
 
-    from qurl.train.checksums import save_torch
     from qurl.learner.dist import gather_object
+    from qurl.train.checksums import save_torch
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from qurl.errors import InputError
-from qurl.train.metrics_log import MetricsLogger, read_metrics
 from qurl.pipeline.records import TrainedLog
+from qurl.train.metrics_log import MetricsLogger, read_metrics
 
 RECORDS = [{"kind": "train", "step": s, "reward": 0.5 * s} for s in (1, 2, 3)]
 

@@ -72,8 +72,8 @@ def _hf_logp(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- tokenizer and template
 def test_bpe_tokenizer_chat_template_and_eos_that_is_also_pad() -> None:
-    from qurl.rollout.batch import build_batch
     from qurl.engines.local import LocalEngine
+    from qurl.rollout.batch import build_batch
     from qurl.rollout.requests import PromptCodec
     from qurl.types import Trajectory
 

@@ -17,8 +17,8 @@ from qurl.engines.factory import make_engine
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.protocol import SGLangError, SGLangUnavailable, parse_generate
 from qurl.engines.sglang.server import ServerSpec, server_command
-from qurl.sync.group import free_port
 from qurl.quant.named import engine_chunks
+from qurl.sync.group import free_port
 from qurl.types import GenRequest, SamplingParams
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))

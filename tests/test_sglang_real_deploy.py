@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from qurl.engines.sglang.protocol import QUANTIZATION, SGLangError
 from qurl.engines.sglang.engine import SGLangEngine
+from qurl.engines.sglang.protocol import QUANTIZATION, SGLangError
 from qurl.engines.sglang.server import ServerSpec
 from qurl.models.export8bit import export_8bit
 from qurl.sync.publish import WeightSync

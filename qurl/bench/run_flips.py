@@ -58,9 +58,9 @@ def measure(sets: list[str]) -> list[dict[str, Any]]:
     """Run the sync loop with `--set` overrides; one dict per sync after the first: the change
     fractions, joined with that step's train record."""
     from qurl.config import load_config
+    from qurl.sync.publish import WeightSync
     from qurl.train.inline import train
     from qurl.train.metrics_log import read_metrics
-    from qurl.sync.publish import WeightSync
 
     cfg = load_config(sets=sets)
     seen: list[dict[str, float]] = []

@@ -57,10 +57,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from qurl.config import LOCAL_BASES, PRESETS, Config, load_config
-from qurl.engines.sglang.protocol import QUANTIZATION
-from qurl.engines.sglang.server import server_command
 from qurl.deploy.netif import IFNAME_VARS, interface_to
 from qurl.deploy.placement import learner_ranks_per_node
+from qurl.engines.sglang.protocol import QUANTIZATION
+from qurl.engines.sglang.server import server_command
 
 BASE_PORT = 30000
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -34,8 +34,8 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
         return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
     import torch
 
-    from qurl.engines.sglang.engine import SGLangEngine
     from qurl.deploy.placement import sglang_base_gpus
+    from qurl.engines.sglang.engine import SGLangEngine
     from qurl.train.rundir import run_dir_for
 
     d = cfg.deploy

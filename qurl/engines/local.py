@@ -34,8 +34,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.local_weights import LocalWeights
+from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
 from qurl.types import GenRequest, GenResult

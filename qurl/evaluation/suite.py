@@ -26,8 +26,8 @@ from qurl.config import Config, EvalConfig
 from qurl.data.datasets import Example
 from qurl.engines.base import Engine
 from qurl.evaluation.metrics import mean_over_sets, set_metrics
-from qurl.rollout.requests import PromptCodec, request_seed
 from qurl.rollout.generate import to_trajectories
+from qurl.rollout.requests import PromptCodec, request_seed
 from qurl.types import GenRequest, SamplingParams
 
 EVAL_STEP = -1  # the `step` of request_seed for evaluation samples: fixed, so every eval agrees

@@ -38,15 +38,15 @@ from typing import Any, Iterable
 import torch
 
 from qurl.config import Config
+from qurl.deploy.placement import learner_threads
 from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
-from qurl.train.loop import RankZero, train_loop
 from qurl.pipeline.dispatch import Dispatcher
-from qurl.deploy.placement import learner_threads
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.quant.named import dequantize_named
-from qurl.types import Trajectory
 from qurl.sync.publish import WeightSync
+from qurl.train.loop import RankZero, train_loop
+from qurl.types import Trajectory
 
 log = logging.getLogger("qurl.controller")
 

@@ -83,11 +83,11 @@ class RolloutWorker(WeightClient):
                  host: str = "", reconnect_s: float = RECONNECT_S, threads: int = 0) -> None:
         """threads: torch CPU threads, as the controller decided for the workers it starts;
         0 (a worker started by hand on its own machine) = deploy.torch_threads or every core."""
+        from qurl.deploy.placement import set_threads, threads_for
         from qurl.engines.factory import make_engine
         from qurl.pipeline.session import read_key
         from qurl.rollout.requests import PromptCodec
         from qurl.train.rundir import read_config
-        from qurl.deploy.placement import set_threads, threads_for
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)

@@ -17,12 +17,12 @@ import torch
 
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
-from qurl.rollout.dynamic_sampling import sample_groups
 from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
+from qurl.rollout.dynamic_sampling import sample_groups
+from qurl.sync.publish import WeightSync
 from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
-from qurl.sync.publish import WeightSync
 
 
 class InProcessRollout:

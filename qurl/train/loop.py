@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from qurl.rollout.batch import build_batch
 from qurl.config import Config
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
@@ -43,11 +42,12 @@ from qurl.engines.base import Engine
 from qurl.engines.factory import make_engine
 from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import broadcast_object
-from qurl.train.metrics_log import MetricsLogger
-from qurl.rollout.requests import PromptCodec
+from qurl.rollout.batch import build_batch
 from qurl.rollout.generate import group_stats
-from qurl.train.rundir import rng_state, set_rng_state
+from qurl.rollout.requests import PromptCodec
+from qurl.train.metrics_log import MetricsLogger
 from qurl.train.run_setup import OpenedRun, open_run, save_checkpoint
+from qurl.train.rundir import rng_state, set_rng_state
 from qurl.types import SamplingParams, Trajectory
 
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from qurl.train.checksums import save_torch
 from qurl.config import Config, ConfigError
+from qurl.deploy.placement import learner_threads, set_threads
 from qurl.errors import CheckpointError
 from qurl.learner.dist import broadcast_object, gather_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import prepare_base_model
+from qurl.train.checksums import save_torch
 from qurl.train.rundir import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
-from qurl.deploy.placement import learner_threads, set_threads
 
 
 @dataclass

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from qurl.train.checksums import FileSum, damage, has_manifest, write_manifest
 from qurl.config import Config, ConfigError, from_toml, immutable_changes, to_toml, validate
 from qurl.errors import CheckpointError
+from qurl.train.checksums import FileSum, damage, has_manifest, write_manifest
 
 log = logging.getLogger("qurl.train.rundir")
 
