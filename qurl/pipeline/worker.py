@@ -16,8 +16,8 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
    last prompt of a burst), builds G requests per prompt with the sync loop's `make_requests`
    (seeded by run seed, dispatch version + 1, dataset uid, sample index), generates and scores them
-   (qurl/rollout/generate.py `generate_groups`), and sends the whole batch back as one trajectory message whose
-   prompt_uids are the dispatch keys (`uid@did`).
+   (qurl/rollout/generate.py `generate_groups`), and sends the whole batch back as one trajectory
+   message whose prompt_uids are the dispatch keys (`uid@did`).
 
 Receiving and verifying weights is qurl/pipeline/worker_sync.py (`WeightClient`).
 

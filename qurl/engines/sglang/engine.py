@@ -1,22 +1,23 @@
 """SGLang rollout engines over HTTP: one `SGLangEngine` drives N servers as one Engine.
 
-The Engine protocol is qurl/engines/base.py. Requests are spread over the servers (least in flight). Each sync (`load_weights`) pauses every server (abort mode),
-opens the update session, broadcasts the chunks bucket by bucket (qurl/sync/broadcaster.py, the
-routine the async controller uses too) to the weight group (learner rank 0 + every server rank)
-while one HTTP call per server per bucket is in flight, closes the session, flushes caches and
-continues. Requests interrupted by the pause come back with their partial output; they are
-resubmitted as prompt + generated prefix with the remaining token budget, and the pieces are stitched with per-token versions (partial rollout).
-A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while the
-broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
+The Engine protocol is qurl/engines/base.py. Requests are spread over the servers (least in
+flight). Each sync (`load_weights`) pauses every server (abort mode), opens the update session,
+broadcasts the chunks bucket by bucket (qurl/sync/broadcaster.py, the routine the async controller
+uses too) to the weight group (learner rank 0 + every server rank) while one HTTP call per server
+per bucket is in flight, closes the session, flushes caches and continues. Requests interrupted by
+the pause come back with their partial output; they are resubmitted as prompt + generated prefix
+with the remaining token budget, and the pieces are stitched with per-token versions (partial
+rollout). A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while
+the broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
 server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader).
 Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
-qurl/deploy/placement.py); the weight group's backend is sglang.backend.
-A server that stops answering is restarted (when qurl launched it), the weight group is formed
-anew, and the current weights are sent again (so the engine keeps the last synced chunks in CPU
-memory: the size of the 8-bit model). Every HTTP call has a timeout; a malformed reply is an
-SGLangError naming the server, route and what is wrong. Limits: with NCCL, servers that survive a
-peer dying in the middle of a broadcast stay blocked in it until SGLang's group timeout (30 min
-by default); gloo reports the broken connection at once.
+qurl/deploy/placement.py); the weight group's backend is sglang.backend. A server that stops
+answering is restarted (when qurl launched it), the weight group is formed anew, and the current
+weights are sent again (so the engine keeps the last synced chunks in CPU memory: the size of the
+8-bit model). Every HTTP call has a timeout; a malformed reply is an SGLangError naming the server,
+route and what is wrong. Limits: with NCCL, servers that survive a peer dying in the middle of a
+broadcast stay blocked in it until SGLang's group timeout (30 min by default); gloo reports the
+broken connection at once.
 
 The protocol facts this relies on are qurl/engines/sglang/protocol.py; one server process is
 server.py; the weight group and update sessions are update.py (`WeightUpdates`, which this class
