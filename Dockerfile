@@ -31,7 +31,7 @@ COPY pyproject.toml README.md ./
 COPY qurl ./qurl
 COPY megatron_patches ./megatron_patches
 RUN python -m pip install --no-deps . \
-    && python -c "import qurl, qurl.engines.sglang, qurl.engines.sglang_loader, qurl.learner.megatron, sglang; print('qurl + sglang', sglang.__version__)"
+    && python -c "import qurl, qurl.engines.sglang.engine, qurl.engines.sglang_loader, qurl.learner.megatron, sglang; print('qurl + sglang', sglang.__version__)"
 # The servers import qurl.engines.sglang_loader (--custom-weight-loader, planned by `qurl launch`
 # for w8a8_int8 / w8a8_fp8): qurl must be importable by the image's python, as it is above.
 COPY scripts ./scripts

@@ -29,7 +29,7 @@ _TORCHRUN_QUIET_S = 10.0  # how long a rank > 0 under torchrun leaves rank 0 to 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
     if getattr(args, "resume", None):
-        from qurl.runs import read_config
+        from qurl.train.rundir import read_config
 
         cfg = read_config(Path(args.resume))
         return validate(override(cfg, parse_sets(args.set or [])))
@@ -48,8 +48,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = override(cfg, {"deploy.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
     from qurl.data.splits import load_datasets
+    from qurl.deploy.ranks import run_ranks
     from qurl.models.registry import resolve_base
-    from qurl.ranks import launch
 
     load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
     from qurl.models.fits import check_fits
@@ -60,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # a model the layout cannot split (TP over its heads, SGLang's block FP8): one line, not ranks
     check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
-    result = launch(_train_entry, cfg, resume=bool(args.resume))
+    result = run_ranks(_train_entry, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary
 
@@ -73,20 +73,20 @@ def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> di
         from qurl.pipeline.controller import train_async
 
         return train_async(cfg, resume=resume, rank=rank, world_size=world_size)
-    from qurl.learn import train
+    from qurl.train.inline import train
 
     return train(cfg, resume=resume, rank=rank, world_size=world_size)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qurl.report import report
+    from qurl.train.report import report
 
     print(report(args.run_dir, args.out))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from qurl.evaluate import eval_run
+    from qurl.evaluation.run_eval import eval_run
 
     from qurl.evaluation.suite import summary
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # its own parser: options pass through untouched
-        from qurl.launch import main_launch
+        from qurl.deploy.launch import main_launch
 
         return main_launch(argv[1:])
     parser = argparse.ArgumentParser(prog="qurl", description=__doc__,

@@ -2,7 +2,7 @@
 
 Each carries one line that names what is wrong (the field, file and line, or checkpoint file).
 The command line prints that line and exits with status 2, on whichever learner rank the error
-was found (qurl/ranks.py); any other exception is a bug and keeps its traceback.
+was found (qurl/deploy/ranks.py); any other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qurl.engines.sglang import _NO_TENSORS as NO_TENSORS
-from qurl.engines.sglang import SGLangEngine, ServerSpec, Timeouts, server_command
+from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.protocol import NO_TENSORS
+from qurl.engines.sglang.server import ServerSpec, server_command
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
 from qurl.models.hf import build_model, read_state_dict
 from qurl.sync.group import free_port

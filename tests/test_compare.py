@@ -11,10 +11,10 @@ import pytest
 
 from pipeline_helpers import tiny_cfg
 from qurl.config import load_config
-from qurl.metrics import read_metrics
 from qurl.studies import compare as compare_mod
 from qurl.studies.compare import (ARMS, arm_configs, compare, summarize, summarize_seeds,
                                    write_table)
+from qurl.train.metrics_log import read_metrics
 
 
 def test_arm_configs_share_everything_but_the_arm(tmp_path):

@@ -72,7 +72,7 @@ def test_auto_threads_give_every_run_the_whole_node(monkeypatch):
     learner ranks + local workers. η = 0 and one worker alternate, so each may use every core."""
     import torch
 
-    from qurl.placement import busy_processes, learner_threads
+    from qurl.deploy.placement import busy_processes, learner_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     sync = load_config()
@@ -99,8 +99,8 @@ def test_multi_node_default_ranks_share_only_their_node(monkeypatch):
     """The fix of issue 14: with deploy.nproc_per_node left at its default, a rank of a 2-node
     TP-8 learner shares its node's cores with the 3 other ranks there (not with 7, nor alone),
     the same count `qurl launch` plans its torchrun with."""
-    from qurl.launch import plan
-    from qurl.placement import learner_ranks_per_node, learner_threads
+    from qurl.deploy.launch import plan
+    from qurl.deploy.placement import learner_ranks_per_node, learner_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     cfg = load_config(sets=["deploy.nnodes=2", "learner.tp=8"])
@@ -133,7 +133,7 @@ def test_old_names_on_the_command_line_name_the_new_field(old, new):
 
 def test_old_config_toml_files_still_read(tmp_path):
     """A run directory written before the redesign resumes: its config.toml maps to today's fields."""
-    from qurl.runs import read_config
+    from qurl.train.rundir import read_config
 
     run = tmp_path / "old"
     run.mkdir()

@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.engines.local import LocalEngine, StaleBase
+from qurl.engines.local import LocalEngine
+from qurl.engines.local_weights import StaleBase
 from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.named import engine_chunks
 from qurl.sync import delta as D
 from qurl.sync.digest import combine, named_digests, tensor_digest
 from qurl.sync.plan import SyncPlanner
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -358,8 +359,8 @@ def test_twenty_delta_syncs_of_a_run_equal_a_full_sync_and_train_the_same(runs_d
     and the same run with full syncs logs the same training metrics, step for step (5 steps)."""
     from pipeline_helpers import tiny_cfg, use_free_dist_port
 
-    from qurl.learn import InProcessRollout, train
-    from qurl.metrics import read_metrics
+    from qurl.train.inline import InProcessRollout, train
+    from qurl.train.metrics_log import read_metrics
 
     use_free_dist_port()
     root = runs_dir("delta20")

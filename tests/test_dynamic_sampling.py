@@ -13,9 +13,9 @@ import torch
 from qurl.config import ConfigError, load_config
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
-from qurl.dynamic_sampling import informative, sample_groups
 from qurl.models.tokenizer import build_tokenizer
-from qurl.rollout import PromptCodec
+from qurl.rollout.dynamic_sampling import informative, sample_groups
+from qurl.rollout.requests import PromptCodec
 from qurl.types import GenRequest, GenResult, SamplingParams, Trajectory
 
 DATA = [Example(uid=f"q{i}", prompt=f"{i}+0=", answer=str(i)) for i in range(40)]

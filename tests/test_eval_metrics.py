@@ -11,7 +11,7 @@ import pytest
 from qurl.config import ConfigError, load_config
 from qurl.evaluation.metrics import mean_over_sets, pass_at_k, set_metrics
 from qurl.evaluation.suite import score_engine, summary
-from qurl.rollout import PromptCodec
+from qurl.rollout.requests import PromptCodec
 from test_dynamic_sampling import DATA, ScriptedEngine
 
 

@@ -11,14 +11,14 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_learner_on_gpu_matches_transformers_and_trains(tmp_path):
-    from qurl.gpu_check import check_learner
+    from qurl.bench.gpu_check import check_learner
 
     r = check_learner(tmp_path, preset="tiny", batch=4, seq=32, steps=1)
     assert r["parity_rel"] < 1e-3 and r["train_finite"] == 1.0 and r["train_tok_s"] > 0
 
 
 def test_local_engine_fp8_int8_bf16_on_gpu(tmp_path):
-    from qurl.gpu_check import check_engine
+    from qurl.bench.gpu_check import check_engine
 
     r = check_engine(tmp_path, overrides={"num_hidden_layers": 2}, batch=4, prompt=8,
                      new_tokens=8)

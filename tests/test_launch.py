@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qurl.config import load_config
-from qurl.launch import Command, NodePlan, Reach, main_launch, plan, run_node
+from qurl.deploy.launch import Command, NodePlan, Reach, main_launch, plan, run_node
 
 EXAMPLE = str(Path(__file__).parents[1] / "scripts" / "example_2node.toml")
 
@@ -29,7 +29,7 @@ def test_dry_run_two_node_example(capsys):
     out = capsys.readouterr().out
     assert "# node 0 (10.0.0.1): 1 learner" in out and "# node 1 (10.0.0.2): 4 sglang" in out
     learner, export, *servers = _lines(out)
-    net = [f"{k}=$(python -m qurl.netif 10.0.0.1)" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
+    net = [f"{k}=$(python -m qurl.deploy.netif 10.0.0.1)" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
     assert learner == ["CUDA_VISIBLE_DEVICES=0,1,2,3", *net, "torchrun", "--nnodes=1",
                        "--nproc-per-node=4", "--node-rank=0", "--master-addr=10.0.0.1",
                        "--master-port=29500", "-m", "qurl.cli", "train", "--preset",
@@ -113,7 +113,7 @@ def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
 
 
 def test_async_workers_take_the_gpus_after_the_learners():
-    from qurl.placement import worker_gpu
+    from qurl.deploy.placement import worker_gpu
 
     two = load_config("cpu-tiny", sets=["learner.tp=2", "deploy.engines=3"])
     assert [worker_gpu(two, s, 8) for s in range(3)] == [2, 3, 4]  # learner ranks on GPUs 0, 1
@@ -325,7 +325,7 @@ def test_a_stopped_launch_stops_what_it_started(tmp_path):
               f"open({str(pids)!r}, 'a').write(f'{{c.pid}}\\n'); time.sleep(300)")
     learner = (f"import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); "
                "time.sleep(300)")
-    script = ("import sys; from qurl.launch import Command, NodePlan, run_node; "
+    script = ("import sys; from qurl.deploy.launch import Command, NodePlan, run_node; "
               f"sys.exit(run_node(NodePlan(0, 'localhost', ["
               f"Command('sglang', [sys.executable, '-c', {server!r}]), "
               f"Command('learner', [sys.executable, '-c', {learner!r}])])))")

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from qurl.errors import InputError
-from qurl.metrics import MetricsLogger, read_metrics
 from qurl.pipeline.records import TrainedLog
+from qurl.train.metrics_log import MetricsLogger, read_metrics
 
 RECORDS = [{"kind": "train", "step": s, "reward": 0.5 * s} for s in (1, 2, 3)]
 
@@ -31,7 +31,7 @@ def _warnings(caplog) -> list[str]:
 def test_resume_after_a_torn_metrics_line_warns_once(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     _torn(path)
-    with caplog.at_level(logging.WARNING, logger="qurl.metrics"):
+    with caplog.at_level(logging.WARNING, logger="qurl.train.metrics_log"):
         logger = MetricsLogger(tmp_path, total_steps=5, start_step=2, progress=False)
         logger.log({"kind": "train", "step": 3, "reward": 1.0})
         logger.close()
@@ -47,7 +47,7 @@ def test_resume_after_a_torn_trained_line(tmp_path, caplog):
     recs = [{"step": s, "uids": [s], "keys": [f"{s}@0"], "dispatch_versions": [s - 1]}
             for s in (1, 2)]
     whole = _torn(path, recs)
-    with caplog.at_level(logging.WARNING, logger="qurl.metrics"):
+    with caplog.at_level(logging.WARNING, logger="qurl.train.metrics_log"):
         log = TrainedLog(path, start_step=2)
         log.write(3, [SimpleNamespace(uid=7, key="7@3", version=2)])
         log.close()

@@ -21,11 +21,11 @@ import zmq
 
 from pipeline_helpers import (TIMING, assert_each_prompt_once, tiny_cfg, trained_uids,
                               use_free_dist_port)
-from qurl.metrics import read_metrics
 from qurl.pipeline.ledger import Ledger, split_key
 from qurl.pipeline.session import load_or_create_key, read_key, read_session
 from qurl.stream.payload import pack_trajectories
 from qurl.stream.wire import encode
+from qurl.train.metrics_log import read_metrics
 from qurl.types import Trajectory
 
 
@@ -158,8 +158,8 @@ def _comparable(rec: dict) -> dict:
 
 @pytest.mark.slow
 def test_eta0_async_reproduces_sync(run_root):
-    from qurl.learn import train
     from qurl.pipeline.controller import train_async
+    from qurl.train.inline import train
 
     steps = 3
     train(tiny_cfg(run_root, "sync", steps))
@@ -189,8 +189,8 @@ def test_eta0_async_reproduces_sync(run_root):
 def _trained_rows(run_dir):
     """The sync loop's per-step prompt order: the data cursor's, reproduced from the config."""
     from qurl.data.cursor import DataCursor
-    from qurl.runs import read_config
     from qurl.data.splits import load_datasets
+    from qurl.train.rundir import read_config
 
     cfg = read_config(run_dir)
     train_set, _ = load_datasets(cfg)

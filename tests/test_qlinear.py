@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.engines.qlinear import (Fp8Linear, Int8Linear, fbgemm_int8_available, from_linear, int8_matmul,
-                                  scaled_mm_available)
+from qurl.engines.kernels import fbgemm_int8_available, int8_matmul, scaled_mm_available
+from qurl.engines.qlinear import Fp8Linear, Int8Linear, from_linear
 from qurl.quant.formats import quantize_per_token
 
 

@@ -57,7 +57,7 @@ def _tokenizer():
 
 
 def _chat_ids(tok, question: str) -> list[int]:
-    from qurl.rollout import PromptCodec
+    from qurl.rollout.requests import PromptCodec
 
     return PromptCodec(tok, "chat").encode(question)
 
@@ -72,9 +72,9 @@ def _hf_logp(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- tokenizer and template
 def test_bpe_tokenizer_chat_template_and_eos_that_is_also_pad() -> None:
-    from qurl.batching import build_batch
     from qurl.engines.local import LocalEngine
-    from qurl.rollout import PromptCodec
+    from qurl.rollout.batch import build_batch
+    from qurl.rollout.requests import PromptCodec
     from qurl.types import Trajectory
 
     tok = _tokenizer()
@@ -267,7 +267,7 @@ def _sets(tmp_path: Path, name: str, **extra) -> list[str]:
 
 
 def _records(run: Path, kind: str) -> list[dict]:
-    from qurl.metrics import read_metrics
+    from qurl.train.metrics_log import read_metrics
 
     timing = ("time/", "tokens_per_s", "sync/time", "threads/")
     return [{k: v for k, v in r.items() if not any(t in k for t in timing)}

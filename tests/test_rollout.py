@@ -1,10 +1,11 @@
 """Request seeding shared by the sync loop and the async workers, and the train record's batch
-statistics (qurl/rollout.py), with values worked by hand."""
+statistics (qurl/rollout/generate.py), with values worked by hand."""
 import pytest
 import torch
 
 from qurl.data.datasets import Example
-from qurl.rollout import group_stats, make_requests
+from qurl.rollout.generate import group_stats
+from qurl.rollout.requests import make_requests
 from qurl.types import SamplingParams, Trajectory
 
 

@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from qurl.config import ConfigError, load_config
-from qurl.engines.sglang import (SGLangEngine, SGLangError, ServerSpec, Timeouts,
-                                 server_command)
-from qurl.placement import sglang_base_gpus
+from qurl.deploy.placement import sglang_base_gpus
+from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.protocol import SGLangError
+from qurl.engines.sglang.server import ServerSpec, server_command
 from qurl.sync.group import free_port
 from test_sglang_engine import FAST, _fake_cmd, _model_dir, _named, _post, _same, _wait_healthy
 

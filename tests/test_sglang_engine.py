@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qurl.engines.factory import make_engine
-from qurl.engines.sglang import (SGLangEngine, SGLangError, SGLangUnavailable, ServerSpec, Timeouts,
-                                 parse_generate, server_command)
-from qurl.sync.group import free_port
+from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.protocol import SGLangError, SGLangUnavailable, parse_generate
+from qurl.engines.sglang.server import ServerSpec, server_command
 from qurl.quant.named import engine_chunks
+from qurl.sync.group import free_port
 from qurl.types import GenRequest, SamplingParams
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
@@ -287,7 +288,7 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     precision=fp8_block: every step's weights reach the server as FP8 codes + 128x128
     `_scale_inv` scales, byte-equal to the learner's final master weights quantized."""
     from qurl.config import load_config
-    from qurl.learn import train
+    from qurl.train.inline import train
     from transformers import AutoConfig
 
     from qurl.models.convert import megatron_to_hf

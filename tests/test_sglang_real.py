@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from qurl.engines.local import LocalEngine
-from qurl.engines.sglang import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangEngine, SGLangError,
-                                 ServerSpec)
+from qurl.engines.sglang.engine import SGLangEngine
+from qurl.engines.sglang.protocol import QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError
+from qurl.engines.sglang.server import ServerSpec
 from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
+from qurl.sync.publish import WeightSync
 from qurl.types import GenRequest, SamplingParams
-from qurl.weights import WeightSync
 from tests.sglang_real import (TIMEOUTS, checksums, env, fuse_like_sglang,  # noqa: F401
                                held_like, is_8bit, launch, models, needs_sglang, raw_bytes,
                                read_back, read_back_with_ptrs, run_leaving_no_server,

@@ -10,9 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from qurl.engines.sglang import QUANTIZATION, SGLangEngine, SGLangError, ServerSpec
+from qurl.engines.sglang.engine import SGLangEngine
+from qurl.engines.sglang.protocol import QUANTIZATION, SGLangError
+from qurl.engines.sglang.server import ServerSpec
 from qurl.models.export8bit import export_8bit
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
 from tests.sglang_real import (CPU_FLAGS, TIMEOUTS, env, is_8bit, launch, models,  # noqa: F401
                                needs_sglang, raw_bytes, read_back_ranks, run_leaving_no_server,
                                tp_env, write_model)

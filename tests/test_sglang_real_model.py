@@ -25,14 +25,14 @@ import pytest
 import torch
 
 from qurl.engines.local import LocalEngine
-from qurl.engines.sglang import QUANTIZATION
+from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.models import registry
 from qurl.models.export8bit import export_8bit
 from qurl.models.hf import read_state_dict, write_state_dict
 from qurl.quant.named import engine_chunks
-from qurl.rollout import PromptCodec
+from qurl.rollout.requests import PromptCodec
+from qurl.sync.publish import WeightSync
 from qurl.types import GenRequest, SamplingParams
-from qurl.weights import WeightSync
 from tests import sglang_real
 from tests.sglang_real import fuse_like_sglang, held_like, launch, needs_sglang, read_back, server_env
 from tests.sglang_real import raw_bytes as _bytes
@@ -163,7 +163,7 @@ def test_block_fp8_is_refused_by_the_real_server_and_first_by_qurl(env, states, 
     """qurl/models/fits.py's rule against the real thing: the server started from this model's
     block-FP8 checkpoint dies on the rule; `qurl train` says so in one line before starting any."""
     from qurl.cli import main
-    from qurl.engines.sglang import SGLangError
+    from qurl.engines.sglang.protocol import SGLangError
 
     root, fp32, _, _ = states
     ckpt = export_8bit(fp32, root / "fp8_block_v0", "fp8_block")

@@ -10,9 +10,9 @@ import pytest
 
 from pipeline_helpers import TIMING, tiny_cfg
 from qurl.config import ConfigError, override
-from qurl.metrics import read_metrics
 from qurl.studies.ablation import ablation
 from qurl.studies.store import FILES, arm_dir, finished
+from qurl.train.metrics_log import read_metrics
 
 
 def test_finished_needs_every_step_and_the_final_eval():

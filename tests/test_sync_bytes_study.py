@@ -2,7 +2,7 @@
 import torch
 
 from qurl.studies.sync_bytes import bytes_by_kind, kind_of, table
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
 
 V, H, I = 64, 16, 24  # vocab, hidden, intermediate; one decoder layer, tied embeddings
 

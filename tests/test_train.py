@@ -6,10 +6,10 @@ import pytest
 
 from qurl.cli import main
 from qurl.config import ConfigError, load_config
-from qurl.evaluate import eval_run
-from qurl.learn import train
-from qurl.metrics import read_metrics
-from qurl.report import report
+from qurl.evaluation.run_eval import eval_run
+from qurl.train.inline import train
+from qurl.train.metrics_log import read_metrics
+from qurl.train.report import report
 
 pytestmark = pytest.mark.slow
 

@@ -148,7 +148,7 @@ def bench_gemms(model_dir: Path, batch: int = 32) -> dict[str, dict[str, float]]
     split used by Int8Linear, activation halves included), fp8 emulation. One thread."""
     import json
 
-    from qurl.engines.qlinear import _fbgemm_pack, fbgemm_int8_available, fbgemm_int8_product
+    from qurl.engines.kernels import fbgemm_pack, fbgemm_int8_available, fbgemm_int8_product
 
     c = json.loads((model_dir / "config.json").read_text())
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -169,7 +169,7 @@ def bench_gemms(model_dir: Path, batch: int = 32) -> dict[str, dict[str, float]]
                "int8 _int_mm": _cpu_us(lambda: torch._int_mm(ai, wit)),
                "fp8 emul.": _cpu_us(lambda: ai.float() @ wf8)}
         if fbgemm_int8_available():
-            packed, pin = _fbgemm_pack(wi), torch.zeros(1, k, dtype=torch.int8)
+            packed, pin = fbgemm_pack(wi), torch.zeros(1, k, dtype=torch.int8)
             pin[0, 0] = 127
             row["int8 fbgemm"] = _cpu_us(lambda: fbgemm_int8_product(ai, packed, pin))
         out[f"{name} {k}x{n}"] = row

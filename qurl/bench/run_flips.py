@@ -2,7 +2,7 @@
 
 `qurl bench sync` prices delta sync at large shapes (qurl/bench/sync.py); the share of each kind
 of chunk that changes per step is the input it needs, and only a real run gives it. This module
-runs the synchronous loop (`qurl.learn.train`) with every sync observed: for each version after
+runs the synchronous loop (`qurl.train.inline.train`) with every sync observed: for each version after
 the first it compares the engine chunks with the previous version's, bit for bit, and records
 
     codes    share of 8-bit codes whose bits changed (the flip fraction)
@@ -58,9 +58,9 @@ def measure(sets: list[str]) -> list[dict[str, Any]]:
     """Run the sync loop with `--set` overrides; one dict per sync after the first: the change
     fractions, joined with that step's train record."""
     from qurl.config import load_config
-    from qurl.learn import train
-    from qurl.metrics import read_metrics
-    from qurl.weights import WeightSync
+    from qurl.sync.publish import WeightSync
+    from qurl.train.inline import train
+    from qurl.train.metrics_log import read_metrics
 
     cfg = load_config(sets=sets)
     seen: list[dict[str, float]] = []

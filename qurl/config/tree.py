@@ -156,7 +156,7 @@ class AlgoConfig:
     """Passes over the batch per step."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose accuracies are all equal and sample more prompts until the batch
-    holds prompts_per_step groups (qurl/dynamic_sampling.py)."""
+    holds prompts_per_step groups (qurl/rollout/dynamic_sampling.py)."""
     max_sample_rounds: Positive = 16
     """Dynamic sampling: rollouts per step at most before the step fails."""
     overlong_buffer: Count = 0
@@ -217,7 +217,7 @@ class LearnerConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """The SGLang engine's own settings (qurl/engines/sglang.py takes only this section)."""
+    """The SGLang engine's own settings (qurl/engines/sglang/engine.py takes only this section)."""
     urls: tuple[str, ...] = ()
     """Attach to these running servers; empty = launch deploy.engines servers locally."""
     args: tuple[str, ...] = ()
@@ -255,7 +255,7 @@ class DeployConfig:
     """Rollout engines: SGLang servers (inline) or worker processes, one engine each."""
     torch_threads: Count = 0
     """torch CPU threads per process; 0 = the node's cores shared by the processes computing at
-    once (qurl/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
+    once (qurl/deploy/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
     reward_timeout_s: PositiveFloat = 5.0
     """Time limit of scoring one answer (math verification can hang on adversarial output)."""
     # ---- learner ranks

@@ -20,7 +20,7 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     whatever rollout.engine says — the async controller's evaluation engine, which must not take
     the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
     The local engine runs on this process's current GPU when there is one; SGLang servers
-    launched here get GPUs of their own after the learner's (qurl/placement.py). precision: overrides
+    launched here get GPUs of their own after the learner's (qurl/deploy/placement.py). precision: overrides
     rollout.precision (with local=True; "bf16" = the unquantized policy, for evaluation)."""
     if cfg.rollout.engine == "local" or local:
         import torch
@@ -34,9 +34,9 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
         return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
     import torch
 
-    from qurl.engines.sglang import SGLangEngine
-    from qurl.placement import sglang_base_gpus
-    from qurl.runs import run_dir_for
+    from qurl.deploy.placement import sglang_base_gpus
+    from qurl.engines.sglang.engine import SGLangEngine
+    from qurl.train.rundir import run_dir_for
 
     d = cfg.deploy
     gpus = None if cfg.sglang.urls else sglang_base_gpus(  # launched here: after the learner's

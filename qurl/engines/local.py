@@ -1,8 +1,5 @@
 """The local rollout engine: a batched, KV-cached sampling decoder over an HF model, in bf16/int8/fp8
 (and w4a16, int4 weight-only: the ablation study's declared stress format, qurl.quant.int4).
-(Just over the ~400-line norm: the transactional weight load — full and delta chunks staged,
-checked, committed and verified — has to see the same tensors the decoder runs on; splitting it
-out is the next refactor, noted in the session-8 closing note.)
 
 On CPU machines this is the engine; everywhere it is the numerical reference for what an 8-bit
 rollout engine should return. It wraps the HF Qwen2/Llama model loaded from a checkpoint dir and,
@@ -25,18 +22,8 @@ next tokens are sampled by the new weights and tagged with the new version, whil
 the tokens already processed is kept although older weights computed it (AReaL's interruptible
 generation makes the same trade: recomputing the prefix would cost a prefill per update).
 
-`load_weights` stages then commits: every chunk is checked (known name, shape, dtype kind, finite
-values; 8-bit codes arrive with their `_scale`) and full-precision linears are quantized before
-anything is written, so a bad chunk raises ValueError naming the tensor and leaves the old weights
-and version in place. Staging holds one copy of the incoming tensors.
-
-Deltas and verification (qurl/sync/delta.py, qurl/sync/digest.py). `load_weights(..., base=(v-1,
-digest))` also accepts delta chunks (`<name>#dpos/#dend/#dval`): it refuses (`StaleBase`, before
-reading a chunk) unless the engine holds exactly v-1 with that verified digest, validates every
-delta against the tensor it changes, and writes the changed positions in place at commit (a
-tensor not named keeps its bits). `verify(digests)` hashes what the engine holds, under the
-sender's names and in the dtype each tensor was last sent in, and returns the names that differ;
-only a verified version can be the base of the next delta (`digest`; any load clears it).
+Loading and verifying weights (staged, checked, committed; full and delta chunks; digests) is
+qurl/engines/local_weights.py (`LocalWeights`, which `LocalEngine` extends).
 """
 from __future__ import annotations
 
@@ -47,12 +34,10 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from qurl.engines.local_weights import LocalWeights
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
-from qurl.quant.formats import all_finite, fp8_has_nan
-from qurl.sync.delta import apply_positions, check_delta, group_delta_chunks
-from qurl.sync.digest import combine, mismatches, tensor_digest
 from qurl.types import GenRequest, GenResult
 
 PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
@@ -60,12 +45,6 @@ LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             ("mlp.gate_proj", "mlp.up_proj"))
-CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-SCALE = "_scale"
-
-
-class StaleBase(ValueError):
-    """A delta computed against a version the engine does not hold (exactly): resync in full."""
 
 
 def quantize_model_linears(model: nn.Module, fmt: str, fuse: bool = True) -> dict[str, QuantLinear]:
@@ -87,7 +66,7 @@ def quantize_model_linears(model: nn.Module, fmt: str, fuse: bool = True) -> dic
     return out
 
 
-class LocalEngine:
+class LocalEngine(LocalWeights):
     """Engine protocol (engines/base.py) over a local HF checkpoint; see the module docstring."""
 
     adopts_chunks = True  # load_weights(adopt=True) is supported: see qurl/sync/receiver.py
@@ -144,147 +123,6 @@ class LocalEngine:
     def names(self) -> list[str]:
         """Every tensor name `load_weights` accepts (8-bit engines: linears also as `<name>_scale`)."""
         return list(self._tensors)
-
-    # ------------------------------------------------------------------ weights
-    @property
-    def digest(self) -> str | None:
-        """Combined digest (qurl/sync/digest.py) of the weights, if `verify` vouched for them
-        since the last load; None otherwise."""
-        return self._digest
-
-    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                     adopt: bool = False, base: tuple[int, str] | None = None) -> None:
-        """Stage, validate and then commit named tensors; set `version` after the last one.
-
-        adopt=True: the caller promises the chunks' memory stays untouched until the next load
-        (the weight receiver's double-banked buffers). When the chunks then cover every tensor of
-        the model with its dtype, the engine takes them as its own (`.data` swapped at commit)
-        instead of copying them; otherwise it copies, as without `adopt`. All or nothing, so the
-        engine never holds some tensors in the caller's memory and some in its own; `adopted`
-        says which happened (the receiver reuses its other bank only after an adoption). W8A8
-        engines run each layer's q/k/v and gate/up as one GEMM (qlinear.Siblings): their first
-        forward after a load concatenates those codes into the engine's own buffer (one copy of the
-        linear codes per load) and lets go of the adopted chunks for them.
-
-        base=(v-1, digest): a delta sync (module docstring); StaleBase unless this engine holds
-        exactly that verified version. Without base, delta chunks are unknown names (refused)."""
-        if base is not None and (self._version, self._digest) != (int(base[0]), base[1]):
-            raise StaleBase(f"delta for base v{base[0]} ({base[1]}): this engine holds "
-                            f"v{self._version} ({self._digest or 'unverified'})")
-        staged: dict[str, torch.Tensor] = {}
-        for name, t in chunks:
-            if base is None or "#d" not in name:
-                staged[name] = self._check_chunk(name, t, copy=not adopt)
-            else:
-                staged[name] = t.detach().to(self.device, copy=not adopt)
-        staged, deltas = group_delta_chunks(staged.items())
-        checked = {n: self._check_delta(n, parts) for n, parts in deltas.items()}
-        writes = self._resolve(staged, partial=base is not None)
-        n_live = len({id(t) for t in self._tensors.values()})  # tied weights: two names, one tensor
-        take = adopt and not checked and len({id(self._tensors[n]) for n in writes}) == n_live \
-            and all(t.dtype == self._tensors[n].dtype and t.device == self._tensors[n].device
-                    and t.is_contiguous() for n, t in writes.items())
-        with torch.no_grad():
-            for name, t in writes.items():
-                if take:
-                    self._tensors[name].data = t
-                else:
-                    self._tensors[name].copy_(t)
-            for name, (pos, val) in checked.items():
-                apply_positions(self._tensors[name], pos, val)
-        self._wire_dtype.update({n: t.dtype for n, t in staged.items()})
-        self.adopted = take
-        self._version = int(version)
-        self._digest = None
-
-    def verify(self, digests: dict[str, str]) -> list[str]:
-        """Hash the tensors named in `digests` (the sender's, of the version just loaded) as the
-        engine holds them, cast to the dtype they were sent in; [] and `digest` set when all
-        match, else the names that differ (`digest` stays None: no delta builds on them)."""
-        got = {}
-        for name in digests:
-            t = self._tensors.get(name)
-            if t is not None:
-                want = self._wire_dtype.get(name, t.dtype)
-                got[name] = tensor_digest(t if t.dtype == want else t.to(want))
-        bad = mismatches(digests, got)
-        self._digest = None if bad else combine(digests)
-        return bad
-
-    def _check_delta(self, name: str, parts: dict[str, torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate one delta against the live tensor it changes (writes nothing)."""
-        if name not in self._tensors:
-            raise ValueError(f"{name}: delta for no tensor of the engine's model")
-        target = self._tensors[name]
-        want = self._wire_dtype.get(name, target.dtype)
-        if want != target.dtype:
-            raise ValueError(f"{name}: a delta needs the tensor sent in the engine's dtype "
-                             f"({target.dtype}), it was sent as {want}")
-        pos, val = check_delta(name, target, parts)
-        if val.dtype in CODE_DTYPES:
-            qmod = self._qlinears.get(name)
-            if qmod is None:
-                raise ValueError(f"{name}: got 8-bit codes ({val.dtype}) for a full-precision tensor")
-            if val.dtype == torch.float8_e4m3fn and fp8_has_nan(val):
-                raise ValueError(f"{name}: fp8 codes contain NaN")
-        elif not all_finite(val):
-            raise ValueError(f"{name}: contains NaN or inf")
-        elif name.endswith(SCALE) and name[: -len(SCALE)] in self._qlinears and \
-                not bool((val > 0).all()):
-            raise ValueError(f"{name}: scales must be finite and > 0")
-        return pos, val
-
-    def _check_chunk(self, name: str, t: torch.Tensor, copy: bool = True) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if name not in self._tensors:
-            bf16_scale = self.precision == "bf16" and name.endswith(SCALE)
-            hint = " (this engine is bf16: send full-precision weights)" if bf16_scale else ""
-            raise ValueError(f"{name}: no tensor of that name in the engine's model{hint}")
-        target = self._tensors[name]
-        if tuple(t.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(target.shape)}")
-        quant_weight = name in self._qlinears
-        if t.dtype in CODE_DTYPES:
-            if not quant_weight:
-                raise ValueError(f"{name}: got 8-bit codes ({t.dtype}) for a full-precision tensor")
-            if t.dtype != target.dtype:
-                raise ValueError(
-                    f"{name}: got {t.dtype} codes, this {self.precision} engine holds {target.dtype}")
-        elif not torch.is_floating_point(t):
-            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
-        elif not all_finite(t):
-            raise ValueError(f"{name}: contains NaN or inf")
-        return t.detach().to(self.device, copy=copy)  # copy: the sender may reuse its buffers
-
-    def _resolve(self, staged: dict[str, torch.Tensor], partial: bool = False
-                 ) -> dict[str, torch.Tensor]:
-        """Pair codes with scales and quantize full-precision linears; returns the tensors to write.
-        partial (a delta sync): codes or a scale may come alone (the other unchanged or sent as a
-        delta, checked on its own); the engine's current partner is then checked with it."""
-        writes = dict(staged)
-        for name, qmod in self._qlinears.items():
-            w, s = staged.get(name), staged.get(name + SCALE)
-            if partial and (w is None) != (s is None) and (w is None or w.dtype in CODE_DTYPES):
-                qmod.check_codes(self._tensors[name] if w is None else w,
-                                 self._tensors[name + SCALE] if s is None else s, name)
-                continue
-            if w is None:
-                if s is not None:
-                    raise ValueError(f"{name + SCALE}: scale sent without its codes {name}")
-                continue
-            if w.dtype in CODE_DTYPES:
-                if s is None:
-                    raise ValueError(f"{name}: 8-bit codes sent without {name + SCALE}")
-                qmod.check_codes(w, s, name)
-            else:
-                if s is not None:
-                    raise ValueError(f"{name + SCALE}: scale sent with a full-precision {name}")
-                codes, scale = qmod.quantize(w)
-                writes[name], writes[name + SCALE] = codes, scale
-        return writes
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()

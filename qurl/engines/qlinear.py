@@ -1,6 +1,4 @@
 """8-bit linear layers (W8A8) for the local rollout engine: real int8 GEMMs, FP8 E4M3 GEMMs.
-(Just over the ~400-line norm: the exact FBGEMM int8 kernel and the fused q/k/v, gate/up siblings
-belong with the layers they compute; the kernels are the candidate to move to a kernels module.)
 
 A W8A8 linear `y = x W^T + b` with `W: [out, in]` holds
 - `weight`: 8-bit codes `[out, in]` (int8 or float8_e4m3fn), per output channel symmetric,
@@ -12,21 +10,9 @@ At run time every token's activation row is quantized dynamically (`quantize_per
 
     y = (xq @ weight^T) * x_scale * weight_scale^T + bias
 
-where the product of codes is computed by an 8-bit kernel:
-- INT8: an exact int8 x int8 -> int32 GEMM (no dequantize-then-float), by one of two kernels
-  (`Int8Linear.backend`):
-  * `torch._int_mm` (oneDNN on CPU, cuBLAS on CUDA). On CPU it takes any shape. On CUDA it needs
-    M > 16 and K, N multiples of 8, so rows are zero-padded to at least 32 and K/N to multiples of
-    8 there (zero rows/columns add nothing to the sum).
-  * FBGEMM (`fbgemm_int8_product`, the CPU default where it is exact): on x86 CPUs without VNNI
-    (AVX2 only) oneDNN's int8 GEMM is ~20x slower than an fp32 GEMM of the same shape, while
-    FBGEMM's u8 x s8 kernels are ~2x faster than fp32. FBGEMM takes *unsigned* 7-bit activations
-    (its AVX2 kernels add pairs of u8*s8 products in saturating int16: 2 * 127 * 127 fits, 2 * 255 * 127
-    does not), so the signed codes are split, x = max(x, 0) - max(-x, 0), both halves in [0, 127],
-    stacked into one GEMM of 2M rows, and subtracted. FBGEMM's dynamic linear quantizes its float
-    input itself with scale (max - min) / 127; a pinned row holding 127 makes that scale exactly 1
-    and the zero point 0, so its quantization is the identity on our integer codes and its output
-    is float(int32 sum) with unit weight scales: the same numbers as `_int_mm` (tested bit-equal).
+where the product of codes is computed by an 8-bit kernel (qurl/engines/kernels.py):
+- INT8: an exact int8 x int8 -> int32 GEMM (no dequantize-then-float), by `torch._int_mm` or
+  FBGEMM (`Int8Linear.backend`; FBGEMM is the CPU default where it is exact): qurl/engines/kernels.py.
   The int32 sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
 - FP8: `torch._scaled_mm` (unit tensor-wise scales, fp32 output) on CUDA devices with an FP8 GEMM
   (sm89+, probed once per device). Elsewhere (CPU) an *exact emulation*:
@@ -41,104 +27,14 @@ writing anything; output dtype equals the input dtype.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
+from qurl.engines.kernels import (fbgemm_int8_available, fbgemm_int8_product, fbgemm_pack,
+                                  int8_matmul, scaled_mm_available)
 from qurl.quant.formats import code_dtype, fp8_has_nan, quantize_per_channel, quantize_per_token
 from qurl.quant.int4 import (check_int4_codes, dequantize_int4_groups, int4_group,
                              quantize_int4_groups)
-
-
-def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    if t.shape[dim] >= size:
-        return t
-    pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]]
-    return nn.functional.pad(t, pad)
-
-
-def int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Exact int8 GEMM `a @ w^T`: a [M, K] int8, w [N, K] int8 -> [M, N] int32 via torch._int_mm."""
-    if a.device.type != "cuda":
-        return torch._int_mm(a, w.t())
-    m, k = a.shape
-    n = w.shape[0]
-    k8, n8 = -(-k // 8) * 8, -(-n // 8) * 8
-    a_p = _pad_to(_pad_to(a, 1, k8), 0, max(m, 32))
-    w_p = _pad_to(_pad_to(w, 1, k8), 0, n8)
-    return torch._int_mm(a_p, w_p.t())[:m, :n]
-
-
-def _fbgemm_pack(codes: torch.Tensor):
-    """int8 codes [N, K] -> FBGEMM packed weight with unit scale and zero point 0.
-
-    torch 2.13 warns that quantized tensor dtypes (qint8) are deprecated; the packing needs one.
-    When they are gone, `fbgemm_int8_available()` turns False and the layers use torch._int_mm."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        q = torch._make_per_tensor_quantized_tensor(codes.contiguous(), 1.0, 0)
-    return torch.ops.quantized.linear_prepack(q, None)
-
-
-def fbgemm_int8_product(a: torch.Tensor, packed, pin: torch.Tensor) -> torch.Tensor:
-    """Exact `a @ w^T` as fp32 via FBGEMM (see the module docstring): a [M, K] int8 codes in
-    [-127, 127], `packed` from `_fbgemm_pack(w)`, pin [1, K] int8 (127 then zeros) -> [M, N] fp32."""
-    m = a.shape[0]
-    halves = torch.cat([a, a.neg(), pin]).clamp_(min=0).to(torch.float32)  # [2M + 1, K] in [0, 127]
-    out = torch.ops.quantized.linear_dynamic(halves, packed, True)  # reduce_range: 7-bit, [0, 127]
-    return out[:m] - out[m : 2 * m]
-
-
-_FBGEMM_OK: list[bool] = []
-
-
-def fbgemm_int8_available() -> bool:
-    """Whether the FBGEMM int8 product works here and equals `torch._int_mm` bit for bit (probed
-    once, on extreme codes +-127 and random ones)."""
-    if not _FBGEMM_OK:
-        ok = torch.backends.quantized.engine in ("x86", "fbgemm") and hasattr(torch.ops, "quantized")
-        if ok:
-            try:
-                g = torch.Generator().manual_seed(0)
-                a = torch.randint(-127, 128, (6, 72), generator=g, dtype=torch.int8)
-                w = torch.randint(-127, 128, (10, 72), generator=g, dtype=torch.int8)
-                a[0], a[1], w[0], w[1] = 127, -127, 127, -127
-                pin = torch.zeros(1, 72, dtype=torch.int8)
-                pin[0, 0] = 127
-                got = fbgemm_int8_product(a, _fbgemm_pack(w), pin)
-                ok = torch.equal(got, torch._int_mm(a, w.t()).to(torch.float32))
-            except (RuntimeError, NotImplementedError, AttributeError):
-                ok = False
-        _FBGEMM_OK.append(ok)
-    return _FBGEMM_OK[0]
-
-
-_SCALED_MM_OK: dict[tuple[str, int | None], bool] = {}
-
-
-def scaled_mm_available(device: torch.device) -> bool:
-    """Whether `torch._scaled_mm` on fp8 codes with fp32 output works on `device`
-    (probed once: a 16x32x16 product compared with the fp32 emulation)."""
-    key = (device.type, device.index)
-    if key not in _SCALED_MM_OK:
-        ok = hasattr(torch, "_scaled_mm")
-        if ok and device.type == "cuda":
-            ok = torch.cuda.get_device_capability(device) >= (8, 9)
-        if ok:
-            try:
-                g = torch.Generator().manual_seed(0)
-                a = torch.randn(16, 32, generator=g).to(device, torch.float8_e4m3fn)
-                b = torch.randn(16, 32, generator=g).to(device, torch.float8_e4m3fn)
-                one = torch.ones((), device=device)
-                got = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-                ref = a.float() @ b.float().t()
-                # fp32 accumulation order differs between the GEMM and the emulation: compare loosely
-                ok = bool(torch.allclose(got, ref, rtol=1e-3, atol=1e-3))
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _SCALED_MM_OK[key] = ok
-    return _SCALED_MM_OK[key]
 
 
 class QuantLinear(nn.Module):
@@ -239,7 +135,7 @@ class Int8Linear(QuantLinear):
         if self._packed is None or self._packed[0] != key:
             pin = torch.zeros(1, self.in_features, dtype=torch.int8)
             pin[0, 0] = 127
-            self._packed = (key, _fbgemm_pack(self.weight), pin)
+            self._packed = (key, fbgemm_pack(self.weight), pin)
         return self._packed[1], self._packed[2]
 
     def _code_product(self, xq: torch.Tensor) -> torch.Tensor:

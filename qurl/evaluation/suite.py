@@ -26,7 +26,8 @@ from qurl.config import Config, EvalConfig
 from qurl.data.datasets import Example
 from qurl.engines.base import Engine
 from qurl.evaluation.metrics import mean_over_sets, set_metrics
-from qurl.rollout import PromptCodec, request_seed, to_trajectories
+from qurl.rollout.generate import to_trajectories
+from qurl.rollout.requests import PromptCodec, request_seed
 from qurl.types import GenRequest, SamplingParams
 
 EVAL_STEP = -1  # the `step` of request_seed for evaluation samples: fixed, so every eval agrees
@@ -97,7 +98,7 @@ class Evaluator:
                  max_examples: int | None = None) -> None:
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
-        from qurl.weights import WeightSync
+        from qurl.sync.publish import WeightSync
 
         self.cfg, self.fp = cfg, needs_fp_policy(cfg)
         self.sets: dict[str, list[Example]] = {}

@@ -1,7 +1,6 @@
 """The tensor-parallel learner: a megatron-core GPTModel trained with the QuRL surrogate.
 
-(Just over the ~400-line norm: model construction already lives in build.py; what remains is
-one class whose logprobs / train_step / save / load share its sharded state.)
+(Model construction is build.py; writing and reading this rank's checkpoint shards is shards.py.)
 
 One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
@@ -44,19 +43,19 @@ import torch
 import torch.distributed as dist
 
 from qurl.algo.loss import loss_denominator, loss_options, policy_loss
-from qurl.checksums import FileSum, save_torch
 from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
 from qurl.learner.membudget import TokenCost, free_bytes, rows_per_micro
+from qurl.learner.shards import ShardCheckpoint
 from qurl.models import convert
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_BUDGET = 2**26  # CPU: fp32 logits per micro-batch (256 MiB); GPU: free memory (membudget.py)
 
 
-class MegatronLearner:
+class MegatronLearner(ShardCheckpoint):
     def __init__(self, model_dir: str | Path | None, model: ModelConfig, algo: AlgoConfig,
                  optim: OptimConfig, learner: LearnerConfig, *, total_steps: int, seed: int,
                  deploy: DeployConfig = DeployConfig(),
@@ -346,59 +345,6 @@ class MegatronLearner:
                 shards = [t]
             if self.tp_rank == 0 and self.dp_rank == 0:
                 yield from convert.megatron_param_to_hf(name, shards, self.hf_config)
-
-    # ------------------------------------------------------------------ checkpoint
-
-    def _files(self) -> tuple[str, str]:
-        """(model shard file, optimizer file) of this rank. The model shard is the same on every DP
-        rank (DP rank 0 writes it); the optimizer state is per DP rank when DP > 1."""
-        optim = f"optim_rank{self.tp_rank}.pt" if self.dp_size == 1 else \
-            f"optim_rank{self.tp_rank}_dp{self.dp_rank}.pt"
-        return f"model_rank{self.tp_rank}.pt", optim
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's model shard, optimizer (fp32 masters + AdamW moments) and schedule position.
-        Model keys are local-spec names whichever spec built the model (TE's `_extra_state` FP8
-        metadata is not kept: the learner trains in bf16/fp32), so a run resumes with or without TE."""
-        model = {convert.from_te_name(k): v for k, v in self.model.state_dict().items()
-                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-        return {"format": 2, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "step": self.step,
-                "model": model, "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != 2:
-            raise ValueError(f"learner checkpoint format {state.get('format')!r}: this qurl reads 2")
-        if (state.get("tp_rank"), state.get("tp_size")) != (self.tp_rank, self.tp_size):
-            raise ValueError(f"checkpoint shard is TP rank {state.get('tp_rank')} of "
-                             f"{state.get('tp_size')}, this learner is {self.tp_rank} of {self.tp_size}")
-        model = {convert.from_te_name(k): v for k, v in state["model"].items()}  # either spec's names
-        missing, unexpected = self.model.load_state_dict(
-            convert.to_te_names(model) if self.te else model, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint model shard: missing {missing}, unexpected {unexpected}")
-        self.optimizer.load_state_dict(state["optimizer"])  # also re-publishes the masters
-        self.step = int(state["step"])
-
-    def save(self, directory: str | Path) -> dict[str, FileSum]:
-        """Write this rank's model shard (DP rank 0) and optimizer file into directory; return
-        each written file's size and checksum, taken as it was written (the checkpoint manifest)."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
-        optim = {k: state.pop(k) for k in ("optimizer", "step")}
-        model_file, optim_file = self._files()
-        parts = [(optim_file, optim)] + ([(model_file, state)] if self.dp_rank == 0 else [])
-        return {fname: save_torch(obj, d / fname) for fname, obj in parts}
-
-    def load(self, directory: str | Path) -> None:
-        d = Path(directory)
-        parts = {}
-        for fname in self._files():
-            if not (d / fname).is_file():
-                raise FileNotFoundError(f"{d / fname}: learner checkpoint shard missing")
-            parts.update(torch.load(d / fname, map_location=self.device, weights_only=False))
-        self.load_state_dict(parts)
 
 
 def _combine(per_mb: list[dict[str, float]]) -> dict[str, float]:

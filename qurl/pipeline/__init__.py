@@ -1,6 +1,6 @@
 """The asynchronous QuRL pipeline: a controller (learner rank 0) and rollout worker processes.
 
-    controller.py  train_async: the training loop's (qurl/loop.py) async batch source: dispatch
+    controller.py  train_async: the training loop's (qurl/train/loop.py) async batch source: dispatch
                    prompts under the staleness bound, buffer trajectories, pop complete batches,
                    broadcast 8-bit weights; its state makes checkpoints lossless
     worker.py      one rollout worker process: engine + stream + weight-group member

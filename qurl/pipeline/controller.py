@@ -6,8 +6,8 @@
                   receive trajectory batches (authenticated, validated); buffer complete groups;
                   return once B are buffered (the earliest completed, in dispatch order)
 
-The controller is a batch source of the one training loop (qurl/loop.py), as the synchronous
-in-process rollout (qurl/learn.py) is another: same step, batch assembly, learner call, records and
+The controller is a batch source of the one training loop (qurl/train/loop.py), as the synchronous
+in-process rollout (qurl/train/inline.py) is another: same step, batch assembly, learner call, records and
 checkpoint cadence, and the workers build their requests with the sync loop's `make_requests`. With
 η = 0 only B prompts are ever outstanding, all dispatched at the current version, so each step
 trains exactly what the sync loop would (up to the float noise of running the same decoder in
@@ -23,7 +23,7 @@ prompts that were in flight go back to the cursor. `trained.jsonl` lists the pro
 metrics.jsonl), so exactly-once can be checked.
 
 Re-broadcasts to replaced workers use the chunks cached on rank 0, so they need no collective of the
-TP ranks (which run the loop without a source). Evaluation (qurl/loop.py, qurl/evaluation/suite.py)
+TP ranks (which run the loop without a source). Evaluation (qurl/train/loop.py, qurl/evaluation/suite.py)
 scores an engine on rank 0 loaded with the same cached chunks the workers received (exactly the
 8-bit actor they run), and beside it the full-precision policy.
 """
@@ -38,15 +38,15 @@ from typing import Any, Iterable
 import torch
 
 from qurl.config import Config
+from qurl.deploy.placement import learner_threads
 from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
-from qurl.loop import RankZero, train_loop
 from qurl.pipeline.dispatch import Dispatcher
-from qurl.placement import learner_threads
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.quant.named import dequantize_named
+from qurl.sync.publish import WeightSync
+from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
-from qurl.weights import WeightSync
 
 log = logging.getLogger("qurl.controller")
 

@@ -33,9 +33,9 @@ import torch
 
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
-from qurl.dynamic_sampling import informative
 from qurl.pipeline.ledger import Dispatch, Ledger
 from qurl.pipeline.staleness import StalenessController, TrajectoryBuffer
+from qurl.rollout.dynamic_sampling import informative
 from qurl.stream.payload import PromptTask, pack_prompt
 from qurl.types import SamplingParams, Trajectory
 

@@ -1,10 +1,10 @@
-"""What the async loop writes per step besides the shared train record (qurl/loop.py): weight-sync
+"""What the async loop writes per step besides the shared train record (qurl/train/loop.py): weight-sync
 acks of the workers, and `trained.jsonl` (the prompts each step trained on).
 
 `trained.jsonl` has one line per step: {"step", "uids" (dataset prompt uids, in batch order),
 "keys" (dispatch keys `uid@did`), "dispatch_versions"}. Like metrics.jsonl it is truncated to the
 checkpoint's step on resume (a torn last line, from a kill mid-write, is dropped with a warning:
-qurl/metrics.py), so over a resumed run it lists every trained prompt exactly as often as it was
+qurl/train/metrics_log.py), so over a resumed run it lists every trained prompt exactly as often as it was
 trained — the record exactly-once is checked against.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from qurl.metrics import read_metrics
+from qurl.train.metrics_log import read_metrics
 
 
 def ack_stats(acks: Iterable[dict[str, Any]]) -> dict[str, float]:

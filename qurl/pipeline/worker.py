@@ -1,7 +1,4 @@
 """A rollout worker process: one engine, fed prompts by the controller, streaming trajectories back.
-(Over the ~400-line norm since delta sync: the worker's receive / verify / ask-for-full-resync
-cycle lives beside its generation loop, which it must pause and redo; a split into a sync
-client module is the next step.)
 
     python -m qurl.pipeline.worker --run-dir runs/<run> --slot 0 [--host H] [--parent-pid PID]
 
@@ -17,18 +14,12 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
-   last prompt of a burst), builds G requests per prompt with the sync loop's `rollout.make_requests`
+   last prompt of a burst), builds G requests per prompt with the sync loop's `make_requests`
    (seeded by run seed, dispatch version + 1, dataset uid, sample index), generates and scores them
-   (`rollout.generate_groups`), and sends the whole batch back as one trajectory message whose
-   prompt_uids are the dispatch keys (`uid@did`).
+   (qurl/rollout/generate.py `generate_groups`), and sends the whole batch back as one trajectory
+   message whose prompt_uids are the dispatch keys (`uid@did`).
 
-Every sync is verified: after the receiver commits a version the worker hashes what its engine
-holds against the learner's digests (qurl/sync/digest.py, sent with the first announcement). A
-delta whose base the engine does not hold verified is refused before anything is written (the
-engine keeps its version); a mismatch leaves the engine unverified. Either way the worker abandons
-the generation in progress (its prompts go back to the queue) and generates nothing until a full
-sync verifies. Either way it asks the controller for a full sync (`resync` with the reason) and stays
-in the group.
+Receiving and verifying weights is qurl/pipeline/worker_sync.py (`WeightClient`).
 
 Prompts and control share one ordered channel per slot, so a weight update announced before a prompt
 is always seen before it. Between decode steps the worker polls that channel: a weight update that
@@ -52,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from qurl.pipeline.worker_sync import Abort, Unverified, WeightClient
 
 log = logging.getLogger("qurl.worker")
 
@@ -85,24 +78,16 @@ def _default_host(controller_endpoint: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-class _Abort(Exception):
-    """Abandon the current generation (controller changed or asked us to stop)."""
-
-
-class _Unverified(_Abort):
-    """The engine's weights failed verification: redo the current generation after a resync."""
-
-
-class RolloutWorker:
+class RolloutWorker(WeightClient):
     def __init__(self, run_dir: str | Path, slot: int, *, parent_pid: int = 0,
                  host: str = "", reconnect_s: float = RECONNECT_S, threads: int = 0) -> None:
         """threads: torch CPU threads, as the controller decided for the workers it starts;
         0 (a worker started by hand on its own machine) = deploy.torch_threads or every core."""
+        from qurl.deploy.placement import set_threads, threads_for
         from qurl.engines.factory import make_engine
         from qurl.pipeline.session import read_key
-        from qurl.rollout import PromptCodec
-        from qurl.runs import read_config
-        from qurl.placement import set_threads, threads_for
+        from qurl.rollout.requests import PromptCodec
+        from qurl.train.rundir import read_config
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
@@ -114,7 +99,7 @@ class RolloutWorker:
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
         if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
-            from qurl.placement import worker_gpu  # one GPU per worker, after the learner's
+            from qurl.deploy.placement import worker_gpu  # one GPU per worker, after the learner's
 
             torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count()))
         self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
@@ -159,12 +144,6 @@ class RolloutWorker:
                 s.close()
         self.inbox = self.outbox = None
 
-    def _leave_group(self) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group = self.weights_rx = None
-        self.joined = False
-
     def _send_control(self, meta: dict[str, Any]) -> None:
         meta = {"slot": self.slot, "pid": os.getpid(), "session": self.session, **meta}
         self.outbox.send("control", meta, timeout_ms=10_000)
@@ -185,7 +164,7 @@ class RolloutWorker:
             log.info("slot %d: controller changed (%s -> %s), reconnecting", self.slot,
                      self.session, info.get("session"))
             self._connect(info)
-            raise _Abort()
+            raise Abort()
 
     # ------------------------------------------------------------------ messages
 
@@ -195,7 +174,7 @@ class RolloutWorker:
         for msg in self.inbox.recv_many(1000, timeout_ms=timeout_ms):
             try:
                 self._handle(msg)
-            except _Unverified as e:  # handle the rest first: they may hold prompts
+            except Unverified as e:  # handle the rest first: they may hold prompts
                 unverified = e
         if unverified is not None:
             raise unverified
@@ -216,7 +195,7 @@ class RolloutWorker:
             self._receive_weights(meta)
         elif op == "stop":
             self.stop = True
-            raise _Abort()
+            raise Abort()
         elif op != "ping":
             self.counts["bad_control"] += 1
 
@@ -227,111 +206,11 @@ class RolloutWorker:
             return
         self.tasks.append((msg.payload, meta, time.monotonic()))
 
-    def _join_group(self, meta: dict[str, Any]) -> None:
-        from qurl.sync.group import WeightGroup
-        from qurl.sync.receiver import WeightReceiver
-
-        self._leave_group()
-        gen = meta.get("gen")
-        self.gen_seen = gen if isinstance(gen, int) else self.gen_seen
-        try:
-            self.group = WeightGroup(str(meta["host"]), int(meta["port"]), int(meta["rank"]),
-                                     int(meta["world"]), backend=str(meta.get("backend", "gloo")),
-                                     group_name=str(meta.get("name", "qurl_weights")),
-                                     timeout_s=float(meta.get("timeout_s", 300.0)))
-        except Exception as e:  # the controller times out too and forms a new group
-            log.warning("slot %d: joining weight group gen %s failed: %s", self.slot,
-                        meta.get("gen"), e)
-            self._leave_group()
-            return
-        # The local engine adopts the receive buffers (two banks, no copy: qurl/sync/receiver.py);
-        # the SGLang adapter keeps the chunks (to re-send them to a restarted server): fresh buffers.
-        self.weights_rx = WeightReceiver(self.group, self.engine,
-                                         reuse_buffers=self.cfg.rollout.engine == "local")
-        self.joined = True
-        log.info("slot %d: joined weight group gen %s", self.slot, meta.get("gen"))
-
-    def _receive_weights(self, first: dict[str, Any]) -> None:
-        if not self.joined:
-            self.counts["bad_control"] += 1
-            return
-        t0 = time.perf_counter()
-        pending = [first]
-        deferred: list[Any] = []  # a control message that ends this sync (e.g. a new group)
-
-        def next_announcement() -> dict[str, Any]:
-            # Called from the receiver's fetch thread; the main thread is inside load_weights and
-            # does not touch the inbox until receive() returns, so the socket has one user.
-            if pending:
-                return pending.pop()
-            deadline = time.monotonic() + 300.0
-            while time.monotonic() < deadline:
-                msg = self.inbox.recv(timeout_ms=1000)
-                if msg is None or msg.meta.get("session") != self.session:
-                    continue
-                if msg.kind == "prompt":
-                    self._queue_prompt(msg)
-                    continue
-                op = msg.meta.get("op")
-                if op == "weights":
-                    return msg.meta
-                if op == "ping":
-                    continue
-                deferred.append(msg)
-                raise RuntimeError(f"control {op!r} arrived inside a weight sync")
-            raise TimeoutError("no next bucket announcement within 300 s")
-
-        from qurl.engines.local import StaleBase
-
-        try:
-            stats = self.weights_rx.receive(next_announcement)
-        except StaleBase as e:  # every broadcast was joined: the group is fine, ask for all
-            self.counts["delta_refused"] += 1
-            log.warning("slot %d: delta v%s refused: %s", self.slot, first.get("version"), e)
-            self._send_control({"op": "resync", "reason": "refused",
-                                "version": int(self.engine.version)})
-            self.weights_ok = False  # behind the controller's version: wait for the full sync
-            for msg in deferred:
-                self._handle(msg)
-            raise _Unverified()
-        except Exception as e:  # dead peer, timeout, bad chunk: the controller re-forms the group
-            self.counts["sync_failures"] += 1
-            log.warning("slot %d: weight sync v%s failed: %s", self.slot, first.get("version"), e)
-            self._leave_group()
-            for msg in deferred:
-                self._handle(msg)
-            return
-        self.counts["syncs"] += 1
-        verified, t1 = self._verify(stats.header), time.perf_counter()
-        self._send_control({"op": "synced", "version": int(self.engine.version),
-                            "load_s": stats.total_s, "recv_s": stats.recv_s,
-                            "pause_s": t1 - t0, "bytes": stats.bytes, "verified": verified,
-                            "mode": (stats.header or {}).get("mode", "full")})
-        if verified == 0.0:
-            self._send_control({"op": "resync", "reason": "mismatch",
-                                "version": int(self.engine.version)})
-            raise _Unverified()
-
-    def _verify(self, header: dict[str, Any] | None) -> float | None:
-        """Check the engine against the sync's digests: 1.0 match, 0.0 mismatch (weights_ok
-        cleared until a sync verifies), None when there is nothing to check with."""
-        verify = getattr(self.engine, "verify", None)
-        digests = (header or {}).get("digests")
-        if verify is None or not isinstance(digests, dict):
-            return None
-        bad = verify(digests)
-        if bad:
-            self.counts["verify_mismatches"] += 1
-            log.warning("slot %d: weights v%d differ from the learner's in %d tensors (%s): "
-                        "asking for a full sync", self.slot, self.engine.version, len(bad), bad[0])
-        self.weights_ok = not bad
-        return 0.0 if bad else 1.0
-
     # ------------------------------------------------------------------ rollout
 
     def _between_steps(self) -> None:
         if self._orphaned():
-            raise _Abort()
+            raise Abort()
         self._pump(0)
 
     def _take_batch(self) -> list[tuple[Any, dict[str, Any], float]]:
@@ -348,7 +227,8 @@ class RolloutWorker:
     def _rollout(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
         from qurl.data.datasets import Example
         from qurl.pipeline.ledger import split_key
-        from qurl.rollout import generate_groups, make_requests
+        from qurl.rollout.generate import generate_groups
+        from qurl.rollout.requests import make_requests
         from qurl.stream.payload import pack_trajectories
 
         requests, examples = [], []
@@ -364,7 +244,7 @@ class RolloutWorker:
             groups, gen = generate_groups(self.engine, requests, examples, self.codec,
                                           reward_timeout_s=self.cfg.deploy.reward_timeout_s,
                                           between_steps=self._between_steps)
-        except _Unverified:  # sampled partly from unverified weights: redo after the resync
+        except Unverified:  # sampled partly from unverified weights: redo after the resync
             self.tasks.extendleft(reversed(batch))
             return
         trajs = [t for g in groups for t in g]
@@ -398,7 +278,7 @@ class RolloutWorker:
                 batch = self._take_batch()
                 if batch:
                     self._rollout(batch)
-            except _Abort:
+            except Abort:
                 continue
         return 0
 

@@ -19,7 +19,7 @@ the moment it appeared (seconds since the arm's process started). Then `<out>/co
   count, and the ratio of each arm to its sync counterpart;
 - the arm's whole wall time (process included);
 - the torch CPU threads it ran on (`threads`: learner, or learner+workers). By default
-  (deploy.torch_threads = 0, see qurl/placement.py) every arm gets the whole machine: the sync
+  (deploy.torch_threads = 0, see qurl/deploy/placement.py) every arm gets the whole machine: the sync
   loop generates and trains on every core, an async run splits the cores between its learner and
   its workers. (One thread per process instead would leave the sync arm's other cores idle and
   flatter async.)
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from qurl.config import Config, override, to_toml
-from qurl.metrics import read_metrics
+from qurl.train.metrics_log import read_metrics
 
 ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("sync-bf16", {"deploy.rollout": "inline", "rollout.precision": "bf16", "algo.loss": "decoupled",
@@ -302,7 +302,7 @@ def compare(cfg: Config, out_dir: str | Path = "runs/compare", arms: list[str] |
 
 def _compare_seed(cfg: Config, out: Path, arms: list[str] | None) -> tuple[Path, list[dict]]:
     """One compare at cfg's seed: (compare.md, its rows)."""
-    from qurl.report import plot_runs
+    from qurl.train.report import plot_runs
 
     rows, runs = [], {}
     for name, arm_cfg in arm_configs(cfg, out, arms).items():

@@ -49,10 +49,11 @@ def questions(n: int, seed: int):
 
 def gen(out: Path, precision: str, model: str, n_prompts: int, group: int, new_tokens: int,
         seed: int) -> Path:
-    from qurl.batching import build_batch
     from qurl.engines.factory import make_engine
     from qurl.models.registry import resolve_base
-    from qurl.rollout import PromptCodec, rollout
+    from qurl.rollout.batch import build_batch
+    from qurl.rollout.generate import rollout
+    from qurl.rollout.requests import PromptCodec
     from qurl.types import SamplingParams
 
     cfg = study_config(model, precision, seed=seed)

@@ -7,7 +7,7 @@ model and checkpoints). What happens depends on what is already there:
 - an unfinished run with the same training config and at least one checkpoint: it is resumed
   (`qurl train --resume`), which restores the learner, optimizer, data cursor and RNG state of the
   newest intact checkpoint and truncates metrics.jsonl to it, so the resumed run's records equal an
-  uninterrupted run's (qurl/runs.py, qurl/metrics.py). At most deploy.ckpt_every steps are redone;
+  uninterrupted run's (qurl/train/rundir.py, qurl/train/metrics_log.py). At most deploy.ckpt_every steps are redone;
 - anything else (no checkpoint, another config): the directory is removed and the run starts over.
 
 The process's output is appended to `<deploy.dir>/<run.name>.log`.
@@ -25,7 +25,7 @@ from qurl.studies.store import read_run, training_diff
 
 
 def _resumable(run_dir: Path, cfg: Config) -> bool:
-    from qurl.runs import read_config
+    from qurl.train.rundir import read_config
 
     if not (run_dir / "config.toml").exists() or not any((run_dir / "ckpt").glob("step_*")):
         return False

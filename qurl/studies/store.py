@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from qurl.config import TRAINING_SECTIONS, Config, ConfigError
-from qurl.metrics import read_metrics
+from qurl.train.metrics_log import read_metrics
 
 FILES = ("config.toml", "metrics.jsonl")
 _SEED_DIR = re.compile(r"seed(\d+)$")
@@ -49,7 +49,7 @@ def finished(records: list[dict[str, Any]], steps: int) -> bool:
 
 def read_run(run_dir: Path) -> tuple[Config, list[dict[str, Any]]] | None:
     """(config, records) of a run or committed directory if it holds a finished run, else None."""
-    from qurl.runs import read_config
+    from qurl.train.rundir import read_config
 
     if not all((Path(run_dir) / f).exists() for f in FILES):
         return None

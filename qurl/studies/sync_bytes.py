@@ -1,7 +1,7 @@
 """Bytes one weight sync sends, by tensor kind: what goes in 8 bits and what does not.
 
 At every sync the learner's fp32 master weights pass through the sync's own quantizer
-(`qurl.weights.WeightSync.quantize`, the code path training uses) and the resulting chunks are
+(`qurl.sync.publish.WeightSync.quantize`, the code path training uses) and the resulting chunks are
 what an engine loads. This module sorts those chunks into kinds and sums their bytes:
 
 - `linear codes`: the 8-bit codes of the 7 decoder-layer linears (1 byte per weight);
@@ -64,7 +64,7 @@ def measure(model_dir: str, precision: str, wire_dtype: torch.dtype | None) -> d
     """Sync the checkpoint's weights (as fp32 masters, the learner's) through WeightSync.quantize
     with `wire_dtype`, and sort the chunks it would load into an engine by kind."""
     from qurl.models.hf import read_state_dict
-    from qurl.weights import WeightSync
+    from qurl.sync.publish import WeightSync
 
     # a tied checkpoint holds no lm_head.weight, and the learner's named_weights yields none
     state = {k: v.float() for k, v in read_state_dict(model_dir).items()}

@@ -14,7 +14,7 @@ For each UAQ scale s the Megatron learner (fp32, TP 1) is built from the checkpo
    grad clip 1.0) on `--rows` sampled responses of the batch with advantages +1/−1 alternating by
    row (the batch's own GRPO advantages are mostly 0 on this model: its rewards are rarely 1;
    under Adam the step size is ~lr whatever the gradient's scale, so the sign pattern is what
-   matters), syncing after each step through `qurl.weights.WeightSync` in INT8 and FP8: the share
+   matters), syncing after each step through `qurl.sync.publish.WeightSync` in INT8 and FP8: the share
    of 8-bit codes that changed since the previous sync, overall, in the layers UAQ scales
    (q/k/v/gate/up) and in the others (o/down).
 """
@@ -57,7 +57,7 @@ def probe(batch: dict, model: str, scales: list[float], lrs: list[float], steps:
           seed: int, emit) -> None:
     """Flip fractions per sync (see the module docstring); each row is passed to `emit` as it is
     measured (a long run on a busy machine keeps what it measured if it is stopped)."""
-    from qurl.weights import WeightSync
+    from qurl.sync.publish import WeightSync
 
     tokens, mask, behav, adv = _rows(batch, rows)
     for s in scales:

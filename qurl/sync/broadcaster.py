@@ -12,7 +12,7 @@ Two callers push weights to peers in other processes, and both follow one sequen
 
 - the async controller (qurl/pipeline/fleet.py): peers are rollout workers, invited and
   announced over ZeroMQ control messages;
-- the SGLang engine (qurl/engines/sglang.py): peers are every TP rank of every server, invited
+- the SGLang engine (qurl/engines/sglang/engine.py): peers are every TP rank of every server, invited
   with `POST /init_weights_update_group` and announced with `POST
   /update_weights_from_distributed`.
 

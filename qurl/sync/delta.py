@@ -24,7 +24,7 @@ Bits are compared, never values: fp8 +0 and -0 differ, and a NaN can never hide 
 Applying: positions are rebuilt (block * 2^16 + low bits), must be strictly increasing and inside
 the tensor, and the values must have the target's dtype; only then are they written (one
 `index_put_` per tensor). `apply_named` is the reference receiver (copies; tests and the bench
-use it); the local engine stages and applies the same chunks in place (qurl/engines/local.py).
+use it); the local engine stages and applies the same chunks in place (qurl/engines/local_weights.py).
 
 Invariant: apply_named(prev, encode_named(prev, new)) == new bit for bit, for every name of new.
 """

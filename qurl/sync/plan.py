@@ -22,7 +22,7 @@ the send succeeds; the receivers' `holder` decides whether it can be used.
 `fallbacks` counts every full sync by reason over the planner's life (cumulative, for records).
 
 One compare pass per sync: `diff(chunks)` finds the changed positions of every tensor against the
-previous version (the flip fraction is counted from them, qurl/weights.py) and `plan` reuses them
+previous version (the flip fraction is counted from them, qurl/sync/publish.py) and `plan` reuses them
 for the delta of the same chunks.
 """
 from __future__ import annotations

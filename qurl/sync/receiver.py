@@ -22,7 +22,7 @@ Invariants:
 
 Delta syncs (qurl/sync/plan.py). The first announcement (in its dict form) may carry the sync's
 header under "sync": mode, base (v-1 and its digest) and the digests of v. For a delta the
-engine gets `base=` and refuses (qurl.engines.local.StaleBase, before writing anything) unless it
+engine gets `base=` and refuses (qurl.engines.local_weights.StaleBase, before writing anything) unless it
 holds exactly that base; the receiver still joins every broadcast of the sync, so the group stays
 usable, and re-raises. The header comes back in `ReceiveStats.header` for the caller to verify.
 """

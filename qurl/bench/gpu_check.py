@@ -97,8 +97,8 @@ def check_learner(tmp: Path, preset: str = "small", batch: int = 16, seq: int = 
 def check_engine(tmp: Path, overrides: dict | None = None, batch: int = 64, prompt: int = 64,
                  new_tokens: int = 128, device: str = "cuda") -> dict[str, float]:
     """Generated tokens/s of LocalEngine (bf16 compute) with bf16 / fp8 / int8 weights."""
+    from qurl.engines.kernels import scaled_mm_available
     from qurl.engines.local import LocalEngine
-    from qurl.engines.qlinear import scaled_mm_available
     from qurl.models.hf import build_model
     from qurl.types import GenRequest, SamplingParams
 
@@ -161,7 +161,7 @@ def check_sglang(tmp: Path, precisions: tuple[str, ...] = ("int8", "fp8", "fp8_b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qurl.gpu_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m qurl.bench.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-learner", action="store_true")
     p.add_argument("--skip-engine", action="store_true")

@@ -1,6 +1,6 @@
 """The training loop of every mode: ask a batch source for groups, train, hand it the new weights.
 
-    open the run (qurl/start.py); rank 0 loads the data and builds an engine and the batch source
+    open the run (qurl/train/run_setup.py); rank 0 loads the data and builds an engine and the batch source
     source.publish(v0)                      the UAQ-scaled master weights, quantized, to the actor
     evaluate at step 0 (fresh run)
     for step in start+1 .. run.steps:
@@ -11,18 +11,18 @@
         log the train record; evaluate / checkpoint as configured
     evaluate at the end
 
-A batch source is where rollouts come from. `InProcessRollout` (qurl/learn.py) generates each batch
+A batch source is where rollouts come from. `InProcessRollout` (qurl/train/inline.py) generates each batch
 with an engine in this process at the current version: the synchronous loop. The async `Controller`
 (qurl/pipeline/controller.py) dispatches prompts to rollout workers under the staleness bound η and
 pops B complete groups from its buffer; its weights go to the workers through the weight group.
 With η = 0 it dispatches exactly the sync loop's prompts at the current version, with the same
-request seeds (qurl/rollout.make_requests), and everything after `next_groups` is this one loop, so
+request seeds (qurl/rollout/requests.py `make_requests`), and everything after `next_groups` is this one loop, so
 η = 0 reproduces the sync loop by construction. The other TP ranks run the same loop with no source:
 they receive the batch, train, take part in the weight gather and write their checkpoint shard.
 
 This module alone decides the record shapes and metric names (train: rollout statistics of the
 trained batch, the source's timings and statistics (with sync DAPO dynamic sampling: those of every
-sampled response, qurl/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
+sampled response, qurl/rollout/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
 qurl/evaluation/suite.py, rollout engine and full-precision policy side by side), the eval /
 checkpoint cadence and the checkpoint state: step, version, RNG and the source's own state (the
 data cursor; for async also the buffer, staleness counters and ledger).
@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from qurl.batching import build_batch
 from qurl.config import Config
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
@@ -43,10 +42,12 @@ from qurl.engines.base import Engine
 from qurl.engines.factory import make_engine
 from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import broadcast_object
-from qurl.metrics import MetricsLogger
-from qurl.rollout import PromptCodec, group_stats
-from qurl.runs import rng_state, set_rng_state
-from qurl.start import OpenedRun, open_run, save_checkpoint
+from qurl.rollout.batch import build_batch
+from qurl.rollout.generate import group_stats
+from qurl.rollout.requests import PromptCodec
+from qurl.train.metrics_log import MetricsLogger
+from qurl.train.run_setup import OpenedRun, open_run, save_checkpoint
+from qurl.train.rundir import rng_state, set_rng_state
 from qurl.types import SamplingParams, Trajectory
 
 

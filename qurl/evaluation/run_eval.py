@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 
 from qurl.config import LOCAL_BASES, Config, override, parse_sets, validate
+from qurl.deploy.placement import learner_threads, set_threads
+from qurl.deploy.ranks import run_ranks
 from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.evaluation.suite import Evaluator
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.registry import resolve_base
-from qurl.ranks import launch
-from qurl.runs import CheckpointDir, read_config, run_dir_for
-from qurl.placement import learner_threads, set_threads
-from qurl.weights import WeightSync
+from qurl.sync.publish import WeightSync
+from qurl.train.rundir import CheckpointDir, read_config, run_dir_for
 
 
 def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
@@ -58,4 +58,4 @@ def eval_run(run_dir: Path, max_examples: int | None = None,
     latest = CheckpointDir(run_dir).latest()
     if latest is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
-    return launch(_eval_entry, cfg, ckpt=str(latest), max_examples=max_examples)
+    return run_ranks(_eval_entry, cfg, ckpt=str(latest), max_examples=max_examples)

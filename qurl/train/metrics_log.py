@@ -21,7 +21,7 @@ from typing import Any
 
 from qurl.errors import InputError
 
-log = logging.getLogger("qurl.metrics")
+log = logging.getLogger("qurl.train.metrics_log")
 
 
 def _clean(record: dict[str, Any]) -> dict[str, Any]:

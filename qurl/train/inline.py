@@ -3,10 +3,10 @@
     sync v0 to the 8-bit engine (UAQ already on the learner's master weights)
     each step: prompts <- data cursor; G samples each from the engine at the current version,
                scored by the verifiable reward (DAPO dynamic sampling: more prompts until B
-               groups of mixed accuracy, qurl/dynamic_sampling.py); after training, re-quantize
+               groups of mixed accuracy, qurl/rollout/dynamic_sampling.py); after training, re-quantize
                -> engine (flip fraction measured)
 
-The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/loop.py, shared with
+The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/train/loop.py, shared with
 the async pipeline (qurl/pipeline/controller.py), whose η = 0 reduces to this source.
 """
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
-from qurl.dynamic_sampling import sample_groups
 from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
-from qurl.loop import RankZero, train_loop
+from qurl.rollout.dynamic_sampling import sample_groups
+from qurl.sync.publish import WeightSync
+from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
-from qurl.weights import WeightSync
 
 
 class InProcessRollout:

@@ -23,7 +23,8 @@ from qurl.config import Config
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
 from qurl.engines.base import Engine
-from qurl.rollout import PromptCodec, group_stats, rollout
+from qurl.rollout.generate import group_stats, rollout
+from qurl.rollout.requests import PromptCodec
 from qurl.types import SamplingParams, Trajectory
 
 

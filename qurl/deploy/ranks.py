@@ -18,7 +18,7 @@ def _call(rank: int, world_size: int, fn: Callable, cfg: Config, kwargs: dict) -
     return fn(cfg, rank=rank, world_size=world_size, **kwargs)
 
 
-def launch(fn: Callable[..., Any], cfg: Config, **kwargs: Any) -> Any:
+def run_ranks(fn: Callable[..., Any], cfg: Config, **kwargs: Any) -> Any:
     """Run fn(cfg, rank=, world_size=, **kwargs) on every learner rank; return rank 0's result."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _call(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), fn, cfg, kwargs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qurl.metrics import read_metrics
+from qurl.train.metrics_log import read_metrics
 
 PANELS: list[tuple[str, list[str]]] = [
     ("reward (train)", ["reward"]),

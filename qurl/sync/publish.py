@@ -77,7 +77,7 @@ class WeightSync:
             self._load(engine, plan)
             refused = False
         except ValueError as e:
-            from qurl.engines.local import StaleBase
+            from qurl.engines.local_weights import StaleBase
             if not isinstance(e, StaleBase):
                 raise
             refused = True

@@ -1,0 +1,327 @@
+"""SGLang rollout engines over HTTP: one `SGLangEngine` drives N servers as one Engine.
+
+The Engine protocol is qurl/engines/base.py. Requests are spread over the servers (least in
+flight). Each sync (`load_weights`) pauses every server (abort mode), opens the update session,
+broadcasts the chunks bucket by bucket (qurl/sync/broadcaster.py, the routine the async controller
+uses too) to the weight group (learner rank 0 + every server rank) while one HTTP call per server
+per bucket is in flight, closes the session, flushes caches and continues. Requests interrupted by
+the pause come back with their partial output; they are resubmitted as prompt + generated prefix
+with the remaining token budget, and the pieces are stitched with per-token versions (partial
+rollout). A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while
+the broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
+server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader).
+Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
+qurl/deploy/placement.py); the weight group's backend is sglang.backend. A server that stops
+answering is restarted (when qurl launched it), the weight group is formed anew, and the current
+weights are sent again (so the engine keeps the last synced chunks in CPU memory: the size of the
+8-bit model). Every HTTP call has a timeout; a malformed reply is an SGLangError naming the server,
+route and what is wrong. Limits: with NCCL, servers that survive a peer dying in the middle of a
+broadcast stay blocked in it until SGLang's group timeout (30 min by default); gloo reports the
+broken connection at once.
+
+The protocol facts this relies on are qurl/engines/sglang/protocol.py; one server process is
+server.py; the weight group and update sessions are update.py (`WeightUpdates`, which this class
+extends); this module builds the engine, routes and resumes generation requests and recovers
+dead servers.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from qurl.config import ConfigError, SGLangConfig
+from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError,
+                                          SGLangUnavailable, parse_generate)
+from qurl.engines.sglang.server import Server, ServerSpec, server_command
+from qurl.engines.sglang.update import WeightUpdates
+from qurl.sync.broadcaster import Broadcaster
+from qurl.sync.group import free_port
+from qurl.sync.sender import SyncStats
+from qurl.types import GenRequest, GenResult
+
+
+@dataclass
+class Timeouts:
+    control_s: float = 60.0  # pause, continue, flush, begin/end, version
+    generate_s: float = 1800.0  # one /generate call (long reasoning rollouts)
+    group_s: float = 600.0  # forming the group; one bucket's broadcast + load
+    launch_s: float = 900.0  # process start until /health answers 200
+    health_s: float = 10.0  # one /health probe
+
+
+@dataclass
+class _Pending:
+    """One request being generated, possibly over several /generate calls."""
+
+    req: GenRequest
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    calls: int = 0
+
+
+class SGLangEngine(WeightUpdates):
+    """Engine (engines/base.py) over SGLang servers; see the module docstring."""
+
+    def __init__(self, servers: list[ServerSpec], *, precision: str = "int8",
+                 group_host: str = "127.0.0.1", group_port: int = 0, backend: str = "auto",
+                 bucket_bytes: int = 64 << 20, load_format: str = "flattened_bucket",
+                 timeouts: Timeouts | None = None, log_dir: str | Path | None = None,
+                 max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
+                 tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health") -> None:
+        """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
+        validate token ids against it); from_section reads both from the model directory.
+        `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
+        one-token generation) or "/model_info" (model loaded; for servers that cannot generate,
+        such as 8-bit SGLang on a CPU)."""
+        if not servers:
+            raise ValueError("SGLangEngine needs at least one server")
+        if precision not in QUANTIZATION:
+            raise ValueError(f"precision={precision!r}: must be one of {', '.join(QUANTIZATION)}")
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={backend!r}: must be auto, nccl or gloo")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("sglang.backend=nccl: this process has no CUDA device to join the "
+                             "weight group from; use sglang.backend=gloo (or auto)")
+        self.precision = precision
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self.timeouts = timeouts or Timeouts()
+        # the weight group: this process is rank 0, every TP rank of every server a peer
+        self.weights = Broadcaster(group_host, group_port, backend, name="qurl_weights",
+                                   bucket_bytes=bucket_bytes, load_format=load_format,
+                                   timeout_s=self.timeouts.group_s)
+        self.max_restarts, self.poll_s, self.keep_weights = max_restarts, poll_s, keep_weights
+        log = Path(log_dir) if log_dir else None
+        if log:
+            log.mkdir(parents=True, exist_ok=True)
+        self.servers = [Server(s, log, ready_probe) for s in servers]
+        self._lock = threading.RLock()  # syncs and recoveries, one at a time
+        self._pick_lock = threading.Lock()  # request routing counters only
+        self._resume = threading.Event()  # cleared while weights change: no new submissions
+        self._resume.set()
+        self._holds = 0
+        self._pauses = 0  # bumped by every pause: tells an aborted request it was interrupted
+        self._recoveries = 0
+        self._version = 0
+        self._weights: list[tuple[str, torch.Tensor]] | None = None  # last synced chunks
+        self._disk: str | None = None  # or: last update_weights_from_disk path
+        self.restarts = 0
+        self.last_sync: SyncStats | None = None
+        self._group_name: str | None = None  # the servers' current weight group
+        try:
+            for s in self.servers:
+                if s.spec.command is not None:
+                    s.launch()
+            for s in self.servers:
+                s.wait_healthy(self.timeouts.launch_s, self.timeouts.health_s)
+            self._each(self._check_server, self.timeouts.control_s * 2)
+            self._set_version_all(0)
+            self._form_group()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- construction helpers
+    @classmethod
+    def from_section(cls, sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: Path,
+                     count: int, uaq_scale: float, group_host: str, group_port: int,
+                     bucket_bytes: int, slot: int | None = None,
+                     base_gpus: list[int] | None = None) -> "SGLangEngine":
+        """Attach to `sg.urls`, or export `model_dir` as an 8-bit checkpoint (UAQ-scaled, under
+        run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
+        None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
+        group_port: where the servers reach this process's weight group (port 0 = a free one).
+        base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/deploy/placement.py
+        `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU)."""
+        quant, fmt = QUANTIZATION[precision]
+        urls = list(sg.urls)
+        if slot is not None:
+            if urls and len(urls) != count:
+                raise ValueError(f"sglang.urls has {len(urls)} servers: asynchronous rollout needs "
+                                 f"one per worker (deploy.engines={count})")
+            urls, count = urls[slot:slot + 1], 1
+        if urls:
+            specs = [ServerSpec(u, tp=sg.tp) for u in urls]
+        else:
+            from qurl.models.export8bit import export_8bit
+
+            name = f"sglang_{fmt}" if slot is None else f"sglang_{fmt}_w{slot}"  # no shared writes
+            ckpt = export_8bit(model_dir, run_dir / name, fmt, uaq_scale=uaq_scale)
+            if base_gpus is not None and len(base_gpus) != count:
+                raise ValueError(f"base_gpus {base_gpus}: one per server ({count})")
+            specs = []
+            for i in range(count):
+                port = free_port()
+                cmd = server_command(str(ckpt), port=port, tp=sg.tp, quantization=quant,
+                                     extra=sg.args, base_gpu=None if base_gpus is None
+                                     else base_gpus[i])
+                specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=sg.tp, command=cmd))
+        from transformers import AutoConfig, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        vocab = int(AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vocab_size)
+        return cls(specs, precision=precision, group_host=group_host, group_port=group_port,
+                   backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
+                   tokenizer=tok, vocab_size=vocab)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @contextmanager
+    def _hold(self) -> Iterator[None]:
+        """Keep requests from being (re)submitted while weights change (nests)."""
+        with self._lock:
+            self._holds += 1
+            self._resume.clear()
+            try:
+                yield
+            finally:
+                self._holds -= 1
+                if self._holds == 0:
+                    self._resume.set()
+
+    def _each(self, fn: Callable[[Server], Any], timeout: float) -> list[Any]:
+        """Run fn on every server concurrently (they are independent processes)."""
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as ex:
+            futs = [ex.submit(fn, s) for s in self.servers]
+            return [f.result(timeout=timeout) for f in futs]
+
+
+
+    # ---------------------------------------------------------------- recovery
+    def _recover(self, cause: Exception, resend: bool = True) -> None:
+        """Restart every server that does not answer, form a new group, resend the weights.
+
+        Dead means the process does not answer /model_info (or has exited): a server paused by a
+        sync that failed half-way is alive, and must not be judged by /health, which waits
+        behind the pause (see `Server.healthy`)."""
+        with self._hold():
+            self._recoveries += 1
+            dead = [s for s in self.servers if not s.alive(self.timeouts.health_s)]
+            for s in dead:
+                if s.spec.command is None:
+                    raise SGLangError(f"server {s.spec.url} stopped answering and was attached, "
+                                      f"not launched by qurl, so it cannot be restarted ({cause})")
+            if dead and self.restarts + len(dead) > self.max_restarts * len(self.servers):
+                raise SGLangError(f"giving up after {self.restarts} restarts; last error: {cause}")
+            for s in dead:
+                s.launch()
+                self.restarts += 1
+            for s in dead:
+                s.wait_healthy(self.timeouts.launch_s, self.timeouts.health_s)
+            self._leave_group(self.timeouts.control_s)  # ends a broadcast a failed sync left
+            w8a8 = QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS
+            for s in self.servers:  # a sync may have died inside a session: close it
+                try:  # restore first (idempotent), or closing would repack W8A8 layers twice
+                    if w8a8:
+                        self._restore_w8a8(s)
+                except SGLangError:
+                    pass  # no session open: nothing to close
+                try:
+                    s.post_json("/end_weight_update", {}, self.timeouts.control_s, ok_404=True)
+                except SGLangError:
+                    pass
+                try:
+                    s.post_json("/continue_generation", {}, self.timeouts.control_s)
+                except SGLangError:
+                    pass
+            self._form_group()
+            self._set_version_all(self._version)
+            if resend and self._weights is not None:
+                self.last_sync = self._sync(self._weights, self._version)
+            elif resend and self._disk is not None:
+                self.update_weights_from_disk(self._disk, self._version)
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, requests: list[GenRequest],
+                 between_steps: Callable[[], None] | None = None) -> list[GenResult]:
+        """Sample every request to completion on the servers. `between_steps` is called every
+        `poll_s` while requests run; a `load_weights` from it interrupts and resumes them."""
+        if not requests:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(requests), 256)) as ex:
+            futs = [ex.submit(self._run, r) for r in requests]
+            while not all(f.done() for f in futs):
+                time.sleep(self.poll_s)
+                if between_steps is not None:
+                    between_steps()
+            return [f.result() for f in futs]
+
+    def _pick(self) -> Server:
+        with self._pick_lock:
+            s = min(self.servers, key=lambda x: x.inflight)
+            s.inflight += 1
+            return s
+
+    def _run(self, req: GenRequest) -> GenResult:
+        p = _Pending(req)
+        budget = req.params.max_new_tokens
+        finish = "length"
+        while len(p.ids) < budget:
+            self._resume.wait()
+            pauses, recoveries = self._pauses, self._recoveries
+            server = self._pick()
+            sp = {"max_new_tokens": budget - len(p.ids), "temperature": req.params.temperature,
+                  "top_p": req.params.top_p}
+            if req.params.seed is not None:
+                sp["sampling_seed"] = req.params.seed
+            if req.params.stop_token_ids:
+                sp["stop_token_ids"] = list(req.params.stop_token_ids)
+            body = {"rid": f"{req.rid}#{p.calls}", "input_ids": list(req.prompt_ids) + p.ids,
+                    "sampling_params": sp, "return_logprob": True, "stream": False}
+            p.calls += 1
+            where = f"POST /generate on {server.spec.url} (request {req.rid})"
+            try:
+                status, raw = server.call("POST", "/generate", body, self.timeouts.generate_s)
+            except SGLangUnavailable as e:
+                if p.calls > 2 * self.max_restarts + 2:
+                    raise
+                with self._lock:
+                    if self._recoveries == recoveries:  # nobody has recovered since we sent it
+                        self._recover(e)
+                continue
+            finally:
+                with self._pick_lock:
+                    server.inflight -= 1
+            if status != 200:
+                raise SGLangError(f"{where}: HTTP {status}: {raw[:300]!r}")
+            try:
+                reply = json.loads(raw)
+            except json.JSONDecodeError:
+                raise SGLangError(f"{where}: reply is not JSON: {raw[:200]!r}") from None
+            ids, lps, vers, finish = parse_generate(reply, where)
+            p.ids += ids
+            p.logprobs += lps
+            p.versions += vers
+            interrupted = self._pauses != pauses or not self._resume.is_set()
+            if finish == "abort" and interrupted:
+                continue  # a weight update cut it short: resubmit prompt + prefix
+            break
+        if len(p.ids) > budget:
+            raise SGLangError(f"request {req.rid}: server returned {len(p.ids)} tokens for a "
+                              f"budget of {budget}")
+        if finish == "abort" and len(p.ids) >= budget:
+            finish = "length"
+        return GenResult(rid=req.rid, prompt_ids=list(req.prompt_ids),
+                         output_ids=torch.tensor(p.ids, dtype=torch.int64),
+                         logprobs=torch.tensor(p.logprobs, dtype=torch.float32),
+                         versions=torch.tensor(p.versions, dtype=torch.int64),
+                         finish_reason=finish)
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        """Leave the weight group and stop the servers qurl launched (attached ones keep running)."""
+        self._leave_group(5.0)
+        for s in self.servers:
+            s.stop()

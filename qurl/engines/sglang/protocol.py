@@ -1,0 +1,109 @@
+"""What qurl relies on of SGLang's HTTP protocol, and the replies it checks.
+
+Every fact about the SGLang server that qurl's engine depends on is written down here, so that one
+file says what to re-check when the pinned SGLang release changes; qurl never imports sglang.
+The rest of this package speaks the protocol: the server process (server.py), the weight-update
+session (update.py) and the engine that drives them (engine.py).
+
+Facts used here, read from the source of sglang 0.5.23 (`srt/entrypoints/http_server.py`,
+`srt/managers/io_struct.py`, `srt/managers/tokenizer_manager.py`, `srt/managers/
+scheduler_components/weight_updater.py`, `srt/model_executor/model_runner_components/
+weight_updater.py`); recheck them when the pinned release changes:
+
+- Launch: `python -m sglang.launch_server --model-path P --tp-size T --quantization Q --host H
+  --port N --weight-version V` (`--tp` is not a flag; `--tensor-parallel-size` is an alias).
+  `GET /health` answers 503 while starting, 200 when up (body empty).
+- `POST /generate` with `{"rid", "input_ids": [int], "sampling_params": {"max_new_tokens",
+  "temperature", "top_p", "sampling_seed", "stop_token_ids"}, "return_logprob": true}` answers
+  `{"text", "output_ids", "meta_info"}`; `meta_info` has `finish_reason` ({"type": "stop" |
+  "length" | "abort", ...}), `output_token_logprobs` ([logprob, token_id, text|None] per generated
+  token; logprob of softmax(logits / temperature), before top-p), `completion_tokens`,
+  `weight_version` (str) and, on finished requests, `weight_versions` spans
+  [{"version", "start", "end"}] when the weights changed under a running request. `output_ids`
+  run through the stop token (not trimmed).
+- `POST /pause_generation {"mode": "abort"}` aborts every running request — each returns
+  normally with finish_reason type "abort" and the tokens generated so far — and holds new ones
+  until `POST /continue_generation {}`.
+- A weight update must sit inside `POST /begin_weight_update {}` ... `POST /end_weight_update
+  {}` (the session restores weights quantized methods repacked after loading, e.g. the transposed
+  int8 weight of `w8a8_int8`); outside it `update_weights_from_distributed` fails. Older
+  releases lack these routes (404), and then the calls are skipped.
+- `POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
+  "group_name", "backend"}` makes each TP rank join as rank `rank_offset + tp_rank`; the call
+  returns only after the group has formed, so the learner must join concurrently.
+- `POST /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
+  "flush_cache", "abort_all_requests", "weight_version", "load_format"}` returns only after the
+  broadcast(s) it describes have been received and loaded (so the learner broadcasts while the
+  call is in flight). `load_format="flattened_bucket"` = one uint8 broadcast per call (qurl's
+  bucket layout), `null` = one broadcast per tensor. `flush_cache: true` fails while requests run.
+- Replies of control routes are `{"success": bool, "message": str}` with 200 or 400;
+  `/flush_cache` answers plain text with 200 or 400; `/pause_generation` and
+  `/continue_generation` answer `{"message", "status": "ok"}`.
+- 8-bit formats (see qurl/models/export8bit.py): `w8a8_int8` (int8 `weight` + fp32
+  `weight_scale` [out, 1]), `w8a8_fp8` (per-channel FP8, same names), `fp8` with
+  `weight_block_size` [128, 128] (FP8 `weight` + fp32 `weight_scale_inv`). SGLang's `fp8` method
+  without blocks is per-TENSOR, so per-channel FP8 is `w8a8_fp8`. Weight names are HF names;
+  SGLang's loader fuses q/k/v and gate/up itself. Unknown names are ignored by SGLang, silently.
+"""
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from typing import Any
+
+# precision (+ fp8 scaling) -> (SGLang --quantization, qurl sync format)
+QUANTIZATION = {"int8": ("w8a8_int8", "int8"), "fp8": ("w8a8_fp8", "fp8"),
+                "fp8_block": ("fp8", "fp8_block"), "bf16": (None, "bf16")}
+# --quantization methods that repack weights after loading without a restore (sglang_loader.py)
+RESTORE_QUANTIZATIONS = ("w8a8_int8", "w8a8_fp8")
+# an empty named-tensor list, as SGLang's MultiprocessingSerializer reads it (pickle, base64)
+NO_TENSORS = base64.b64encode(pickle.dumps([])).decode()
+
+
+class SGLangError(RuntimeError):
+    """A server answered wrongly (or not at all); the message names the server and route."""
+
+
+class SGLangUnavailable(SGLangError):
+    """The server did not answer (refused, reset, timed out): it may need a restart."""
+
+
+
+def parse_generate(reply: Any, where: str) -> tuple[list[int], list[float], list[int], str]:
+    """(token ids, logprobs, versions per token, finish type) from a /generate reply."""
+    if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
+        raise SGLangError(f"{where}: reply has no 'meta_info' object: {str(reply)[:200]}")
+    meta, ids = reply["meta_info"], reply.get("output_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise SGLangError(f"{where}: 'output_ids' must be a list of ints, got {str(ids)[:100]}")
+    lps = meta.get("output_token_logprobs")
+    if not isinstance(lps, list) or len(lps) != len(ids):
+        raise SGLangError(f"{where}: meta_info.output_token_logprobs has "
+                          f"{len(lps) if isinstance(lps, list) else lps!r} entries for "
+                          f"{len(ids)} output_ids (was return_logprob set?)")
+    logprobs = []
+    for k, (entry, tok) in enumerate(zip(lps, ids)):
+        if not isinstance(entry, list) or len(entry) < 2 or entry[1] != tok \
+                or not isinstance(entry[0], (int, float)) or not math.isfinite(entry[0]):
+            raise SGLangError(f"{where}: output_token_logprobs[{k}] = {entry!r} is not "
+                              f"[finite logprob, {tok}, text]")
+        logprobs.append(float(entry[0]))
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") not in ("stop", "length", "abort"):
+        raise SGLangError(f"{where}: meta_info.finish_reason = {finish!r}")
+
+    def as_int(v: Any) -> int:
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            raise SGLangError(f"{where}: weight version {v!r} is not an integer (qurl sets "
+                              "versions; was the server started with --weight-version?)") from None
+
+    versions = [as_int(meta.get("weight_version"))] * len(ids)
+    for span in meta.get("weight_versions") or []:
+        if not isinstance(span, dict) or not {"version", "start", "end"} <= span.keys():
+            raise SGLangError(f"{where}: bad weight_versions span {span!r}")
+        for k in range(max(0, span["start"]), min(len(ids), span["end"])):
+            versions[k] = as_int(span["version"])
+    return ids, logprobs, versions, finish["type"]

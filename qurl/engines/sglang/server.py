@@ -1,0 +1,165 @@
+"""One SGLang server process: its command line, its HTTP calls, its start, health and stop.
+
+A server is either launched by qurl (`ServerSpec.command` set: qurl may restart it, and stops it,
+with its scheduler and detokenizer children, by its process group) or attached (a URL someone
+else started: qurl never restarts or stops it). Every HTTP call has a timeout; no answer is
+`SGLangUnavailable` (the server may need a restart), a wrong answer `SGLangError` naming the server
+and route (qurl/engines/sglang/protocol.py).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+from urllib.parse import urlparse
+
+from qurl.engines.sglang.protocol import RESTORE_QUANTIZATIONS, SGLangError, SGLangUnavailable
+from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
+
+
+def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
+                   quantization: str | None = None, weight_version: int = 0,
+                   extra: Iterable[str] = (), python: str | None = None,
+                   base_gpu: int | None = None) -> list[str]:
+    """argv of one `sglang.launch_server` process. W8A8 servers also get
+    `--custom-weight-loader` naming qurl's restore (qurl/engines/sglang_loader.py), without which
+    they refuse online 8-bit updates. `python`: the interpreter that has sglang (default:
+    $QURL_SGLANG_PYTHON, else this one). base_gpu: `--base-gpu-id` (TP rank r computes on GPU
+    base_gpu + r; qurl/deploy/placement.py), unless `extra` sets it."""
+    python = python or os.environ.get("QURL_SGLANG_PYTHON") or sys.executable
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
+           "--tp-size", str(tp), "--host", host, "--port", str(port),
+           "--weight-version", str(weight_version)]
+    if quantization:
+        cmd += ["--quantization", quantization]
+    extra = list(extra)
+    if base_gpu is not None and not any(a.split("=")[0] == "--base-gpu-id" for a in extra):
+        cmd += ["--base-gpu-id", str(base_gpu)]
+    loaders = [RESTORE_LOAD_FORMAT] if quantization in RESTORE_QUANTIZATIONS else []
+    if "--custom-weight-loader" in extra:  # nargs="*": merge, or the last flag would win
+        i = j = extra.index("--custom-weight-loader")
+        while j + 1 < len(extra) and not extra[j + 1].startswith("--"):
+            j += 1
+        loaders += [x for x in extra[i + 1:j + 1] if x not in loaders]
+        del extra[i:j + 1]
+    if loaders:
+        cmd += ["--custom-weight-loader", *loaders]
+    return cmd + extra
+
+
+@dataclass
+class ServerSpec:
+    url: str  # http://host:port
+    tp: int = 1
+    command: list[str] | None = None  # how to (re)launch it; None = attached, not ours to restart
+
+
+class Server:
+    def __init__(self, spec: ServerSpec, log_dir: Path | None, ready_probe: str = "/health") -> None:
+        u = urlparse(spec.url)
+        self.ready_probe = ready_probe
+        if u.scheme != "http" or not u.hostname or not u.port:
+            raise ValueError(f"sglang url {spec.url!r}: expected http://host:port")
+        self.spec, self.host, self.port = spec, u.hostname, u.port
+        self.proc: subprocess.Popen | None = None
+        self.log_path = (log_dir / f"sglang_{self.port}.log") if log_dir else None
+        self.inflight = 0
+
+    def call(self, method: str, route: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, route, body=data, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timeout
+            raise SGLangUnavailable(f"{method} {route} on {self.spec.url}: no answer "
+                                    f"({type(e).__name__}: {e})") from e
+        finally:
+            conn.close()
+
+    def post_json(self, route: str, body: dict, timeout: float, ok_404: bool = False) -> dict | None:
+        """POST and parse a JSON object reply; non-2xx or `success: false` -> SGLangError."""
+        status, raw = self.call("POST", route, body, timeout)
+        if status == 404 and ok_404:
+            return None
+        try:
+            reply = json.loads(raw) if raw else {}
+        except json.JSONDecodeError:
+            raise SGLangError(f"POST {route} on {self.spec.url}: HTTP {status}, reply is not JSON: "
+                              f"{raw[:200]!r}") from None
+        if not isinstance(reply, dict):
+            raise SGLangError(f"POST {route} on {self.spec.url}: reply is not a JSON object: "
+                              f"{raw[:200]!r}")
+        if status != 200 or reply.get("success") is False:
+            raise SGLangError(f"POST {route} on {self.spec.url}: HTTP {status}: "
+                              f"{reply.get('message') or reply.get('error') or reply}")
+        return reply
+
+    def healthy(self, timeout: float) -> bool:
+        """Ready: by default /health, a one-token generation (so it waits, then answers 503 after
+        20 s, while the server is paused: `alive` tells paused from dead)."""
+        try:
+            return self.call("GET", self.ready_probe, None, timeout)[0] == 200
+        except SGLangUnavailable:
+            return False
+
+    def alive(self, timeout: float) -> bool:
+        """The process answers: /model_info is served without the scheduler, paused or not."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        try:
+            return self.call("GET", "/model_info", None, timeout)[0] == 200
+        except SGLangUnavailable:
+            return False
+
+    def log_tail(self, n: int = 20) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def launch(self) -> None:
+        if self.spec.command is None:
+            raise SGLangError(f"server {self.spec.url} was attached, not launched by qurl: "
+                              "cannot (re)start it")
+        self.stop()
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        # own session: stopping the server also stops its scheduler/detokenizer children
+        self.proc = subprocess.Popen(self.spec.command, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        if out is not subprocess.DEVNULL:
+            out.close()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def wait_healthy(self, timeout: float, health_s: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SGLangError(f"server {self.spec.url} exited with code {self.proc.returncode} "
+                                  f"before becoming healthy; log tail:\n{self.log_tail()}")
+            if self.healthy(health_s):
+                return
+            time.sleep(0.2)
+        raise SGLangError(f"server {self.spec.url} not healthy after {timeout:.0f}s; "
+                          f"log tail:\n{self.log_tail()}")
