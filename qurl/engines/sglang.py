@@ -88,9 +88,11 @@ import torch
 
 from qurl.config import ConfigError, SGLangConfig
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
+from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
 from qurl.sync.broadcaster import Broadcaster, GroupFormError, GroupSpec
 from qurl.sync.group import free_port
 from qurl.sync.sender import BucketAnnouncement, SyncStats
+from qurl.sync.sglang_delta import SGLangDeltaMixin, is_stale_refusal
 from qurl.types import GenRequest, GenResult
 
 # precision (+ fp8 scaling) -> (SGLang --quantization, qurl sync format)
@@ -114,9 +116,10 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
                    quantization: str | None = None, weight_version: int = 0,
                    extra: Iterable[str] = (), python: str | None = None,
                    base_gpu: int | None = None) -> list[str]:
-    """argv of one `sglang.launch_server` process. W8A8 servers also get
-    `--custom-weight-loader` naming qurl's restore (qurl/engines/sglang_loader.py), without which
-    they refuse online 8-bit updates. `python`: the interpreter that has sglang (default:
+    """argv of one `sglang.launch_server` process, with `--custom-weight-loader` naming qurl's
+    sync loader (delta and verified syncs, qurl/sync/sglang_delta.py) and, for W8A8 servers,
+    qurl's restore (qurl/engines/sglang_loader.py), without which they refuse online 8-bit
+    updates. `python`: the interpreter that has sglang (default:
     $QURL_SGLANG_PYTHON, else this one). base_gpu: `--base-gpu-id` (TP rank r computes on GPU
     base_gpu + r; qurl/placement.py), unless `extra` sets it."""
     python = python or os.environ.get("QURL_SGLANG_PYTHON") or sys.executable
@@ -129,6 +132,7 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
     if base_gpu is not None and not any(a.split("=")[0] == "--base-gpu-id" for a in extra):
         cmd += ["--base-gpu-id", str(base_gpu)]
     loaders = [RESTORE_LOAD_FORMAT] if quantization in RESTORE_QUANTIZATIONS else []
+    loaders.append(SYNC_LOAD_FORMAT)
     if "--custom-weight-loader" in extra:  # nargs="*": merge, or the last flag would win
         i = j = extra.index("--custom-weight-loader")
         while j + 1 < len(extra) and not extra[j + 1].startswith("--"):
@@ -166,6 +170,7 @@ class _Server:
         self.proc: subprocess.Popen | None = None
         self.log_path = (log_dir / f"sglang_{self.port}.log") if log_dir else None
         self.inflight = 0
+        self.custom_loaders: tuple[str, ...] = ()  # from /server_info (_check_server)
 
     def call(self, method: str, route: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
@@ -331,8 +336,9 @@ class _Pending:
     calls: int = 0
 
 
-class SGLangEngine:
-    """Engine (engines/base.py) over SGLang servers; see the module docstring."""
+class SGLangEngine(SGLangDeltaMixin):
+    """Engine (engines/base.py) over SGLang servers; see the module docstring (deltas and
+    verification: qurl/sync/sglang_delta.py)."""
 
     def __init__(self, servers: list[ServerSpec], *, precision: str = "int8",
                  group_host: str = "127.0.0.1", group_port: int = 0, backend: str = "auto",
@@ -511,21 +517,30 @@ class SGLangEngine:
             raise SGLangError(str(e)) from e
 
     # ---------------------------------------------------------------- weights
-    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int,
+                     base: tuple[int, str] | None = None) -> None:
         """Send engine chunks (already 8-bit: see qurl.quant.named.engine_chunks) to every server
-        as `version`. Recovers dead servers (restart + new group + resend) up to max_restarts."""
+        as `version`; with base = (v-1, digest) they are a delta (qurl/sync/sglang_delta.py;
+        StaleBase if a server does not hold that base). Recovers dead servers (restart + new
+        group + resend) up to max_restarts."""
         chunks = list(chunks)
         with self._hold():
+            wire = self._wire(chunks, version, base)
             for attempt in range(self.max_restarts + 1):
                 try:
-                    self.last_sync = self._sync(chunks, version)
+                    self.last_sync = self._sync(wire, version)
                     break
                 except SGLangError as e:
+                    if is_stale_refusal(str(e)):  # refused before writing: nothing to redo here
+                        from qurl.engines.local import StaleBase
+                        self._recover(e, resend=False)
+                        raise StaleBase(f"SGLang delta v{version} refused: {e}") from e
                     if attempt == self.max_restarts:
                         raise
                     self._recover(e, resend=False)
             self._version = version
-            self._weights, self._disk = (chunks if self.keep_weights else None), None
+            kept = self._keep_version(chunks, base)
+            self._weights, self._disk = (kept if self.keep_weights else None), None
 
     def _announce(self, version: int) -> Callable[[BucketAnnouncement], Callable[[], None]]:
         def announce(ann: BucketAnnouncement) -> Callable[[], None]:
@@ -548,7 +563,9 @@ class SGLangEngine:
             self._each(lambda s: s.post_json("/pause_generation", {"mode": "abort"}, c), 2 * c)
             sessions = self._each(lambda s: s.post_json("/begin_weight_update", {}, c, ok_404=True),
                                   2 * c)
-            if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS:
+            if self.delta_capable:  # qurl's sync loader: W8A8 restore + delta / verify hook
+                self._each(self._prepare, 2 * c)
+            elif QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS:
                 self._each(self._restore_w8a8, 2 * c)
             t1 = time.perf_counter()
             try:
@@ -583,6 +600,7 @@ class SGLangEngine:
             raise SGLangError(f"server {s.spec.url} runs --tp-size {tp} but qurl was told "
                               f"sglang.tp={s.spec.tp}: set sglang.tp={tp}")
         loaders = info.get("custom_weight_loader")
+        s.custom_loaders = tuple(loaders) if isinstance(loaders, list) else ()
         if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS and loaders is not None \
                 and RESTORE_LOAD_FORMAT not in loaders:
             raise SGLangError(f"server {s.spec.url} serves {QUANTIZATION[self.precision][0]} "
@@ -629,6 +647,7 @@ class SGLangEngine:
                 2 * self.timeouts.group_s)
             self._each(lambda s: s.post_json("/continue_generation", {}, c), 2 * c)
             self._version, self._disk, self._weights = version, str(model_path), None
+            self._digest = None
 
     # ---------------------------------------------------------------- recovery
     def _recover(self, cause: Exception, resend: bool = True) -> None:
@@ -639,6 +658,7 @@ class SGLangEngine:
         behind the pause (see `_Server.healthy`)."""
         with self._hold():
             self._recoveries += 1
+            self._digest = None  # a restarted server holds its checkpoint until resent: unverified
             dead = [s for s in self.servers if not s.alive(self.timeouts.health_s)]
             for s in dead:
                 if s.spec.command is None:
@@ -669,8 +689,9 @@ class SGLangEngine:
                     pass
             self._form_group()
             self._set_version_all(self._version)
-            if resend and self._weights is not None:
-                self.last_sync = self._sync(self._weights, self._version)
+            if resend and self._weights is not None:  # (with qurl's header: a qurl sync)
+                self.last_sync = self._sync(self._wire(self._weights, self._version, None),
+                                            self._version)
             elif resend and self._disk is not None:
                 self.update_weights_from_disk(self._disk, self._version)
 
