@@ -53,7 +53,9 @@ continues. Requests interrupted by the pause come back with their partial output
 resubmitted as prompt + generated prefix with the remaining token budget, and the pieces are stitched with per-token versions (partial rollout).
 A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while the
 broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
-server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader).
+server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader); it
+also tells whether the servers run qurl's sync loader, which makes deltas and verification
+possible (qurl/sync/sglang_delta.py, qurl/engines/sglang_server.py).
 Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
 qurl/placement.py); the weight group's backend is sglang.backend.
 A server that stops answering is restarted (when qurl launched it), the weight group is formed
