@@ -43,7 +43,7 @@ test-sglang: setup $(SGL_VENV)/.installed
 	$(BIN)/qurl fetch smollm2-135m
 	QURL_REQUIRE_SGLANG=1 QURL_SGLANG_PYTHON=$(abspath $(SGL_VENV))/bin/python \
 		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py tests/test_sglang_real_deploy.py \
-		tests/test_sglang_real_model.py
+		tests/test_sglang_real_delta.py tests/test_sglang_real_model.py
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV)

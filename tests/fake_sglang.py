@@ -411,7 +411,12 @@ def make_handler(app: FakeSGLang):
                 self._send(*app.flush_cache())
             elif path == "/server_info":
                 self._send(200, {"quantization": app.args.quantization,
-                                 "custom_weight_loader": app.args.custom_weight_loader,
+                                 # the fake does not run qurl's in-server sync loader
+                                 # (qurl/engines/sglang_server.py), so it does not list it:
+                                 # qurl sends it full, unverified syncs
+                                 "custom_weight_loader": [
+                                     x for x in app.args.custom_weight_loader
+                                     if x != "qurl.engines.sglang_loader.prepare_sync"],
                                  "tp_size": app.args.tp_size, "version": "0.5.23"})
             elif path == "/_fake/requests":
                 self._send(200, app.requests)

@@ -37,6 +37,7 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
              "pytorch", "--mem-fraction-static", "0.2", "--max-total-tokens", "8192")
 DUMP = "qurl_sglang_dump.dump_params"
 DUMP_PTRS = "qurl_sglang_dump.dump_ptrs"
+CORRUPT = "qurl_sglang_dump.corrupt_one_code"
 TIMEOUTS = Timeouts(control_s=60, generate_s=120, group_s=120, launch_s=1200, health_s=10)
 
 needs_sglang = [
@@ -61,7 +62,7 @@ def tp_env(tp: int) -> dict[str, str]:
 
 
 def cpu_server_args(generates: bool) -> tuple[str, ...]:
-    return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS) + (() if generates else
+    return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS, CORRUPT) + (() if generates else
                                                            ("--skip-server-warmup",))
 
 

@@ -46,6 +46,7 @@ def test_dry_run_two_node_example(capsys):
                      "--quantization", "w8a8_int8",
                      # W8A8 servers need qurl's restore for 8-bit updates (engines/sglang_loader)
                      "--custom-weight-loader", "qurl.engines.sglang_loader.restore_w8a8",
+                     "qurl.engines.sglang_loader.prepare_sync",
                      "--mem-fraction-static", "0.85"]
 
 

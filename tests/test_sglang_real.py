@@ -227,7 +227,7 @@ def test_8bit_update_reads_back_byte_equal(precision, env, models, tmp_path_fact
             # why qurl's restore exists: without it the same update is refused by the real server
             # (post-load repacking dropped the weight loaders)
             fresh.max_restarts = 0
-            fresh._restore_w8a8 = lambda s: None
+            fresh._restore_w8a8 = fresh._prepare = lambda s: None  # (qurl's sync loader restores too)
             with pytest.raises(SGLangError, match="weight_loader"):
                 fresh.load_weights(engine_chunks(v0.items(), fmt, wire_dtype=torch.bfloat16), 2)
     finally:
@@ -270,8 +270,10 @@ def test_refused_update_returns_in_seconds(bf16_server, models):
     s = eng.servers[0]
     real_post = s.post_json
 
-    def no_session(route, body, timeout, ok_404=False):  # the update session never opens
-        return None if route == "/begin_weight_update" else real_post(route, body, timeout, ok_404)
+    def no_session(route, body, timeout, ok_404=False):  # the update session never opens (and
+        # qurl's prepare call, refused there too, is skipped: the broadcast's refusal is tested)
+        return None if route in ("/begin_weight_update", "/update_weights_from_tensor") \
+            else real_post(route, body, timeout, ok_404)
 
     eng.max_restarts, s.post_json = 0, no_session
     t0 = time.monotonic()

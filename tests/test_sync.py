@@ -190,6 +190,11 @@ def test_engine_wire_dtype_follows_the_engine(tmp_path):
     assert wire({"dtype": "bfloat16"}, "--dtype", "float32") == torch.float32
     with pytest.raises(ValueError, match="--dtype 'int4'"):
         wire({}, "--dtype", "int4")
+    # servers qurl launches load its bf16 export, whatever the base model's dtype
+    launched = load_config(sets=["rollout.engine=sglang"])
+    assert engine_wire_dtype(launched, tmp_path / "absent") == torch.bfloat16
+    launched = replace(launched, sglang=replace(launched.sglang, args=("--dtype", "float16")))
+    assert engine_wire_dtype(launched, tmp_path / "absent") == torch.float16
 
 
 def test_announcement_round_trip_and_validation():

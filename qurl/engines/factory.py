@@ -57,7 +57,8 @@ def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None
     biases; everything with precision bf16), which is the dtype the weight sync sends them in
     (qurl.quant.named.travels_as). None for the local engine: it computes in fp32, as the masters.
 
-    SGLang servers: `--dtype` from sglang.args, else SGLang's "auto" rule (0.5.23,
+    SGLang servers: `--dtype` from sglang.args, else bf16 for servers qurl launches (from its
+    bf16 export), else (attached servers) SGLang's "auto" rule (0.5.23,
     configs/model_config.py): the checkpoint's dtype, and an fp32 checkpoint served in fp16 (bf16
     for Gemma models). A server launched with another dtype still loads what it is sent (its
     weight loaders cast), at the cost of a second rounding."""
@@ -72,7 +73,12 @@ def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None
             flag = args[i + 1].lower()
         elif a.startswith("--dtype="):
             flag = a.split("=", 1)[1].lower()
-    if flag == "auto":
+    if flag == "auto" and not cfg.sglang.urls:
+        # servers qurl launches load its own export (qurl.models.export8bit), written in bf16:
+        # the base model's dtype does not matter (an fp16 guess here made every pass-through
+        # land rounded to bf16 on the server: the verified sync found it, qurl/sync/sglang_delta.py)
+        flag = "bfloat16"
+    elif flag == "auto":
         meta = json.loads((Path(model_dir) / "config.json").read_text())
         name = meta.get("dtype") or meta.get("torch_dtype") or "float32"
         if _SGLANG_DTYPES.get(str(name)) in (None, "float32"):

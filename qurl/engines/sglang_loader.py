@@ -62,6 +62,8 @@ import torch
 # SGLang quant methods whose process_weights_after_loading drops the loaders and transposes.
 RESTORED_METHODS = ("W8A8Int8LinearMethod", "W8A8Fp8LinearMethod")
 LOAD_FORMAT = "qurl.engines.sglang_loader.restore_w8a8"
+# delta and verified syncs (qurl/engines/sglang_server.py): restore + the load_weights wrapper
+SYNC_LOAD_FORMAT = "qurl.engines.sglang_loader.prepare_sync"
 
 
 def _processed_w8a8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -128,3 +130,13 @@ def restore_w8a8(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
                          "send the weights with update_weights_from_distributed")
     for layer in _processed_w8a8_layers(model):
         _restore_layer(layer)
+
+
+def prepare_sync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
+    """SGLang custom weight loader called at the start of every qurl update session on a server
+    launched with `--custom-weight-loader qurl.engines.sglang_loader.prepare_sync`: the W8A8
+    restore above, then qurl's delta / verification hook (qurl/engines/sglang_server.py).
+    Never raises (that would kill the scheduler): a failure is reported by the next load."""
+    from qurl.engines.sglang_server import prepare
+
+    prepare(model, named_tensors, restore_w8a8)

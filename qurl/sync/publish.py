@@ -8,8 +8,9 @@ on the exact codes sent, split into the layers UAQ scales (q/k/v/gate/up) and th
 Each version goes as a delta against the previous one when the engine holds it verified, else in
 full (qurl/sync/plan.py), and the engine then proves it holds the sender's bits (qurl/sync/digest.py:
 `verify`); a mismatch is resynced in full at once and counted, and a second mismatch is an error:
-the loop never samples from weights that differ from the learner's. Engines without `verify` (the
-SGLang adapter) get full syncs and records say `sync/verified` = NaN (not checked).
+the loop never samples from weights that differ from the learner's. Engines without `verify` (an
+SGLang engine whose servers lack qurl's sync loader, or run TP > 1: qurl/sync/sglang_delta.py) get
+full syncs (`unsupported`) and records say `sync/verified` = NaN (not checked).
 """
 from __future__ import annotations
 

@@ -37,3 +37,13 @@ def dump_ptrs(model: torch.nn.Module, named_tensors: list) -> None:
                        f"ptrs_tp{rank}_{os.getpid()}_{next(_calls)}.pt")
     torch.save(ptrs, out + ".tmp")
     os.replace(out + ".tmp", out)
+
+
+def corrupt_one_code(model: torch.nn.Module, named_tensors: list) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("qkv_proj.weight") and p.dtype in (torch.int8, torch.float8_e4m3fn):
+            bits = p.data.view(torch.uint8)  # same itemsize: a view of the same storage
+            bits[0, 0] = bits[0, 0] ^ 1
+            with open(os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], "corrupted.txt"), "w") as f:
+                f.write(name)
+            return

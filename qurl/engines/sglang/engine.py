@@ -9,7 +9,9 @@ the pause come back with their partial output; they are resubmitted as prompt + 
 with the remaining token budget, and the pieces are stitched with per-token versions (partial
 rollout). A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while
 the broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
-server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader).
+server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader); it
+also tells whether the servers run qurl's sync loader, which makes deltas and verification
+possible (qurl/sync/sglang_delta.py, qurl/engines/sglang_server.py).
 Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
 qurl/deploy/placement.py); the weight group's backend is sglang.backend. A server that stops
 answering is restarted (when qurl launched it), the weight group is formed anew, and the current
@@ -208,6 +210,7 @@ class SGLangEngine(WeightUpdates):
         behind the pause (see `Server.healthy`)."""
         with self._hold():
             self._recoveries += 1
+            self._digest = None  # a restarted server holds its checkpoint until resent: unverified
             dead = [s for s in self.servers if not s.alive(self.timeouts.health_s)]
             for s in dead:
                 if s.spec.command is None:
@@ -238,8 +241,9 @@ class SGLangEngine(WeightUpdates):
                     pass
             self._form_group()
             self._set_version_all(self._version)
-            if resend and self._weights is not None:
-                self.last_sync = self._sync(self._weights, self._version)
+            if resend and self._weights is not None:  # (with qurl's header: a qurl sync)
+                self.last_sync = self._sync(self._wire(self._weights, self._version, None),
+                                            self._version)
             elif resend and self._disk is not None:
                 self.update_weights_from_disk(self._disk, self._version)
 

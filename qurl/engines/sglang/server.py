@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 from qurl.engines.sglang.protocol import RESTORE_QUANTIZATIONS, SGLangError, SGLangUnavailable
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
+from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
 
 
 def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
@@ -43,6 +44,7 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
     if base_gpu is not None and not any(a.split("=")[0] == "--base-gpu-id" for a in extra):
         cmd += ["--base-gpu-id", str(base_gpu)]
     loaders = [RESTORE_LOAD_FORMAT] if quantization in RESTORE_QUANTIZATIONS else []
+    loaders.append(SYNC_LOAD_FORMAT)
     if "--custom-weight-loader" in extra:  # nargs="*": merge, or the last flag would win
         i = j = extra.index("--custom-weight-loader")
         while j + 1 < len(extra) and not extra[j + 1].startswith("--"):
@@ -71,6 +73,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.log_path = (log_dir / f"sglang_{self.port}.log") if log_dir else None
         self.inflight = 0
+        self.custom_loaders: tuple[str, ...] = ()  # from /server_info (WeightUpdates._check_server)
 
     def call(self, method: str, route: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)

@@ -29,6 +29,7 @@ from qurl.engines.sglang.server import Server
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.sync.broadcaster import GroupFormError, GroupSpec
 from qurl.sync.sender import BucketAnnouncement, SyncStats
+from qurl.sync.sglang_delta import SGLangDeltaMixin, is_stale_refusal
 
 
 class Replies:
@@ -52,8 +53,9 @@ class Replies:
             f.result()
 
 
-class WeightUpdates:
-    """SGLangEngine's weight group and update sessions (see the module docstring)."""
+class WeightUpdates(SGLangDeltaMixin):
+    """SGLangEngine's weight group and update sessions (see the module docstring; deltas and
+    verification: qurl/sync/sglang_delta.py)."""
 
     def _set_version_all(self, version: int) -> None:
         self._each(lambda s: s.post_json("/update_weight_version",
@@ -106,21 +108,30 @@ class WeightUpdates:
             raise SGLangError(str(e)) from e
 
     # ---------------------------------------------------------------- weights
-    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int,
+                     base: tuple[int, str] | None = None) -> None:
         """Send engine chunks (already 8-bit: see qurl.quant.named.engine_chunks) to every server
-        as `version`. Recovers dead servers (restart + new group + resend) up to max_restarts."""
+        as `version`; with base = (v-1, digest) they are a delta (qurl/sync/sglang_delta.py;
+        StaleBase if a server does not hold that base). Recovers dead servers (restart + new
+        group + resend) up to max_restarts."""
         chunks = list(chunks)
         with self._hold():
+            wire = self._wire(chunks, version, base)
             for attempt in range(self.max_restarts + 1):
                 try:
-                    self.last_sync = self._sync(chunks, version)
+                    self.last_sync = self._sync(wire, version)
                     break
                 except SGLangError as e:
+                    if is_stale_refusal(str(e)):  # refused before writing: nothing to redo here
+                        from qurl.engines.local_weights import StaleBase
+                        self._recover(e, resend=False)
+                        raise StaleBase(f"SGLang delta v{version} refused: {e}") from e
                     if attempt == self.max_restarts:
                         raise
                     self._recover(e, resend=False)
             self._version = version
-            self._weights, self._disk = (chunks if self.keep_weights else None), None
+            kept = self._keep_version(chunks, base)
+            self._weights, self._disk = (kept if self.keep_weights else None), None
 
     def _announce(self, version: int) -> Callable[[BucketAnnouncement], Callable[[], None]]:
         def announce(ann: BucketAnnouncement) -> Callable[[], None]:
@@ -143,7 +154,9 @@ class WeightUpdates:
             self._each(lambda s: s.post_json("/pause_generation", {"mode": "abort"}, c), 2 * c)
             sessions = self._each(lambda s: s.post_json("/begin_weight_update", {}, c, ok_404=True),
                                   2 * c)
-            if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS:
+            if self.delta_capable:  # qurl's sync loader: W8A8 restore + delta / verify hook
+                self._each(self._prepare, 2 * c)
+            elif QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS:
                 self._each(self._restore_w8a8, 2 * c)
             t1 = time.perf_counter()
             try:
@@ -178,6 +191,7 @@ class WeightUpdates:
             raise SGLangError(f"server {s.spec.url} runs --tp-size {tp} but qurl was told "
                               f"sglang.tp={s.spec.tp}: set sglang.tp={tp}")
         loaders = info.get("custom_weight_loader")
+        s.custom_loaders = tuple(loaders) if isinstance(loaders, list) else ()
         if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS and loaders is not None \
                 and RESTORE_LOAD_FORMAT not in loaders:
             raise SGLangError(f"server {s.spec.url} serves {QUANTIZATION[self.precision][0]} "
@@ -223,3 +237,5 @@ class WeightUpdates:
                                               "flush_cache": True}, self.timeouts.group_s),
                 2 * self.timeouts.group_s)
             self._each(lambda s: s.post_json("/continue_generation", {}, c), 2 * c)
+            self._version, self._disk, self._weights = version, str(model_path), None
+            self._digest = None

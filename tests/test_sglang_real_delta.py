@@ -1,0 +1,140 @@
+"""Delta syncs and verification on the REAL SGLang 0.5.23 server on CPU (`make test-sglang`).
+
+qurl's production sync loop (`WeightSync.push`: quantize, plan delta vs full, load, verify, resync
+on mismatch) drives a real server launched by qurl's `SGLangEngine` (with qurl's sync loader,
+qurl/engines/sglang_server.py, imported by the server from this checkout: tests/sglang_real.py
+puts the repository first on the servers' PYTHONPATH). For each 8-bit format SGLang serves —
+w8a8_int8, w8a8_fp8 (per channel) and block fp8 — several consecutive small updates go as deltas,
+each verified by the server; afterwards every parameter the server holds is byte-equal to the
+learner's codes, scales and bf16 tensors and to a full sync of the same version, at the address
+it had at startup; one code corrupted on the server on purpose is caught by the next sync's
+verification and repaired by the full resync, counted in the metrics.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from qurl.engines.sglang.protocol import QUANTIZATION
+from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
+from qurl.models.export8bit import export_8bit
+from qurl.quant.named import engine_chunks
+from qurl.sync.publish import WeightSync
+from tests.sglang_real import (CORRUPT, NO_TENSORS, env, fuse_like_sglang,  # noqa: F401
+                               held_like, is_8bit, launch, models, needs_sglang, raw_bytes,
+                               read_back_with_ptrs)
+
+pytestmark = needs_sglang + [pytest.mark.timeout(2400)]
+DELTAS = 5  # consecutive delta syncs after the first (full) one
+
+
+def _steps(v0: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """n small successive updates of v0 (each moves every weight by 3e-4 of its spread: ~2-3%
+    of the 8-bit codes flip per step, like an RL step)."""
+    g = torch.Generator().manual_seed(2)
+    out, w = [], v0
+    for _ in range(n):
+        w = {k: t + 3e-4 * torch.randn(t.shape, generator=g) * t.float().std().clamp_min(0.05)
+             for k, t in w.items()}
+        out.append(w)
+    return out
+
+
+def _corrupt(eng, dump) -> str:
+    """Flip one code on the server behind qurl's back (test loader, inside a session)."""
+    s = eng.servers[0]
+    body = {"serialized_named_tensors": [NO_TENSORS], "flush_cache": False}
+    s.post_json("/begin_weight_update", {}, 30)
+    try:
+        if RESTORE in s.spec.command:  # W8A8: restore first, or closing transposes twice
+            s.post_json("/update_weights_from_tensor", {**body, "load_format": RESTORE}, 30)
+        s.post_json("/update_weights_from_tensor", {**body, "load_format": CORRUPT}, 30)
+    finally:
+        s.post_json("/end_weight_update", {}, 30)
+    return (dump / "corrupted.txt").read_text()
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8", "fp8_block"])
+def test_delta_syncs_verified_byte_equal_and_corruption_caught(precision, env, models,
+                                                               tmp_path_factory):
+    quant, fmt = QUANTIZATION[precision]
+    root, src, v0, _ = models
+    ckpt0 = export_8bit(src, root / f"{fmt}_v0", fmt)
+    eng = launch(ckpt0, quant, tmp_path_factory.mktemp(f"logs_delta_{precision}"),
+                 precision=precision, generates=False)
+    versions = _steps(v0, DELTAS + 1)
+    last = versions[-1]
+    try:
+        assert eng.verify is not None, "the server should run qurl's sync loader"
+        held0, ptrs0 = read_back_with_ptrs(eng, env)
+        sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
+        recs = []
+        for k, w in enumerate(versions[:DELTAS + 1], start=1):
+            t0 = time.perf_counter()
+            recs.append(sync.push(iter(w.items()), eng, version=k))
+            recs[-1]["wall_s"] = time.perf_counter() - t0
+        held_d, ptrs_d = read_back_with_ptrs(eng, env)
+        # one code corrupted on the server. The next sync re-sends the same weights: a delta of
+        # nothing (a changed tensor could be re-sent whole and repair the code by chance: block
+        # FP8 re-sends a tensor whose tile scales moved), so only verification can see it
+        corrupted = _corrupt(eng, env)
+        bad = sync.push(iter(last.items()), eng, version=DELTAS + 2)
+        held_r, ptrs_r = read_back_with_ptrs(eng, env)
+        # the same version again, in full (a fresh sync that does not build on anything)
+        full = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16, mode="full")
+        rec_full = full.push(iter(last.items()), eng, version=DELTAS + 3)
+        held_f, ptrs_f = read_back_with_ptrs(eng, env)
+    finally:
+        eng.close()
+    for k, r in enumerate(recs, start=1):
+        print(f"{precision} v{k}: delta={r['sync/delta']:.0f} bytes={r['sync/bytes']:.0f} "
+              f"full_bytes={r['sync/full_bytes']:.0f} verified={r['sync/verified']} "
+              f"load_s={r['sync/time_load']:.3f} verify_s={r['sync/time_verify']:.3f} "
+              f"wall_s={r['wall_s']:.3f} flip_frac={r.get('flip_frac', float('nan')):.4f}")
+    print(f"{precision} full sync of v{DELTAS + 2}: bytes={rec_full['sync/bytes']:.0f} "
+          f"load_s={rec_full['sync/time_load']:.3f} verify_s={rec_full['sync/time_verify']:.3f}")
+    # the first sync is full (nothing to diff against), every later one a verified delta
+    assert recs[0]["sync/delta"] == 0.0 and recs[0]["sync/full_reason/first"] == 1.0
+    assert all(r["sync/verified"] == 1.0 for r in recs)
+    for r in recs[1:]:
+        assert r["sync/delta"] == 1.0, r
+        assert "sync/full_reason/unsupported" not in r
+        assert 0 < r["sync/bytes"] < 0.5 * r["sync/full_bytes"]
+        assert r["sync/verify_mismatches"] == 0.0
+    # the corrupted code: caught (a mismatch in exactly the tensor holding it), resynced in full,
+    # counted; the engine then verifies
+    assert corrupted.endswith("self_attn.qkv_proj.weight"), corrupted
+    layer = corrupted.rsplit(".self_attn", 1)[0]
+    assert bad["sync/delta"] == 1.0 and bad["sync/verified"] == 0.0
+    assert bad["sync/verify_mismatches"] == 1.0  # one tensor: the corrupted q_proj
+    assert bad["sync/resync/mismatch"] == 1.0 and bad["sync/fallbacks/mismatch"] == 1.0
+    assert bad["sync/bytes"] == bad["sync/full_bytes"]  # an empty delta, then the whole version
+    assert eng.digest is not None and layer.startswith("model.layers.")
+    assert rec_full["sync/verified"] == 1.0 and rec_full["sync/full_reason/off"] == 1.0
+    # byte-equal: after the deltas, to the learner's chunks; after the repair, to a full sync
+    for held in (held_d, held_r):
+        expected = fuse_like_sglang(list(engine_chunks(last.items(), fmt,
+                                                       wire_dtype=torch.bfloat16)))
+        assert set(expected) <= set(held), sorted(set(expected) - set(held))
+        for name, want in expected.items():
+            got = held_like(held[name], want)
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(raw_bytes(got), raw_bytes(want)), name
+            # rows a padded vocabulary adds are never written
+            if got.shape != held[name].shape:
+                n = want.shape[0]
+                assert torch.equal(raw_bytes(held[name][n:]), raw_bytes(held0[name][n:])), name
+        for name in set(held) - set(expected):  # what qurl never sends is untouched
+            assert torch.equal(raw_bytes(held[name]), raw_bytes(held0[name])), name
+    assert set(held_f) == set(held_r)
+    for name, t in held_f.items():
+        assert torch.equal(raw_bytes(t), raw_bytes(held_r[name])), name
+    # every parameter at its startup address (what captured CUDA graphs read)
+    assert sum(is_8bit(t) for t in held0.values()) >= 4, sorted(held0)
+    for what, ptrs in (("deltas", ptrs_d), ("repair", ptrs_r), ("full", ptrs_f)):
+        moved = sorted(n for n in ptrs0 if ptrs[n] != ptrs0[n])
+        assert not moved, f"after the {what}, new storage for: {moved}"
+    assert math.isfinite(recs[-1]["sync/time_verify"])
