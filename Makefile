@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pulling a multi-GB CUDA build. On GPU images set TORCH_SPEC to the image's torch (or "").
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-real test-sglang bench clean
+.PHONY: setup run test test-real test-sglang gpu-check bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ test-sglang: setup $(SGL_VENV)/.installed
 	QURL_REQUIRE_SGLANG=1 QURL_SGLANG_PYTHON=$(abspath $(SGL_VENV))/bin/python \
 		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py tests/test_sglang_real_deploy.py \
 		tests/test_sglang_real_delta.py tests/test_sglang_real_model.py
+
+# One prepared script of every check a single GPU can make (scripts/gpu_check.sh, < 10 minutes on an
+# H200; it says which parts it skipped and why). Without CUDA: one line and exit 1.
+gpu-check: setup
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV)
