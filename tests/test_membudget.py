@@ -61,9 +61,11 @@ def test_the_learner_splits_by_the_gpu_memory_it_measures(gpu_with, monkeypatch)
                            _token_cost=DAPO)
     fake._rows_per_micro = lambda L, free: lm.MegatronLearner._rows_per_micro(fake, L, free)
     ends = torch.tensor([100, 2048, 2000, 300, 1024])
-    got = [(idx.tolist(), w) for idx, w in
-           lm.MegatronLearner._micro_batches(fake, torch.arange(5), ends)]
-    # 2 rows at width 2048; at width 1024 the same bytes hold 4: the other three in one pass
-    assert got == [([1, 2], 2048), ([4, 3, 0], 1024)]
+    starts = torch.tensor([50, 7, 9, 60, 30])
+    got = [(idx.tolist(), w, s) for idx, w, s in
+           lm.MegatronLearner._micro_batches(fake, torch.arange(5), ends, starts)]
+    # 2 rows at width 2048; at width 1024 the same bytes hold 4: the other three in one pass;
+    # each micro-batch's head starts at its rows' earliest first loss column
+    assert got == [([1, 2], 2048, 7), ([4, 3, 0], 1024, 30)]
     fake.device = torch.device("cpu")
     assert len(list(lm.MegatronLearner._micro_batches(fake, torch.arange(5), ends))) == 5

@@ -17,8 +17,9 @@ A step (`train_step`) on a batch of B right-padded sequences:
    norm -> clip -> AdamW step (skipped, and counted, if the norm is not finite);
 3. the LR schedule advances once.
 Mini-batches are split further into micro-batches (a memory budget, measured on GPU:
-membudget.py; rows sorted by length, each row computed only up to its last loss token) whose
-losses use the mini-batch's denominator, so their gradients sum to the mini-batch gradient.
+membudget.py; rows sorted by length, each row computed only up to its last loss token, the
+vocabulary head only from the micro-batch's first loss column: head.py) whose losses use the
+mini-batch's denominator, so their gradients sum to the mini-batch gradient.
 
 Log-probs: out[:, j] = log softmax(logits(tokens[:, :j]) / T)[tokens[:, j]], out[:, 0] = 0, from
 megatron's vocab-parallel cross entropy (logits never gathered). Padded vocab rows (the vocab is
@@ -47,6 +48,7 @@ from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, Op
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
+from qurl.learner.head import first_loss_columns, head_from
 from qurl.learner.membudget import TokenCost, free_bytes, rows_per_micro
 from qurl.learner.shards import ShardCheckpoint
 from qurl.models import convert
@@ -147,29 +149,36 @@ class MegatronLearner(ShardCheckpoint):
             return None
         return torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
 
-    def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-        """tokens: [b, L] -> [b, L] fp32 log-probs (column 0 is 0); differentiable."""
+    def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
+                      start: int = 1) -> torch.Tensor:
+        """tokens: [b, L] -> [b, L] fp32 log-probs, differentiable; columns before `start` (>= 1)
+        are 0 and their logits are never computed (head.py: the head runs on positions
+        start-1 .. L-2 only)."""
         from megatron.core import tensor_parallel
 
         b, L = tokens.shape
+        start = min(max(1, start), L - 1)
         pos = torch.arange(L, device=self.device).unsqueeze(0).expand(b, L)
-        logits = model(tokens, pos, self._causal_mask(L))  # [b, L, V_local]
+        with head_from(model, start - 1):
+            logits = model(tokens, pos, self._causal_mask(L))  # [b, L - start + 1, V_local]
         # A fresh fp32 tensor: vocab_parallel_cross_entropy overwrites its input in place.
         logits = logits[:, :-1].float().div(temperature)
         if self._vocab_pad is not None:
             logits = logits.masked_fill(self._vocab_pad, float("-inf"))
-        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, tokens[:, 1:].contiguous())
-        return torch.cat([nll.new_zeros(b, 1), -nll], dim=1)
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, tokens[:, start:].contiguous())
+        return torch.cat([nll.new_zeros(b, start), -nll], dim=1)
 
     def _rows_per_micro(self, L: int, free: int | None) -> int:
         """Rows of width L per micro-batch: the fixed logits budget on CPU, GPU memory free now."""
         return rows_per_micro(L, self._token_cost, free, LOGITS_BUDGET)
 
-    def _micro_batches(self, rows: torch.Tensor, ends: torch.Tensor) -> Iterator[tuple[torch.Tensor, int]]:
-        """Split row indices `rows` into micro-batches (idx, width): rows sorted by their end
+    def _micro_batches(self, rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor | None = None
+                       ) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """Split row indices `rows` into micro-batches (idx, width, start): rows sorted by their end
         (longest first), each micro-batch as many rows as the logits budget allows at its width =
         its longest row's end. Columns at or past a row's end are never computed (right padding
-        of a short response next to a long one costs nothing)."""
+        of a short response next to a long one costs nothing); start = the earliest of its rows'
+        `starts` (first loss columns; 1 when not given): the head skips the columns before it."""
         order = torch.sort(ends[rows], descending=True, stable=True).indices
         rows = rows[order]
         free = free_bytes(self.device)  # measured once per split, before its micro-batches
@@ -177,13 +186,16 @@ class MegatronLearner(ShardCheckpoint):
         while i < len(rows):
             width = int(ends[rows[i]])
             n = self._rows_per_micro(width, free)
-            yield rows[i:i + n], width
+            idx = rows[i:i + n]
+            start = 1 if starts is None else max(1, int(starts[idx].min()))
+            yield idx, width, start
             i += n
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                  ends: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, L] log-probs; ends: [B], columns from ends[i] on are left 0 (default: none)."""
+                  ends: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, L] log-probs; ends: [B], columns from ends[i] on are left 0 (default: none);
+        starts: [B], columns before a micro-batch's earliest start may be left 0 (default: 1)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
         if not temperature > 0:
@@ -195,8 +207,8 @@ class MegatronLearner(ShardCheckpoint):
             return out
         if ends is None:
             ends = torch.full((B,), L, dtype=torch.long, device=self.device)
-        for idx, width in self._micro_batches(torch.arange(B, device=self.device), ends):
-            out[idx, :width] = self._forward_logp(model, tokens[idx, :width], temperature)
+        for idx, width, start in self._micro_batches(torch.arange(B, device=self.device), ends, starts):
+            out[idx, :width] = self._forward_logp(model, tokens[idx, :width], temperature, start)
         return out
 
     @torch.no_grad()
@@ -258,15 +270,17 @@ class MegatronLearner(ShardCheckpoint):
         # attention never lets it reach earlier positions); at least 2 columns.
         pos = torch.arange(L, device=dev)
         ends = (torch.where(mask, pos, -1).max(dim=1).values + 1).clamp(min=min(2, L))
+        starts = first_loss_columns(mask)  # the head runs from each micro-batch's earliest one
         # π_prox is the policy at the start of the step. The first mini-batch's forward runs at
         # exactly those weights, so its own (detached) log-probs are its π_prox; only the other
         # mini-batches need the no-grad forward (1/mini_batches of it saved).
         self.model.eval()
         prox = torch.zeros(B, L, dtype=torch.float32, device=dev)  # rows [:mb]: filled below
         if n_mb > 1:
-            prox[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature, ends[mb:])
+            prox[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature, ends[mb:],
+                                           starts[mb:])
         ref = None if self.ref_model is None else \
-            self._dp_logprobs(self.ref_model, tokens, temperature, ends)
+            self._dp_logprobs(self.ref_model, tokens, temperature, ends, starts)
 
         kw = dict(loss_options(self.algo), norm_len=norm_len)
         self.model.train()
@@ -285,11 +299,12 @@ class MegatronLearner(ShardCheckpoint):
                 self.optimizer.zero_grad()
                 own = i * mb + self.dp_rank * share
                 logp_own = torch.zeros(share, L, dtype=torch.float32, device=dev)
-                for idx, width in self._micro_batches(torch.arange(own, own + share, device=dev), ends):
+                for idx, width, start in self._micro_batches(torch.arange(own, own + share, device=dev),
+                                                             ends, starts):
                     def take(t: torch.Tensor | None) -> torch.Tensor | None:
                         return None if t is None else (t[idx, :width] if t.dim() == 2 else t[idx])
 
-                    logp = self._forward_logp(self.model, take(tokens), temperature)
+                    logp = self._forward_logp(self.model, take(tokens), temperature, start)
                     loss, _ = policy_loss(logp, logp.detach() if at_start else take(prox),
                                           take(behav), take(adv), take(mask), ref_logp=take(ref),
                                           staleness=take(staleness), denom=denom, **kw)
@@ -323,11 +338,13 @@ class MegatronLearner(ShardCheckpoint):
         return out
 
     def _dp_logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                     ends: torch.Tensor) -> torch.Tensor:
-        """[B, L] log-probs up to each row's end, each DP rank computing B/D rows (no grad)."""
+                     ends: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """[B, L] log-probs from each row's start to its end, each DP rank computing B/D rows
+        (no grad)."""
         n = tokens.shape[0] // self.dp_size
         mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        return self._dp_gather(self._logprobs(model, tokens[mine], temperature, ends[mine]))
+        return self._dp_gather(self._logprobs(model, tokens[mine], temperature, ends[mine],
+                                              starts[mine]))
 
     # ------------------------------------------------------------------ weights out
 
