@@ -21,7 +21,10 @@ continuations (contexts come from one policy; at KL ~1e-2 per token the differen
     python -m qurl.studies.mismatch_exact analyse --ctx DIR/gen_bf16.pt --out arms.json
 
 `side` writes DIR/lsm_<side>.pt: log-softmax [N, V] fp32 at the N response positions, row order
-= the batch's rows, then positions.
+= the batch's rows, then positions (every SAVE_EVERY rows and at the end, so a stopped run keeps
+what it finished). At 256 responses x 48 tokens a side is 2.4 GB: `analyse` memory-maps the files
+and works through CHUNK positions at a time (float64 inside a chunk), so its memory does not grow
+with the number of responses.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ import torch
 from qurl.studies.mismatch import POSITION_EDGES, PROB_EDGES, bucketed, summary
 
 ENGINE_SIDES = ("bf16", "int8", "fp8", "w4a16")
+SAVE_EVERY = 16  # rows between checkpoints of a side's file (each save rewrites the whole file)
+CHUNK = 512  # positions per float64 block in `analyse`
 LEARNER_SIDES = ("float32", "bfloat16")
 
 
@@ -53,10 +58,11 @@ def exact_trunc(lsm_behav: torch.Tensor, lsm_prox: torch.Tensor, cap: float = 2.
     return (b.exp() * ((p - b) > torch.log(torch.tensor(cap, dtype=torch.float64)))).sum(-1)
 
 
-def sampled_tokens(lsm_behav: torch.Tensor, lsm_prox: torch.Tensor, k: int, seed: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K tokens per position drawn from π_behav: (behav_logp, prox_logp), each [N, K] float32."""
-    g = torch.Generator().manual_seed(seed)
+def sampled_tokens(lsm_behav: torch.Tensor, lsm_prox: torch.Tensor, k: int,
+                   seed: int | torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """K tokens per position drawn from π_behav: (behav_logp, prox_logp), each [N, K] float32.
+    seed: a seed, or a generator to continue (chunked callers)."""
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     idx = torch.multinomial(lsm_behav.double().exp(), k, replacement=True, generator=g)
     return lsm_behav.gather(1, idx).float(), lsm_prox.gather(1, idx).float()
 
@@ -70,8 +76,10 @@ def response_rows(ctx: dict) -> list[tuple[int, int, int]]:
     return out
 
 
-def _save(t: torch.Tensor, path: Path | None) -> None:
-    if path is not None:  # after every row, atomically: a stopped run keeps the rows it finished
+def _save(parts: list[torch.Tensor], path: Path | None, last: bool) -> None:
+    """Write the rows done so far (every SAVE_EVERY rows and at the end), atomically."""
+    if path is not None and (last or len(parts) % SAVE_EVERY == 0):
+        t = torch.cat(parts)
         tmp = path.with_suffix(".tmp")
         torch.save(t, tmp)
         tmp.replace(path)
@@ -95,7 +103,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
         for b, s, e in rows:
             logits = engine.token_logits(toks[b, :s].tolist(), toks[b, s:e].tolist())
             parts.append(torch.log_softmax(logits.float(), -1))
-            _save(torch.cat(parts), save_to)
+            _save(parts, save_to, last=len(parts) == len(rows))
         return torch.cat(parts)
     from qurl.learner.dist import destroy_learner_dist, free_port, init_learner_dist
     from qurl.learner.megatron import MegatronLearner
@@ -110,7 +118,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
         for b, s, e in rows:  # one row at a time: full-vocab logits of a batch are large
             logits = learner.logits(toks[b:b + 1, :e])[0]  # [e, V]; row j predicts token j+1
             parts.append(torch.log_softmax(logits[s - 1:e - 1].float(), -1).cpu())
-            _save(torch.cat(parts), save_to)
+            _save(parts, save_to, last=len(parts) == len(rows))
     finally:
         destroy_learner_dist()
     return torch.cat(parts)
@@ -130,17 +138,25 @@ def analyse(ctx: dict, lsm: dict[str, torch.Tensor], k: int = 64, seed: int = 0,
             have = min(b.shape[0], p.shape[0])  # a side stopped early: the rows both finished
             rows = all_rows[:int((ends <= have).sum())]
             n = sum(e - s for _, s, e in rows)
-            b, p = b[:n], p[:n]
             pos = torch.cat([torch.arange(e - s) for _, s, e in rows])  # [n] response index
-            behav, prox = sampled_tokens(b, p, k, seed)
+            g = torch.Generator().manual_seed(seed)
+            kls, truncs, behavs, proxs = [], [], [], []
+            for i in range(0, n, CHUNK):  # float64 a block at a time: [CHUNK, V]
+                bc, pc = b[i:min(i + CHUNK, n)], p[i:min(i + CHUNK, n)]
+                kls.append(exact_kl(bc, pc))
+                truncs.append(exact_trunc(bc, pc, cap))
+                sb, sp = sampled_tokens(bc, pc, k, g)
+                behavs.append(sb)
+                proxs.append(sp)
+            kl, trunc = torch.cat(kls), torch.cat(truncs)
+            behav, prox = torch.cat(behavs), torch.cat(proxs)
             mask = torch.ones_like(behav, dtype=torch.bool)
             adv = torch.ones(behav.shape[0])  # A > 0 everywhere: ACR would widen every ρ > C
-            kl = exact_kl(b, p)
             arms.append({
                 "precision": prec, "learner": dt, "responses": len(rows), "positions": int(kl.numel()),
                 "samples_per_position": k, "kl_exact": float(kl.mean()),
                 "kl_exact_p99": float(torch.quantile(kl, 0.99)),
-                "trunc_exact": float(exact_trunc(b, p, cap).mean()),
+                "trunc_exact": float(trunc.mean()),
                 "summary": summary(prox, behav, mask, adv, cap),
                 "by_position": bucketed(prox, behav, mask, pos[:, None].expand_as(behav),
                                         POSITION_EDGES, cap),
@@ -173,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         side_logsoftmax(ctx, a.side, a.model, a.seed, save_to=out)
         print(out)
         return 0
-    lsm = {f.stem[4:].replace("_", ":", 1): torch.load(f) for f in sorted(d.glob("lsm_*.pt"))}
+    lsm = {f.stem[4:].replace("_", ":", 1): torch.load(f, mmap=True)
+           for f in sorted(d.glob("lsm_*.pt"))}
     arms = analyse(ctx, lsm, a.samples, a.seed)
     out = a.out or d / "arms.json"
     context = {"precision": ctx["precision"], "responses": len(response_rows(ctx)),
