@@ -378,5 +378,23 @@ def test_qurl_train_sync_on_real_sglang(env, tmp_path):
 
 
 def test_qurl_train_async_one_worker_on_real_sglang(env, tmp_path):
-    _check_run(_train(tmp_path, "async", "deploy.rollout=workers", "rollout.max_staleness=1",
-                      "deploy.engines=1"))
+    """The worker's SGLang engine (TP 1, qurl's sync loader) takes deltas: every version after the
+    first goes as a delta (bf16: changed positions or whole tensors), verified. Warm started, 1-digit
+    sums, 16 tokens: some samples are right, so steps with a gradient send changed tensors."""
+    recs = _train(tmp_path, "async", "deploy.rollout=workers", "rollout.max_staleness=1",
+                  "deploy.engines=1", "model.warmstart_steps=40", "data.digits=1",
+                  "data.operands=2", "rollout.max_new_tokens=16")
+    _check_run(recs)
+    train = [r for r in recs if r.get("kind") == "train"]
+    for r in train:  # the broadcast after each step
+        sync = {k: v for k, v in r.items() if k.startswith("sync/") and "time" not in k}
+        print(f"step {r['step']} grad_norm={r['grad_norm']:.4f} {sync}")
+        falls = {k for k in sync if k.startswith("sync/fallbacks/")}
+        assert r["sync/delta"] == 1.0 and falls == {"sync/fallbacks/first"}, sync
+        assert 0 < r["sync/bytes"] <= r["sync/full_bytes"] and r["sync/verify_mismatches"] == 0 \
+            and not any(k.startswith("async/resync/") for k in r), r
+        assert r["grad_norm"] == 0 or r["sync/tensors_full"] + r["sync/tensors_delta"] > 0, sync
+    acks, deltas = (sum(r[f"sync/worker_{k}acks"] for r in train) for k in ("", "delta_"))
+    assert acks >= 3 and deltas == acks - 1, (acks, deltas)  # v0 full, every later one a delta
+    checked = [r["sync/verified"] for r in train if r["sync/verified"] is not None]  # NaN: no ack
+    assert checked and all(v == 1.0 for v in checked), [r["sync/verified"] for r in train]

@@ -1,14 +1,19 @@
-"""Delta syncs and verification on the REAL SGLang 0.5.23 server on CPU (`make test-sglang`).
+"""20 delta syncs of a REAL training run into the REAL SGLang 0.5.23 server on CPU (`make test-sglang`).
 
-qurl's production sync loop (`WeightSync.push`: quantize, plan delta vs full, load, verify, resync
-on mismatch) drives a real server launched by qurl's `SGLangEngine` (with qurl's sync loader,
-qurl/engines/sglang_server.py, imported by the server from this checkout: tests/sglang_real.py
-puts the repository first on the servers' PYTHONPATH). For each 8-bit format SGLang serves —
-w8a8_int8, w8a8_fp8 (per channel) and block fp8 — several consecutive small updates go as deltas,
-each verified by the server; afterwards every parameter the server holds is byte-equal to the
-learner's codes, scales and bf16 tensors and to a full sync of the same version, at the address
-it had at startup; one code corrupted on the server on purpose is caught by the next sync's
-verification and repaired by the full resync, counted in the metrics.
+A module fixture runs a short qurl training run (20 RL steps, local int8 engine, tiny model) from
+the same tiny Qwen2 the servers load (4 heads of 64, warm-started briefly so some samples are
+right and steps have gradients), and captures, through a spy on `WeightSync.push`, the 21
+full-precision weight versions its learner published (the initial weights and one per step).
+
+Those versions then drive qurl's production sync loop (`WeightSync.push`: quantize, plan delta vs
+full, load, verify, resync on mismatch) into a real server launched by qurl's `SGLangEngine` (with
+qurl's sync loader, qurl/engines/sglang_server.py, imported by the server from this checkout:
+tests/sglang_real.py puts the repository first on the servers' PYTHONPATH). For each 8-bit format
+SGLang serves — w8a8_int8, w8a8_fp8 (per channel) and block fp8 — the first version goes in full
+and the 20 after it as deltas, each verified by the server; afterwards every parameter the server
+holds is byte-equal to the learner's codes, scales and bf16 tensors and to a full sync of the
+same version, at the address it had at startup; one code corrupted on the server on purpose is
+caught by the next sync's verification and repaired by the full resync, counted in the metrics.
 """
 from __future__ import annotations
 
@@ -27,20 +32,62 @@ from tests.sglang_real import (CORRUPT, NO_TENSORS, env, fuse_like_sglang,  # no
                                held_like, is_8bit, launch, models, needs_sglang, raw_bytes,
                                read_back_with_ptrs)
 
-pytestmark = needs_sglang + [pytest.mark.timeout(2400)]
-DELTAS = 5  # consecutive delta syncs after the first (full) one
+pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
+STEPS = 20  # training steps: 21 versions, the first synced in full, then 20 deltas
+# the twenty-step run of tests/test_delta_sync.py: 2 prompts x 4 samples of 16 tokens, default lr
+SMALL = {"rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
+         "optim.lr": 3e-5, "deploy.ckpt_every": 0, "data.train_size": 40}
 
 
-def _steps(v0: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    """n small successive updates of v0 (each moves every weight by 3e-4 of its spread: ~2-3%
-    of the 8-bit codes flip per step, like an RL step)."""
-    g = torch.Generator().manual_seed(2)
-    out, w = [], v0
-    for _ in range(n):
-        w = {k: t + 3e-4 * torch.randn(t.shape, generator=g) * t.float().std().clamp_min(0.05)
-             for k, t in w.items()}
-        out.append(w)
-    return out
+def _warm_start(src, out, cfg):
+    """`src` fine-tuned like qurl's own tiny base (qurl/models/base.py: build_base) on worked
+    solutions of the run's task: RL from a random model sees reward 0 everywhere, no gradient."""
+    from qurl.data.synthetic import arithmetic_task, worked_solution
+    from qurl.data.templates import render_prompt
+    from qurl.models.base import WARMSTART_QUESTIONS
+    from qurl.models.tokenizer import build_tokenizer
+    from qurl.models.warmstart import sft_warmstart
+
+    tok, d = build_tokenizer(), cfg.data
+    task = arithmetic_task(WARMSTART_QUESTIONS, seed=cfg.run.seed, split="train", digits=d.digits,
+                           n_operands=d.operands, at_most=True)
+    pairs = [(render_prompt(ex.prompt, d.template, tokenizer=tok), worked_solution(ex))
+             for ex in task]
+    return sft_warmstart(src, pairs, steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr,
+                         batch_size=32, seed=cfg.run.seed, out_dir=out, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def run(models, tmp_path_factory):
+    """(the model dir the run started from, its 21 published versions, its train records)."""
+    from tests.pipeline_helpers import tiny_cfg, use_free_dist_port
+
+    from qurl.train.inline import train
+    from qurl.train.metrics_log import read_metrics
+
+    root, src, _, _ = models
+    runs = tmp_path_factory.mktemp("run")
+    base = _warm_start(src, root / "warm", tiny_cfg(runs, "run", STEPS, **SMALL))
+    captured: list[dict[str, torch.Tensor]] = []
+    push = WeightSync.push
+
+    def spy(self, named, engine, version):
+        if self.precision != "int8":  # an evaluation engine's own pushes, not the policy's
+            return push(self, named, engine, version)
+        named = [(n, t.detach().clone()) for n, t in named]
+        captured.append(dict(named))
+        return push(self, iter(named), engine, version)
+
+    use_free_dist_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WeightSync, "push", spy)
+        train(tiny_cfg(runs, "run", STEPS, **SMALL, **{"model.base": str(base)}))
+    recs = [r for r in read_metrics(runs / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(captured) == STEPS + 1 and [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    # the run trained: some step had a gradient, some sync flipped codes
+    assert any(r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
+    assert any(r["flip_frac"] > 0 for r in recs), [r["flip_frac"] for r in recs]
+    return base, captured, recs
 
 
 def _corrupt(eng, dump) -> str:
@@ -58,21 +105,21 @@ def _corrupt(eng, dump) -> str:
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8", "fp8_block"])
-def test_delta_syncs_verified_byte_equal_and_corruption_caught(precision, env, models,
-                                                               tmp_path_factory):
+def test_twenty_delta_syncs_of_a_run_verified_byte_equal_and_corruption_caught(
+        precision, env, models, run, tmp_path_factory):
     quant, fmt = QUANTIZATION[precision]
-    root, src, v0, _ = models
-    ckpt0 = export_8bit(src, root / f"{fmt}_v0", fmt)
+    root = models[0]
+    base, versions, _ = run
+    last = versions[-1]
+    ckpt0 = export_8bit(base, root / f"{fmt}_v0", fmt)
     eng = launch(ckpt0, quant, tmp_path_factory.mktemp(f"logs_delta_{precision}"),
                  precision=precision, generates=False)
-    versions = _steps(v0, DELTAS + 1)
-    last = versions[-1]
     try:
         assert eng.verify is not None, "the server should run qurl's sync loader"
         held0, ptrs0 = read_back_with_ptrs(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
         recs = []
-        for k, w in enumerate(versions[:DELTAS + 1], start=1):
+        for k, w in enumerate(versions, start=1):
             t0 = time.perf_counter()
             recs.append(sync.push(iter(w.items()), eng, version=k))
             recs[-1]["wall_s"] = time.perf_counter() - t0
@@ -81,11 +128,11 @@ def test_delta_syncs_verified_byte_equal_and_corruption_caught(precision, env, m
         # nothing (a changed tensor could be re-sent whole and repair the code by chance: block
         # FP8 re-sends a tensor whose tile scales moved), so only verification can see it
         corrupted = _corrupt(eng, env)
-        bad = sync.push(iter(last.items()), eng, version=DELTAS + 2)
+        bad = sync.push(iter(last.items()), eng, version=len(versions) + 1)
         held_r, ptrs_r = read_back_with_ptrs(eng, env)
         # the same version again, in full (a fresh sync that does not build on anything)
         full = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16, mode="full")
-        rec_full = full.push(iter(last.items()), eng, version=DELTAS + 3)
+        rec_full = full.push(iter(last.items()), eng, version=len(versions) + 2)
         held_f, ptrs_f = read_back_with_ptrs(eng, env)
     finally:
         eng.close()
@@ -93,17 +140,22 @@ def test_delta_syncs_verified_byte_equal_and_corruption_caught(precision, env, m
         print(f"{precision} v{k}: delta={r['sync/delta']:.0f} bytes={r['sync/bytes']:.0f} "
               f"full_bytes={r['sync/full_bytes']:.0f} verified={r['sync/verified']} "
               f"load_s={r['sync/time_load']:.3f} verify_s={r['sync/time_verify']:.3f} "
-              f"wall_s={r['wall_s']:.3f} flip_frac={r.get('flip_frac', float('nan')):.4f}")
-    print(f"{precision} full sync of v{DELTAS + 2}: bytes={rec_full['sync/bytes']:.0f} "
+              f"wall_s={r['wall_s']:.3f} flip_frac={r.get('flip_frac', float('nan')):.5f}")
+    print(f"{precision} full sync of v{len(versions)}: bytes={rec_full['sync/bytes']:.0f} "
           f"load_s={rec_full['sync/time_load']:.3f} verify_s={rec_full['sync/time_verify']:.3f}")
-    # the first sync is full (nothing to diff against), every later one a verified delta
+    # the first sync is full (nothing to diff against), every later one a verified delta that
+    # sends less than the whole version (a real run's step flips few codes: bf16 tensors that
+    # changed go whole, 8-bit ones as their flipped codes)
     assert recs[0]["sync/delta"] == 0.0 and recs[0]["sync/full_reason/first"] == 1.0
     assert all(r["sync/verified"] == 1.0 for r in recs)
+    assert len(recs) == STEPS + 1
     for r in recs[1:]:
         assert r["sync/delta"] == 1.0, r
         assert "sync/full_reason/unsupported" not in r
-        assert 0 < r["sync/bytes"] < 0.5 * r["sync/full_bytes"]
+        assert 0 < r["sync/bytes"] < r["sync/full_bytes"], r
         assert r["sync/verify_mismatches"] == 0.0
+    # the run moved the 8-bit grid: some sync flipped codes of this format
+    assert any(r["flip_frac"] > 0 for r in recs[1:]), [r["flip_frac"] for r in recs]
     # the corrupted code: caught (a mismatch in exactly the tensor holding it), resynced in full,
     # counted; the engine then verifies
     assert corrupted.endswith("self_attn.qkv_proj.weight"), corrupted
@@ -115,9 +167,8 @@ def test_delta_syncs_verified_byte_equal_and_corruption_caught(precision, env, m
     assert eng.digest is not None and layer.startswith("model.layers.")
     assert rec_full["sync/verified"] == 1.0 and rec_full["sync/full_reason/off"] == 1.0
     # byte-equal: after the deltas, to the learner's chunks; after the repair, to a full sync
+    expected = fuse_like_sglang(list(engine_chunks(last.items(), fmt, wire_dtype=torch.bfloat16)))
     for held in (held_d, held_r):
-        expected = fuse_like_sglang(list(engine_chunks(last.items(), fmt,
-                                                       wire_dtype=torch.bfloat16)))
         assert set(expected) <= set(held), sorted(set(expected) - set(held))
         for name, want in expected.items():
             got = held_like(held[name], want)

@@ -25,7 +25,13 @@ it) and no worker has asked for a full sync since; the first announcement carrie
 (base, digests). Each worker refuses a delta whose base it does not hold verified and checks
 every sync against the digests (qurl/pipeline/worker.py); either failure comes back as a `resync`
 control message with its reason, counted (`resync/<reason>`), and the current version is sent
-again in full. Local-engine workers only: an SGLang worker forwards whole versions to its server.
+again in full. Deltas need every member's engine to apply them: each worker says in its hello
+whether it can (`deltas`: its engine has `verify` — the local engine, and an SGLang adapter whose
+one TP-1 server runs qurl's sync loader, qurl/sync/sglang_delta.py); while any slot cannot, every
+version goes in full (counted as `unsupported`). A worker that gets a delta anyway refuses it
+(qurl/sync/receiver.py) and the group is re-formed and sent the version in full. A version equal
+to the last one (a step without gradient: an empty delta) sends its smallest tensor whole, since
+a broadcast needs a tensor.
 
 A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
 whose hello comes from a new pid is *replaced*: its socket is closed (queued messages to the dead
@@ -49,7 +55,7 @@ from qurl.config import Config
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
 from qurl.sync.broadcaster import Broadcaster, GroupSpec
-from qurl.sync.plan import SyncPlanner
+from qurl.sync.plan import SyncPlan, SyncPlanner
 
 log = logging.getLogger("qurl.fleet")
 
@@ -65,6 +71,7 @@ class _SlotState:
     pid: int | None = None  # from the worker's latest hello
     gen_seen: int = -1  # latest group generation the worker reported having been invited to
     ready: bool = False  # in the current group with the current weights
+    deltas: bool = False  # the worker's engine can apply (and verify) deltas, from its hello
 
 
 class Fleet:
@@ -147,6 +154,7 @@ class Fleet:
                 self._replace(slot, f"hello from new pid {pid} (was {st.pid})")
                 st = self.slots[slot]
             st.pid = pid
+            st.deltas = meta.get("deltas") is True
             self._connect(slot, meta.get("endpoint"))
             gen = meta.get("gen", -1)
             st.gen_seen = gen if isinstance(gen, int) else -1
@@ -248,13 +256,21 @@ class Fleet:
         for s in self.slots:
             s.ready = False
 
+    def can_delta(self) -> bool:
+        """Every slot's engine can apply deltas (from the workers' hellos)."""
+        return all(s.deltas for s in self.slots)
+
+    def plan(self, chunks: list[tuple[str, torch.Tensor]], version: int) -> SyncPlan:
+        """What to broadcast for `version`: a delta against the version every member holds,
+        when each member's engine can take one (module docstring), else the whole version."""
+        holder = None if self.need_full else self._holder
+        return self.planner.plan(chunks, version, holder, can_delta=self.can_delta())
+
     def broadcast(self, chunks: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Send one version to every worker in the current group, as a delta when every member
         holds the previous one (module docstring). Raises on a failed broadcast (the group is
         then closed and need_group set)."""
-        holder = None if self.need_full else self._holder
-        plan = self.planner.plan(chunks, version, holder,
-                                 can_delta=self.cfg.rollout.engine == "local")
+        plan = self.plan(chunks, version)
         header = plan.header()
 
         def announce(ann: Any) -> None:
@@ -265,9 +281,13 @@ class Fleet:
                 if not self.send_control(i, meta):
                     raise RuntimeError(f"weight announcement to slot {i} not sent")
 
+        wire = plan.chunks
+        if not wire:  # an unchanged version (a step without gradient): a broadcast needs a tensor,
+            # so the smallest one goes whole (a delta may carry whole tensors)
+            wire = [min(chunks, key=lambda c: c[1].numel() * c[1].element_size())]
         self._holder = None  # until every member has it
         try:
-            stats = self.weights.send(iter(plan.chunks), version, announce=announce)
+            stats = self.weights.send(iter(wire), version, announce=announce)
         except Exception:
             self.need_group = True
             self._close_group()

@@ -18,11 +18,13 @@ from qurl.train.metrics_log import read_metrics
 
 
 def ack_stats(acks: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """Slowest worker's load and pause time among the `synced` acks received, and their
-    verification: `sync/verified` 1 when every ack says its engine matched the learner's digests,
-    0 when one did not (it then asked for a full resync), NaN when no ack came."""
+    """Slowest worker's load and pause time among the `synced` acks received, how many there were
+    (`sync/worker_acks`) and how many of them applied a delta (`sync/worker_delta_acks`), and
+    their verification: `sync/verified` 1 when every ack says its engine matched the learner's
+    digests, 0 when one did not (it then asked for a full resync), NaN when no ack came."""
     acks = list(acks)
-    out = {}
+    out = {"sync/worker_acks": float(len(acks)),
+           "sync/worker_delta_acks": float(sum(1 for a in acks if a.get("mode") == "delta"))}
     for k in ("load_s", "pause_s"):
         vals = [a[k] for a in acks if isinstance(a.get(k), (int, float))]
         if vals:

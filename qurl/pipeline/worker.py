@@ -8,8 +8,10 @@ engine, or an SGLang adapter driving this slot's one server: each weight version
 controller -> worker -> its server, the second hop through the adapter's own weight group), binds
 its own inbox (prompts + control; only authenticated messages are accepted) and then:
 
-1. says hello with its inbox address (every second until the controller answers with a weight group
-   to join); the controller connects to that inbox;
+1. says hello with its inbox address and whether its engine can apply delta syncs (it has
+   `verify`: the local engine; an SGLang adapter whose TP-1 server runs qurl's sync loader), every
+   second until the controller answers with a weight group to join; the controller connects to
+   that inbox;
 2. joins the weight-update group (qurl/sync/group.py) as rank slot+1 and receives the current
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
@@ -270,7 +272,9 @@ class RolloutWorker(WeightClient):
                 if not self.joined and now >= self._next_hello:
                     self._send_control({"op": "hello", "gen": self.gen_seen,
                                         "endpoint": self.inbox.endpoint,
-                                        "engine_version": int(self.engine.version)})
+                                        "engine_version": int(self.engine.version),
+                                        "deltas": callable(getattr(self.engine, "verify",
+                                                                   None))})
                     self._next_hello = now + HELLO_EVERY_S
                 if self.parent_pid == 0 and now - self.last_heard > self.reconnect_s:
                     self._maybe_reconnect()
