@@ -36,7 +36,7 @@ pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
 
 # bf16 server (bf16 weights and activations) vs the local engine computing in fp32 on the same
 # bf16-rounded weights: measured max |Δ logprob| ~0.02 on this model; the bound leaves 2.5x room
-LOGPROB_TOL = 0.05
+LOGPROB_TOL, BATCH_TOL = 0.05, 1e-3  # v1 vs local engine; same weights, another batching
 
 
 @pytest.fixture(scope="module")
@@ -169,15 +169,17 @@ def test_bf16_update_over_gloo_changes_generation(bf16_server, models):
     assert _max_dev(after, _local_logprobs(ckpt, after)) > 4 * LOGPROB_TOL  # it did change
     eng.load_weights(engine_chunks(v0.items(), "bf16"), version=2)
     again = eng.generate(reqs)
+    # same tokens; logprobs to BATCH_TOL: SGLang's CPU path is not batch-invariant and a loaded
+    # machine may batch the requests differently (bytes of the weights: the read-back tests)
     for a, b in zip(before, again):
         assert a.output_ids.tolist() == b.output_ids.tolist()
-        assert torch.equal(a.logprobs, b.logprobs)
+        assert float((a.logprobs - b.logprobs).abs().max()) <= BATCH_TOL
     # the disk fallback reaches the same weights as the broadcast
     eng.update_weights_from_disk(str(v1_dir), version=3)
     disk = eng.generate(reqs)
     for a, b in zip(after, disk):
         assert a.output_ids.tolist() == b.output_ids.tolist()
-        assert torch.equal(a.logprobs, b.logprobs)
+        assert float((a.logprobs - b.logprobs).abs().max()) <= BATCH_TOL
         assert int(b.versions[0]) == 3
 
 

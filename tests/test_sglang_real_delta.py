@@ -60,8 +60,9 @@ def _warm_start(src, out, cfg):
 @pytest.fixture(scope="module")
 def run(models, tmp_path_factory):
     """(the model dir the run started from, its 21 published versions, its train records)."""
-    from tests.pipeline_helpers import tiny_cfg, use_free_dist_port
+    from tests.pipeline_helpers import tiny_cfg
 
+    from qurl.learner.dist import free_port
     from qurl.train.inline import train
     from qurl.train.metrics_log import read_metrics
 
@@ -78,8 +79,11 @@ def run(models, tmp_path_factory):
         captured.append(dict(named))
         return push(self, iter(named), engine, version)
 
-    use_free_dist_port()
     with pytest.MonkeyPatch.context() as mp:
+        # this in-process run's rendezvous port, for it only: the `qurl train` processes of later
+        # tests must not inherit it (this process's store may still listen there: EADDRINUSE)
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", str(free_port()))
         mp.setattr(WeightSync, "push", spy)
         train(tiny_cfg(runs, "run", STEPS, **SMALL, **{"model.base": str(base)}))
     recs = [r for r in read_metrics(runs / "run" / "metrics.jsonl") if r["kind"] == "train"]

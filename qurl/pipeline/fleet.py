@@ -52,6 +52,7 @@ from typing import Any, Callable
 import torch
 
 from qurl.config import Config
+from qurl.engines.sglang.server import STOP_WAIT_S
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
 from qurl.sync.broadcaster import Broadcaster, GroupSpec
@@ -93,7 +94,11 @@ class Fleet:
             "session": self.session, "inbound": self.inbox.endpoint, "model_dir": str(model_dir),
             "num_workers": self.n, "pid": os.getpid()})
         self.slots = [_SlotState() for _ in range(self.n)]
-        self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads) if spawn else None
+        # A worker stops its SGLang server itself (SIGTERM to the worker, then `finally`; the server
+        # runs in its own session, so a SIGKILLed worker would leave it running): wait that long.
+        grace = 2 * STOP_WAIT_S + 10.0 if cfg.rollout.engine == "sglang" else 5.0
+        self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads,
+                                 grace_s=grace) if spawn else None
         self.weights = Broadcaster(d.host, d.weight_port, d.worker_backend,
                                    name=f"qurl_weights_{self.session}",
                                    bucket_bytes=int(d.bucket_mb * (1 << 20)),

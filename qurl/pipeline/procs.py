@@ -12,6 +12,8 @@ Invariants:
 - `restart(slot)` replaces the process of that slot; its incarnation counter increases, so log lines
   and hellos of the old and new process can be told apart.
 - `close()` ends every child it started (SIGTERM, then SIGKILL after a grace period) and nothing else.
+  The grace covers what a worker does on SIGTERM: an SGLang-backed worker stops its server (which
+  runs in its own session and would outlive a SIGKILLed worker), so the fleet gives it that long.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class WorkerProcs:
     """The worker processes of a run, one per slot (module docstring)."""
 
     def __init__(self, run_dir: str | Path, num_workers: int, *, threads: int = 0,
-                 python: str = sys.executable, extra_env: dict[str, str] | None = None) -> None:
+                 python: str = sys.executable, extra_env: dict[str, str] | None = None,
+                 grace_s: float = 5.0) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: must be >= 1")
         self.run_dir = Path(run_dir)
@@ -45,6 +48,7 @@ class WorkerProcs:
         self.threads = threads
         self.python = python
         self.extra_env = dict(extra_env or {})
+        self.grace_s = grace_s  # SIGTERM -> SIGKILL: long enough for a worker to stop its server
         self.slots = [_Slot() for _ in range(num_workers)]
         self.log_dir = self.run_dir / "workers"
 
@@ -104,7 +108,8 @@ class WorkerProcs:
         self.slots[slot].restarts += 1
         return self.start(slot)
 
-    def stop(self, slot: int, grace_s: float = 5.0) -> None:
+    def stop(self, slot: int, grace_s: float | None = None) -> None:
+        grace_s = self.grace_s if grace_s is None else grace_s
         s = self.slots[slot]
         if s.proc is None:
             return
@@ -117,8 +122,10 @@ class WorkerProcs:
                 s.proc.wait()
         s.proc = None
 
-    def close(self, grace_s: float = 5.0) -> None:
-        """Stop every worker: SIGTERM all, wait up to grace_s together, SIGKILL the rest."""
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop every worker: SIGTERM all, wait up to grace_s (default: the constructor's)
+        together, SIGKILL the rest."""
+        grace_s = self.grace_s if grace_s is None else grace_s
         procs = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
         for p in procs:
             p.terminate()

@@ -24,6 +24,8 @@ from qurl.engines.sglang.protocol import RESTORE_QUANTIZATIONS, SGLangError, SGL
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
 
+STOP_WAIT_S = 15.0  # `stop`: after SIGTERM, then again after SIGKILL, to the server's process group
+
 
 def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
                    quantization: str | None = None, weight_version: int = 0,
@@ -144,7 +146,7 @@ class Server:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        for sig, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, STOP_WAIT_S)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
