@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return worker.run()
     finally:
+        # the controller sends `stop` and SIGTERM back to back: a SIGTERM arriving while close()
+        # stops the server would cut its SIGTERM -> SIGKILL escalation short and leave it running
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         worker.close()
 
 
