@@ -108,28 +108,25 @@ class WorkerProcs:
         self.slots[slot].restarts += 1
         return self.start(slot)
 
-    def stop(self, slot: int, grace_s: float | None = None) -> None:
-        grace_s = self.grace_s if grace_s is None else grace_s
+    def stop(self, slot: int) -> None:
         s = self.slots[slot]
         if s.proc is None:
             return
         if s.proc.poll() is None:
             s.proc.terminate()
             try:
-                s.proc.wait(grace_s)
+                s.proc.wait(self.grace_s)
             except subprocess.TimeoutExpired:
                 s.proc.kill()
                 s.proc.wait()
         s.proc = None
 
-    def close(self, grace_s: float | None = None) -> None:
-        """Stop every worker: SIGTERM all, wait up to grace_s (default: the constructor's)
-        together, SIGKILL the rest."""
-        grace_s = self.grace_s if grace_s is None else grace_s
+    def close(self) -> None:
+        """Stop every worker: SIGTERM all, wait up to grace_s together, SIGKILL the rest."""
         procs = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
         for p in procs:
             p.terminate()
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + self.grace_s
         for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
