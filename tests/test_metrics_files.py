@@ -1,5 +1,6 @@
 """metrics.jsonl and trained.jsonl after a kill mid-write: a torn last line is dropped with one
-warning and the resume goes on; a bad line elsewhere is an error naming file and line."""
+warning and the resume goes on; a bad line elsewhere is an error naming file and line. And the
+comparison of two runs' records, step for step."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import pytest
 
 from qurl.errors import InputError
 from qurl.pipeline.records import TrainedLog
-from qurl.train.metrics_log import MetricsLogger, read_metrics
+from qurl.train.metrics_log import MetricsLogger, metric_differences, read_metrics
 
 RECORDS = [{"kind": "train", "step": s, "reward": 0.5 * s} for s in (1, 2, 3)]
 
@@ -61,3 +62,19 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path):
     path.write_text(json.dumps(RECORDS[0]) + "\n{oops\n" + json.dumps(RECORDS[1]) + "\n")
     with pytest.raises(InputError, match=rf"{path}:2: not a JSON record"):
         read_metrics(path)
+
+
+def test_metric_differences_compares_every_non_timing_key():
+    a = [{"kind": "train", "step": 1, "reward": 0.5, "kl": float("nan"), "time/train": 3.0,
+          "sync/bytes": 10},
+         {"kind": "eval", "step": 1, "acc": 0.25}]
+    b = [{"kind": "train", "step": 1, "reward": 0.5, "kl": None, "time/train": 9.0,
+          "sync/bytes": 99}]
+    # NaN in memory equals the null it is written as; timing differs between equal runs
+    assert metric_differences(a[:1], b, skip_prefixes=("sync/",)) == []
+    assert metric_differences(a[:1], b) == ["('train', 1): sync/bytes 10 != 99"]
+    assert metric_differences(a, b, skip_prefixes=("sync/",)) == [
+        "('eval', 1): only in the first run"]
+    c = [dict(b[0], reward=0.5000001, extra=1)]
+    assert metric_differences(b, c) == ["('train', 1): extra '<absent>' != 1",
+                                        "('train', 1): reward 0.5 != 0.5000001"]

@@ -57,6 +57,38 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
+TIMING_KEYS = ("time", "tokens_per_s", "wall", "threads/")
+"""Substrings of the keys that measure the machine, not the run: they differ between equal runs."""
+
+
+def metric_differences(a: list[dict[str, Any]], b: list[dict[str, Any]], *,
+                       skip_prefixes: tuple[str, ...] = ()) -> list[str]:
+    """Where two runs' records differ, one line each ([] = equal, step for step): a record only
+    one run has, a key only one record has, or a value that differs (exactly: NaN/null equals
+    NaN/null). Keys holding a timing substring (TIMING_KEYS) or starting with one of
+    skip_prefixes are not compared."""
+    def key(r: dict[str, Any]) -> tuple:
+        return r.get("kind"), r.get("step")
+
+    def kept(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items() if not k.startswith(skip_prefixes)
+                and not any(t in k for t in TIMING_KEYS)}
+
+    def missing(v: Any) -> bool:  # NaN in memory, null once written
+        return v is None or (isinstance(v, float) and v != v)
+
+    ra, rb = ({key(r): kept(r) for r in rs} for rs in (a, b))
+    out = [f"{k}: only in the {side} run" for side, x, y in (("first", ra, rb), ("second", rb, ra))
+           for k in x if k not in y]
+    for k in ra.keys() & rb.keys():
+        x, y = ra[k], rb[k]
+        for name in x.keys() | y.keys():
+            u, v = x.get(name, "<absent>"), y.get(name, "<absent>")
+            if u != v and not (missing(u) and missing(v)):
+                out.append(f"{k}: {name} {u!r} != {v!r}")
+    return sorted(out)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, wandb: str = "off",
                  run_name: str = "", config: dict | None = None,
