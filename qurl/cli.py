@@ -6,7 +6,7 @@
                                     checkpoint on every eval set, 8-bit engine and fp policy
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
-    qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--set ...] --out DIR [--runs DIR]
+    qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--final-eval K] [--set ...] --out DIR [--runs DIR]
                                     bf16 ppo vs int8/fp8 naive, tis, acr, acr+UAQ over seeds
     qurl bench engine|learner|stream|sync   side-by-side throughput numbers
     qurl fetch NAME|all [--dir data]  download a paper training set (docs/data.md)
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -91,6 +92,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qurl.evaluation.suite import summary
 
     rec = eval_run(Path(args.run_dir), max_examples=args.n, sets=args.set)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rec) + "\n")
     print(f"{args.run_dir}: {summary(rec)}")
     for key in sorted(k for k in rec if k.startswith(("eval/", "eval_fp/", "eval_gap/"))):
         print(f"  {key:40s} {rec[key]:.4f}")
@@ -159,8 +162,11 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: must be >= 1")
+    if args.final_eval < 0:
+        raise ConfigError(f"--final-eval {args.final_eval}: samples per question, >= 1 (0 = off)")
     ablation(load_config(args.preset, args.config, args.set), args.out, seeds=args.seeds,
-             arms=arms, runs_dir=args.runs, jobs=args.jobs, table_only=args.table_only)
+             arms=arms, runs_dir=args.runs, jobs=args.jobs, table_only=args.table_only,
+             final_eval=args.final_eval)
     return 0
 
 
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=None, help="at most this many examples per eval set")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[],
                    help="override the run's config for this evaluation (data.eval, eval.*)")
+    p.add_argument("--out", default=None, help="also write the evaluation record here (JSON)")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")
@@ -228,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], metavar="S,S,...")
     p.add_argument("--jobs", type=int, default=1,
                    help="arms run at once (each its own process; pair with deploy.torch_threads)")
+    p.add_argument("--final-eval", type=int, default=0, metavar="K",
+                   help="score every finished arm's last checkpoint again with greedy and Avg@K "
+                   "(committed as final_eval.json; the table's final accuracy once every arm has "
+                   "one); 0 = off")
     p.set_defaults(fn=cmd_study)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "learner", "stream", "sync"))

@@ -165,3 +165,42 @@ def test_avg_at_k_is_the_headline_and_eval_se_and_field_pairs(tmp_path):
     # what each correction would cut: steps 1..12 have cut/icepop = 0.01·step, mean 0.065
     assert by["int8-acr"]["cut_icepop"] == pytest.approx(0.065) and by["int8-acr"]["cut_geomask"] == 0.5
     assert "| int8-acr | — | 0.065 | — | — | 0.5 | — |" in md
+
+
+def test_final_evaluations_are_the_final_accuracy_only_when_every_arm_has_one(tmp_path):
+    """A committed final evaluation (Avg@k of the last checkpoint) replaces the last training
+    eval's accuracy in every row, or in none: a table mixing the two would pair two measurements."""
+    def run(acc_final, final_avg=None):
+        recs = _records([0.6] * 12, [0.2, acc_final])
+        if final_avg is not None:
+            recs.append({"kind": "final_eval", "k": 8, "step": 12, "n": 230.0,
+                         "eval/mean/greedy": acc_final, "eval/mean/avg@8": final_avg})
+        return recs
+
+    both = {0: {"bf16-ppo": run(0.5, 0.45), "int8-acr-uaq": run(0.4, 0.43)}}
+    rows = {r["arm"]: r for r in seed_rows(both)}
+    assert rows["int8-acr-uaq"]["acc_final"] == 0.43 and rows["int8-acr-uaq"]["eval_n"] == 230.0
+    assert rows["bf16-ppo"]["acc_metric"] == "final eval avg@8"
+    assert rows["bf16-ppo"]["acc_initial"] == 0.2  # the step-0 evaluation (greedy) stays
+    by = {r["arm"]: r for r in summarize(list(rows.values()), "bf16-ppo")}
+    assert by["int8-acr-uaq"]["acc_vs_base"] == pytest.approx(0.43 - 0.45)
+    assert "final eval avg@8 over 230 held-out questions" in write_tables(
+        both, tmp_path, baseline="bf16-ppo").read_text()
+
+    one = {0: {"bf16-ppo": run(0.5, 0.45), "int8-acr-uaq": run(0.4)}}
+    assert {r["acc_final"] for r in seed_rows(one)} == {0.5, 0.4}
+    other_k = {0: {"bf16-ppo": run(0.5, 0.45), "int8-acr-uaq": run(0.4, 0.43)}}
+    other_k[0]["int8-acr-uaq"][-1]["k"] = 4
+    assert {r["acc_metric"] for r in seed_rows(other_k)} == {"greedy"}
+
+
+def test_final_evaluation_is_refused_without_the_runs_last_checkpoint(tmp_path):
+    from qurl.studies import final_eval as fe
+
+    assert fe.evaluate(tmp_path / "gone", tmp_path, 4, steps=10) == "no run directory"
+    (tmp_path / "run" / "ckpt" / "step_000005").mkdir(parents=True)
+    assert fe.evaluate(tmp_path / "run", tmp_path, 4, steps=10) == \
+        "no checkpoint at step 10 (newest: 5)"
+    with pytest.raises(ValueError, match="k = 0"):
+        fe.eval_sets(0)
+    assert not (tmp_path / fe.FINAL).exists()

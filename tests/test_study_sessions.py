@@ -61,6 +61,22 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     assert "seed 0 bf16-ppo: committed in" in capsys.readouterr().out
     assert not (runs / "seed0" / "bf16-ppo").exists()
 
+    # final evaluations: int8-mis's last checkpoint is scored again (its greedy answers are the
+    # last training evaluation's: the same weights and questions); bf16's run directory is gone,
+    # so the table keeps the training evaluations for both
+    md_final = ablation(cfg, out, seeds=[0], arms=["int8-mis"], runs_dir=runs,
+                        final_eval=3).read_text()
+    said = capsys.readouterr().out
+    assert "seed 0 int8-mis: final evaluation (avg@3): evaluated" in said
+    assert "seed 0 bf16-ppo: final evaluation (avg@3): no run directory" in said
+    final = json.loads((arm_dir(out, "int8-mis", 0) / "final_eval.json").read_text())
+    last = [r for r in read_metrics(arm_dir(out, "int8-mis", 0) / "metrics.jsonl")
+            if r["kind"] == "eval"][-1]
+    assert (final["k"], final["step"], final["record"]["n"]) == (3, 2, last["n"])
+    assert final["record"]["eval/mean/greedy"] == last["eval/mean/greedy"]
+    assert 0 <= final["record"]["eval/mean/avg@3"] <= 1
+    assert md_final == md
+
     # another setting is refused in one line naming the field, nothing overwritten
     with pytest.raises(ConfigError, match=r"run\.steps: 2 there, 3 here"):
         ablation(override(cfg, {"run.steps": 3}), out, seeds=[0], arms=["bf16-ppo"], runs_dir=runs)

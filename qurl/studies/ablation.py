@@ -38,7 +38,10 @@ toward sqrt(p(1−p)/(n·k)) when questions are of middling difficulty. The traj
 larger (starting accuracy ranged 27–55% over seeds in the W4A16 study), so arms are compared paired
 by seed: Δ = arm − bf16 in the same seed, reported as mean ± standard error sd(Δ)/sqrt(seeds). To
 resolve 2 points, raise data.eval_size (0 = the whole eval split) and eval.samples until the table's
-`eval se` is well under 1 point, then add seeds until the se of Δ is under 1.
+`eval se` is well under 1 point, then add seeds until the se of Δ is under 1. Where the held-out
+split is small (the real-model recipe's has ~230 questions), `--final-eval K` scores each finished
+arm's last checkpoint once more with Avg@K (qurl/studies/final_eval.py) instead of evaluating every
+eval_every steps with K samples.
 
 What it writes into `<out>/` (see qurl/studies/tables.py for the exact definitions):
 `ablation.md` / `ablation.csv` (one row per arm over seeds), `ablation_seeds.csv` (one row per
@@ -134,11 +137,14 @@ def _check_mutually_consistent(found: dict, out: Path) -> None:
 
 
 def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[str],
-              runs_dir: str | Path | None = None, jobs: int = 1,
-              table_only: bool = False) -> dict[int, dict[str, list[dict]]]:
+              runs_dir: str | Path | None = None, jobs: int = 1, table_only: bool = False,
+              final_eval: int = 0) -> dict[int, dict[str, list[dict]]]:
     """Run every (seed, arm) not yet finished in out_dir (module docstring), commit each into
-    out_dir as it finishes; returns {seed: {arm: records}} of every finished arm in out_dir."""
+    out_dir as it finishes; with final_eval = k > 0 also give every finished arm of out_dir a final
+    evaluation with Avg@k where it has none (qurl/studies/final_eval.py). Returns
+    {seed: {arm: records}} of every finished arm in out_dir."""
     from qurl.models.base import build_base
+    from qurl.studies import final_eval as fe
     from qurl.studies.runner import run_to_end
 
     if len(set(seeds)) != len(seeds) or not seeds:
@@ -164,6 +170,13 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     # one warm start per seed, built by the first of its arms to start (the others wait for it)
     base_locks = {c.deploy.dir: threading.Lock() for c in todo}
 
+    def evaluate(arm: str, seed: int) -> None:
+        where = arm_dir(out, arm, seed)
+        if final_eval and fe.read_final(where, final_eval) is None:
+            how = fe.evaluate(runs / f"seed{seed}" / arm, where, final_eval, cfg.run.steps)
+            print(f"[ablation] seed {seed} {arm}: final evaluation (avg@{final_eval}): {how}",
+                  flush=True)
+
     def one(c: Config) -> None:
         if cfg.model.base in LOCAL_BASES:
             with base_locks[c.deploy.dir]:
@@ -172,15 +185,20 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
         how = run_to_end(c)
         commit(Path(c.deploy.dir) / c.run.name, arm_dir(out, c.run.name, c.run.seed))
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {how}, finished and committed", flush=True)
+        evaluate(c.run.name, c.run.seed)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for fut in [pool.submit(one, c) for c in todo]:
+            fut.result()
+        # arms finished earlier (other sessions, other --arms) get theirs too
+        for fut in [pool.submit(evaluate, a, s) for a, s in found]:
             fut.result()
     return _found_records({k: v for k, v in committed(out).items() if k[0] in ARM_NAMES})
 
 
 def ablation(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[str] | None = None,
-             runs_dir: str | Path | None = None, jobs: int = 1, table_only: bool = False) -> Path:
+             runs_dir: str | Path | None = None, jobs: int = 1, table_only: bool = False,
+             final_eval: int = 0) -> Path:
     """Run what is missing and write the tables and plot of every finished arm into out_dir;
     returns ablation.md."""
     from qurl.studies.plots import plot_study
@@ -188,7 +206,7 @@ def ablation(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[s
 
     out = Path(out_dir)
     records = run_study(cfg, out, seeds=seeds, arms=arms or list(DEFAULT_ARMS), runs_dir=runs_dir,
-                        jobs=jobs, table_only=table_only)
+                        jobs=jobs, table_only=table_only, final_eval=final_eval)
     if not records:
         raise ConfigError(f"{out}: no finished arm to tabulate (qurl/studies/store.py)")
     path = write_tables(records, out, baseline=BASELINE)

@@ -5,6 +5,8 @@ the run directories (which hold base models and checkpoints, gigabytes that are 
 
     <out>/<arm>/seed<S>/config.toml     the run's resolved config, as the run wrote it
     <out>/<arm>/seed<S>/metrics.jsonl   its metrics, one JSON record per step and per evaluation
+    <out>/<arm>/seed<S>/final_eval.json its last checkpoint scored again, with less noise (optional,
+                                        qurl/studies/final_eval.py)
 
 `<out>` also holds the tables and the plot, rebuilt from these files alone, so a later session
 (or `qurl study ablation --table-only`) reproduces them without any run directory.
@@ -89,11 +91,18 @@ def commit(run_dir: Path, dest: Path) -> None:
 
 
 def committed(out: Path) -> dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]:
-    """Every finished (arm, seed) under out: {(arm, seed): (config, records)}."""
+    """Every finished (arm, seed) under out: {(arm, seed): (config, records)}. An arm's final
+    evaluation (qurl/studies/final_eval.py), when committed for its last step, is its last record:
+    {"kind": "final_eval", "step": N, "k": K, eval/... keys, "n": questions}."""
+    from qurl.studies.final_eval import read_final
+
     found = {}
     for seed_dir in sorted(Path(out).glob("*/seed*")):
         m = _SEED_DIR.match(seed_dir.name)
         run = read_run(seed_dir) if m and seed_dir.is_dir() else None
         if run is not None:
+            final = read_final(seed_dir)
+            if final is not None and final["step"] == run[0].run.steps:
+                run[1].append({**final["record"], "kind": "final_eval", "k": final["k"]})
             found[(seed_dir.parent.name, int(m.group(1)))] = run
     return found

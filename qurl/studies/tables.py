@@ -6,7 +6,9 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
 - **acc_initial / acc_final**: held-out accuracy of the first (step 0) and last evaluation: Avg@k
   (`eval/mean/avg@k`, k = eval.samples answers per question at eval.temperature) when the run
   measured it, else greedy (`accuracy`); `acc_metric` names which, `eval_n` the questions scored.
-  `greedy_final` is the greedy accuracy in either case (when measured).
+  `greedy_final` is the greedy accuracy in either case (when measured). When every arm of the table
+  has a committed final evaluation at the same k (qurl/studies/final_eval.py), acc_final and
+  greedy_final are that evaluation's Avg@k and greedy (acc_initial stays the step-0 evaluation).
 - **eval_se**: the standard error of one evaluation at the arm's mean final accuracy p over n
   questions, sqrt(p(1−p)/n): exact for greedy (a binomial), an upper bound for Avg@k (the per-question
   share c/k varies less than a single 0/1 answer). It is the part of a seed-to-seed difference that
@@ -83,18 +85,29 @@ def collapse_step(steps: Sequence[int], rewards: Sequence[float], *, window: int
     return found
 
 
-def run_row(records: list[dict]) -> dict[str, Any]:
-    """One (seed, arm) row from its metrics records."""
+def final_eval_k(records: list[dict]) -> int | None:
+    """k of the arm's committed final evaluation (a `final_eval` record), None without one."""
+    return next((r["k"] for r in records if r.get("kind") == "final_eval"), None)
+
+
+def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
+    """One (seed, arm) row from its metrics records; with use_final the final accuracy is the
+    final evaluation's Avg@k (qurl/studies/final_eval.py) instead of the last training eval's."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if not train or not evals:
         raise ValueError("metrics have no train or no eval records")
     rewards = [float(r["reward"]) for r in train]
     key, metric = acc_key(evals)
+    last = evals[-1]
+    if use_final:
+        last = next(r for r in records if r.get("kind") == "final_eval")
+        key = f"eval/mean/avg@{last['k']}"
+        metric = f"final eval avg@{last['k']}"
     row: dict[str, Any] = {
-        "steps": len(train), "acc_metric": metric, "eval_n": evals[-1].get("n", float("nan")),
-        "acc_initial": evals[0][key], "acc_final": evals[-1][key],
-        "greedy_final": evals[-1].get("eval/mean/greedy", float("nan")),
+        "steps": len(train), "acc_metric": metric, "eval_n": last.get("n", float("nan")),
+        "acc_initial": evals[0][key] if key in evals[0] else evals[0]["accuracy"],
+        "acc_final": last[key], "greedy_final": last.get("eval/mean/greedy", float("nan")),
         "reward_first": _mean(rewards[:WINDOW]), "reward_last": _mean(rewards[-WINDOW:]),
         "collapse_step": collapse_step([r["step"] for r in train], rewards),
     }
@@ -104,9 +117,13 @@ def run_row(records: list[dict]) -> dict[str, Any]:
 
 
 def seed_rows(records: dict[int, dict[str, list[dict]]]) -> list[dict[str, Any]]:
-    """{seed: {arm: records}} -> one row per (seed, arm)."""
-    return [{"seed": s, "arm": a, **run_row(recs)} for s, arms in records.items()
-            for a, recs in arms.items()]
+    """{seed: {arm: records}} -> one row per (seed, arm). The final evaluations are used only when
+    every row has one at the same k: a table mixing them with training evals would compare two
+    measurements in its paired differences."""
+    ks = {final_eval_k(recs) for arms in records.values() for recs in arms.values()}
+    use_final = len(ks) == 1 and None not in ks
+    return [{"seed": s, "arm": a, **run_row(recs, use_final=use_final)}
+            for s, arms in records.items() for a, recs in arms.items()]
 
 
 def _paired(rows: list[dict], arm: str, ref: str, key: str) -> list[float]:
