@@ -46,8 +46,11 @@ def test_score_engine_on_two_sets() -> None:
     engine = ScriptedEngine()  # prompt i: always right if i is even, else right on even samples
     sets = {"even": DATA[0:6:2], "odd": DATA[1:9:2]}
     ecfg = load_config(sets=["eval.samples=4", "eval.pass_k=1,2"]).eval
+    counts: dict[str, list[int]] = {}
     out = score_engine(engine, sets, PromptCodec(engine.tokenizer, "plain"), ecfg,
-                       max_new_tokens=8, run_seed=0, reward_timeout_s=5.0)
+                       max_new_tokens=8, run_seed=0, reward_timeout_s=5.0, counts=counts)
+    assert counts == {"even/greedy": [1] * 3, "odd/greedy": [1] * 4,
+                      "even/avg@4": [4] * 3, "odd/avg@4": [2] * 4}
     assert out["even/greedy"] == out["odd/greedy"] == 1.0  # greedy is sample 0: right
     assert out["even/avg@4"] == 1.0 and out["odd/avg@4"] == 0.5
     assert out["odd/pass@1"] == 0.5 and out["odd/pass@2"] == pytest.approx(5 / 6)

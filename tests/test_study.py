@@ -161,7 +161,7 @@ def test_avg_at_k_is_the_headline_and_eval_se_and_field_pairs(tmp_path):
     md = write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
     assert "avg@4 over 400 held-out questions" in md
     # icepop final 0.50, 0.54, 0.58: 54 ± 4 points; eval se 100·sqrt(0.54·0.46/400) = 2.49
-    assert "| int8-icepop | 3 | 12 | 40 | 54 ± 4 | -8 ± 1.15 | 2.49 |" in md
+    assert "| int8-icepop | 3 | 12 | 40 | 54 ± 4 | -8 ± 1.15 | — | 2.49 |" in md
     # what each correction would cut: steps 1..12 have cut/icepop = 0.01·step, mean 0.065
     assert by["int8-acr"]["cut_icepop"] == pytest.approx(0.065) and by["int8-acr"]["cut_geomask"] == 0.5
     assert "| int8-acr | — | 0.065 | — | — | 0.5 | — |" in md
@@ -204,3 +204,39 @@ def test_final_evaluation_is_refused_without_the_runs_last_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="k = 0"):
         fe.eval_sets(0)
     assert not (tmp_path / fe.FINAL).exists()
+
+
+def test_measured_eval_se_from_the_right_answers_per_question():
+    from qurl.studies.tables import measured_se
+
+    # x = c/8 = [1, 0, .5, .5]: sample variance (.25 + .25) / 3 = 1/6, se = sqrt(1/6) / 2
+    one = {"synthetic/avg@8": [8, 0, 4, 4], "synthetic/greedy": [1, 1, 1, 1]}
+    assert measured_se(one, "avg@8") == pytest.approx(math.sqrt(1 / 6) / 2)
+    assert measured_se(one, "greedy") == 0.0
+    # two sets (the accuracy is their mean): x2 = [1, 1, 0, 0], se2 = sqrt(1/3) / 2;
+    # se = sqrt(se1² + se2²) / 2 = sqrt(1/24 + 1/12) / 2
+    two = {**one, "b/avg@8": [8, 8, 0, 0]}
+    assert measured_se(two, "avg@8") == pytest.approx(math.sqrt(1 / 24 + 1 / 12) / 2)
+    assert math.isnan(measured_se({}, "avg@8")) and math.isnan(measured_se(one, "avg@4"))
+
+    recs = _records([0.6] * 12, [0.2, 0.5])
+    recs.append({"kind": "final_eval", "k": 8, "step": 12, "n": 4.0, "eval/mean/greedy": 1.0,
+                 "eval/mean/avg@8": 0.5, "eval_counts": one})
+    row = run_row(recs, use_final=True)
+    assert row["acc_final"] == 0.5 and row["eval_se_measured"] == pytest.approx(0.2041241)
+    summ = summarize([{"seed": 0, "arm": "bf16-ppo", **row}], "bf16-ppo")[0]
+    assert summ["eval_se"] == pytest.approx(0.25)  # the binomial bound sqrt(.5 · .5 / 4)
+    assert summ["eval_se_measured"] == pytest.approx(0.2041241)
+
+
+def test_paired_eval_se_pairs_the_questions_of_a_seed():
+    from qurl.studies.tables import paired_eval_se
+
+    rows = [{"seed": 0, "arm": "a", "_scores": [1, 0, 1, 1]},
+            {"seed": 0, "arm": "ref", "_scores": [1, 0, 0, 1]},
+            {"seed": 1, "arm": "a", "_scores": [0.5, 0.5]}, {"seed": 1, "arm": "ref", "_scores": [0.5, 0.5]}]
+    # seed 0: d = [0, 0, 1, 0], sample sd 0.5, se 0.25; seed 1: d = 0, se 0; mean of 2 seeds:
+    # sqrt(0.25² + 0²) / 2
+    assert paired_eval_se(rows, "a", "ref") == pytest.approx(0.125)
+    rows[0]["_scores"] = None  # a seed without counts: not measurable
+    assert math.isnan(paired_eval_se(rows, "a", "ref"))

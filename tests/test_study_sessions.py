@@ -74,7 +74,10 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
             if r["kind"] == "eval"][-1]
     assert (final["k"], final["step"], final["record"]["n"]) == (3, 2, last["n"])
     assert final["record"]["eval/mean/greedy"] == last["eval/mean/greedy"]
-    assert 0 <= final["record"]["eval/mean/avg@3"] <= 1
+    counts = final["record"]["eval_counts"]  # right answers per question, of 3 / of 1
+    assert len(counts["synthetic/avg@3"]) == last["n"] and max(counts["synthetic/avg@3"]) <= 3
+    assert sum(counts["synthetic/avg@3"]) / (3 * last["n"]) == final["record"]["eval/mean/avg@3"]
+    assert sum(counts["synthetic/greedy"]) / last["n"] == last["eval/mean/greedy"]
     assert md_final == md
 
     # another setting is refused in one line naming the field, nothing overwritten

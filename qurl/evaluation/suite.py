@@ -9,7 +9,8 @@ An evaluation record (`kind: "eval"` in metrics.jsonl) holds, for WHO in
 the keys `WHO/<set>/greedy`, `WHO/<set>/avg@k`, `WHO/<set>/pass@j` (set = file stem, e.g.
 `aime24`, or `synthetic`) and `WHO/mean/...`, their unweighted mean over the sets. Also
 `accuracy` (the rollout engine's headline: mean greedy accuracy if eval.greedy, else mean Avg@k),
-`n` (problems over all sets) and `time/eval`.
+`n` (problems over all sets) and `time/eval`; with eval.per_question, `eval_counts`: the rollout
+engine's right answers per question ({"<set>/greedy" | "<set>/avg@k": [count per question]}).
 
 Sampled answers use seeds derived from (run seed, uid, sample index) only, so both engines, and every
 evaluation of a run, see the same random numbers: differences between them and over steps are not
@@ -58,8 +59,12 @@ def _correct(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
 
 def score_engine(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
                  ecfg: EvalConfig, *, max_new_tokens: int, run_seed: int,
-                 reward_timeout_s: float) -> dict[str, float]:
-    """One engine's metrics: {"<set>/greedy", "<set>/avg@k", "<set>/pass@j", "mean/..."}."""
+                 reward_timeout_s: float,
+                 counts: dict[str, list[int]] | None = None) -> dict[str, float]:
+    """One engine's metrics: {"<set>/greedy", "<set>/avg@k", "<set>/pass@j", "mean/..."}. A dict
+    passed as `counts` receives the right answers per question, in set order, under the key of
+    the accuracy they make ("<set>/greedy": 0 or 1; "<set>/avg@k": 0..k)."""
+    counts = {} if counts is None else counts
     stop = (engine.tokenizer.eos_token_id,) if engine.tokenizer.eos_token_id is not None else ()
     per_set: dict[str, dict[str, float]] = {name: {} for name in sets}
     kw: dict[str, Any] = dict(run_seed=run_seed, reward_timeout_s=reward_timeout_s)
@@ -67,11 +72,13 @@ def score_engine(engine: Engine, sets: dict[str, list[Example]], codec: PromptCo
         greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
         for name, right in _correct(engine, sets, codec, greedy, 1, **kw).items():
             per_set[name]["greedy"] = sum(right) / len(right)
+            counts[f"{name}/greedy"] = right
     if ecfg.samples:
         sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=ecfg.temperature,
                                  top_p=ecfg.top_p, stop_token_ids=stop)
         for name, right in _correct(engine, sets, codec, sampled, ecfg.samples, **kw).items():
             per_set[name].update(set_metrics(right, ecfg.samples, ecfg.pass_k))
+            counts[f"{name}/avg@{ecfg.samples}"] = right
     out = {f"{name}/{k}": v for name, m in per_set.items() for k, v in m.items()}
     out.update({f"mean/{k}": v for k, v in mean_over_sets(per_set).items()})
     return out
@@ -124,8 +131,11 @@ class Evaluator:
                                        reward_timeout_s=self.cfg.deploy.reward_timeout_s)
         codec = PromptCodec(engine.tokenizer, self.cfg.data.template)
         rec: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
-        quant = score_engine(engine, self.sets, codec, ecfg, **kw)
+        counts: dict[str, list[int]] = {}
+        quant = score_engine(engine, self.sets, codec, ecfg, counts=counts, **kw)
         rec.update({f"eval/{k}": v for k, v in quant.items()})
+        if ecfg.per_question:
+            rec["eval_counts"] = counts
         if self.fp_engine is not None:
             fp = score_engine(self.fp_engine, self.sets, codec, ecfg, **kw)
             rec.update({f"eval_fp/{k}": v for k, v in fp.items()})

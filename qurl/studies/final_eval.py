@@ -12,7 +12,9 @@ per-question success rates are in the middle (qurl/evaluation/metrics.py).
 What. `qurl study ablation --final-eval K` runs, for every finished arm without one, `qurl eval` on
 its run directory's last checkpoint (the step the run ended at) with greedy decoding and Avg@K, the
 rollout engine only (eval.fp_policy off), on the same held-out questions as the training evaluations
-(the run's data config), and commits the record beside the arm's metrics:
+(the run's data config), keeping the right answers per question (eval.per_question: the table
+measures the evaluation's standard error from them), and commits the record beside the arm's
+metrics:
 
     <out>/<arm>/seed<S>/final_eval.json   {"k": K, "step": N, "record": {eval/..., n, ...}}
 
@@ -37,7 +39,8 @@ def eval_sets(k: int) -> list[str]:
     """The `qurl eval --set` overrides of a final evaluation with Avg@k."""
     if k < 1:
         raise ValueError(f"final evaluation: k = {k}, need >= 1 samples per question")
-    return ["eval.greedy=true", f"eval.samples={k}", "eval.fp_policy=false"]
+    return ["eval.greedy=true", f"eval.samples={k}", "eval.fp_policy=false",
+            "eval.per_question=true"]
 
 
 def read_final(arm_dir: Path, k: int | None = None) -> dict[str, Any] | None:

@@ -12,7 +12,13 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
 - **eval_se**: the standard error of one evaluation at the arm's mean final accuracy p over n
   questions, sqrt(p(1−p)/n): exact for greedy (a binomial), an upper bound for Avg@k (the per-question
   share c/k varies less than a single 0/1 answer). It is the part of a seed-to-seed difference that
-  is measurement noise; the rest is the RL trajectory's.
+  is measurement noise; the rest is the RL trajectory's. **eval_se_measured**: where the
+  evaluation kept its right answers per question (`eval_counts`, eval.per_question; the final
+  evaluations do), the standard error they measure, sd(c/k)/sqrt(n) per set (`measured_se`), as
+  the root mean square over seeds in the summary. **acc_vs_base_eval_se**: the measurement noise of
+  the paired difference, from the same counts: per seed sd over questions of the two arms' score
+  difference / sqrt(n) (both arms of a seed answer the same questions), sqrt(Σ se_s²)/m over m
+  seeds (`paired_eval_se`). Δ's se over seeds holds this noise and the trajectories' spread.
 - **reward_last**: mean training reward over the last `WINDOW` steps.
 - **collapse step**: let m_t be the mean training reward over steps t-WINDOW+1 .. t (a trailing
   window, defined from the WINDOW-th step on) and r0 the mean over the first WINDOW steps. The run
@@ -90,6 +96,44 @@ def final_eval_k(records: list[dict]) -> int | None:
     return next((r["k"] for r in records if r.get("kind") == "final_eval"), None)
 
 
+def measured_se(counts: dict[str, list[int]], metric: str) -> float:
+    """The standard error of an accuracy from its right answers per question: for each set, the
+    per-question scores x = c/k (k = 1 greedy, k for avg@k) give sd(x)/sqrt(n) (sample sd: the
+    noise of drawing these questions and these answers); over S sets, whose mean the accuracy is,
+    sqrt(Σ se_s²)/S. NaN when a set's counts are missing or it has under 2 questions."""
+    k = 1 if metric == "greedy" else int(metric.removeprefix("avg@"))
+    per_set = [[c / k for c in v] for key, v in counts.items() if key.split("/")[-1] == metric]
+    if not per_set or any(len(x) < 2 for x in per_set):
+        return float("nan")
+    ses = [_sd(x) / math.sqrt(len(x)) for x in per_set]
+    return math.sqrt(sum(se * se for se in ses)) / len(ses)
+
+
+def question_scores(counts: dict[str, list[int]], metric: str) -> list[float] | None:
+    """Each question's score c/k for `metric` (greedy | avg@k), every set's in order; None
+    without counts."""
+    k = 1 if metric == "greedy" else int(metric.removeprefix("avg@"))
+    scores = [c / k for key, v in counts.items() if key.split("/")[-1] == metric for c in v]
+    return scores or None
+
+
+def paired_eval_se(rows: list[dict], arm: str, ref: str) -> float:
+    """The measurement noise of the mean paired difference arm − ref: in each seed, both arms
+    scored the same questions, so the difference's standard error is sd over questions of
+    (score_arm − score_ref) / sqrt(n), the noise the two evaluations add (questions both find
+    easy or hard cancel); over m seeds sqrt(Σ se_s²) / m. NaN unless every pair kept scores."""
+    by = {(r["seed"], r["arm"]): r.get("_scores") for r in rows}
+    ses = []
+    for s, a in by:
+        if a != arm or (s, ref) not in by:
+            continue
+        x, y = by[(s, arm)], by[(s, ref)]
+        if x is None or y is None or len(x) != len(y) or len(x) < 2:
+            return float("nan")
+        ses.append(_sd([u - v for u, v in zip(x, y)]) / math.sqrt(len(x)))
+    return math.sqrt(sum(se * se for se in ses)) / len(ses) if ses else float("nan")
+
+
 def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
     """One (seed, arm) row from its metrics records; with use_final the final accuracy is the
     final evaluation's Avg@k (qurl/studies/final_eval.py) instead of the last training eval's."""
@@ -99,15 +143,17 @@ def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
         raise ValueError("metrics have no train or no eval records")
     rewards = [float(r["reward"]) for r in train]
     key, metric = acc_key(evals)
-    last = evals[-1]
+    last, head = evals[-1], metric
     if use_final:
         last = next(r for r in records if r.get("kind") == "final_eval")
         key = f"eval/mean/avg@{last['k']}"
-        metric = f"final eval avg@{last['k']}"
+        metric, head = f"final eval avg@{last['k']}", f"avg@{last['k']}"
     row: dict[str, Any] = {
         "steps": len(train), "acc_metric": metric, "eval_n": last.get("n", float("nan")),
         "acc_initial": evals[0][key] if key in evals[0] else evals[0]["accuracy"],
         "acc_final": last[key], "greedy_final": last.get("eval/mean/greedy", float("nan")),
+        "eval_se_measured": measured_se(last.get("eval_counts", {}), head),
+        "_scores": question_scores(last.get("eval_counts", {}), head),
         "reward_first": _mean(rewards[:WINDOW]), "reward_last": _mean(rewards[-WINDOW:]),
         "collapse_step": collapse_step([r["step"] for r in train], rewards),
     }
@@ -140,15 +186,20 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
         delta = _paired(rows, arm, baseline, "acc_final") if arm != baseline else []
         collapsed = [r["collapse_step"] for r in mine if r["collapse_step"] is not None]
         p, n = _mean(acc), _mean([float(r["eval_n"]) for r in mine])
+        measured = [r["eval_se_measured"] for r in mine]
         out.append({
             "arm": arm, "seeds": len(mine), "steps": mine[0]["steps"],
             "acc_metric": "/".join(dict.fromkeys(r["acc_metric"] for r in mine)), "eval_n": n,
             "acc_initial": _mean([r["acc_initial"] for r in mine]),
             "acc_final": p, "acc_final_sd": _sd(acc),
             "eval_se": math.sqrt(p * (1 - p) / n) if n > 0 else float("nan"),
+            "eval_se_measured": math.sqrt(_mean([se * se for se in measured]))
+            if all(math.isfinite(se) for se in measured) else float("nan"),
             "greedy_final": _mean([r["greedy_final"] for r in mine]),
             "acc_vs_base": _mean(delta), "acc_vs_base_sd": _sd(delta),
             "acc_vs_base_se": _se(_sd(delta), len(delta)), "paired_seeds": len(delta),
+            "acc_vs_base_eval_se": paired_eval_se(rows, arm, baseline)
+            if arm != baseline else float("nan"),
             "reward_last": _mean([r["reward_last"] for r in mine]),
             "collapsed": f"{len(collapsed)}/{len(mine)}",
             "collapse_step": _mean([float(c) for c in collapsed]),
@@ -179,9 +230,10 @@ def pair_rows(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
 
 def _csv(rows: list[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if not k.startswith("_")])
         w.writeheader()
-        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+        w.writerows({k: ("" if v is None else v) for k, v in r.items() if not k.startswith("_")}
+                    for r in rows)
 
 
 def _pm(mean: float, sd: float) -> str:
@@ -194,7 +246,9 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
               "acc start": _fmt(100 * r["acc_initial"]),
               "acc final ± sd": _pm(100 * r["acc_final"], 100 * r["acc_final_sd"]),
               "Δ vs bf16 ± se": _pm(100 * r["acc_vs_base"], 100 * r["acc_vs_base_se"]),
-              "eval se": _fmt(100 * r["eval_se"]),
+              "Δ eval se": _fmt(100 * r["acc_vs_base_eval_se"]),
+              "eval se": _fmt(100 * r["eval_se"]) if not math.isfinite(r["eval_se_measured"])
+              else f"{_fmt(100 * r['eval_se_measured'])} (≤ {_fmt(100 * r['eval_se'])})",
               "reward last": _fmt(r["reward_last"]), "collapsed": r["collapsed"],
               "collapse step": _fmt(r["collapse_step"]), "KL(b‖p)": _fmt(r["kl"]),
               "flip": _fmt(r["flip"]), "clip lo/hi": f"{_fmt(r['clip_low'])} / {_fmt(r['clip_high'])}",
@@ -210,7 +264,10 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
     lines = [f"Seeds {', '.join(map(str, seeds))}. Accuracy in points ({how}): final accuracy mean "
              "± sample sd over seeds; Δ vs bf16 paired by seed, mean ± standard error; eval se: "
              "one evaluation's standard error at that accuracy (sqrt(p(1−p)/n), an upper bound "
-             "for Avg@k). Trunc / masked: share of tokens whose IS weight the correction "
+             "for Avg@k; where the right answers per question were kept, the one they measure, "
+             "sd(c/k)/sqrt(n), root mean square over seeds, with that bound after it); Δ eval se: "
+             "the part of Δ's uncertainty the evaluations add, paired by question (both arms of "
+             "a seed answer the same questions), over the seeds' mean. Trunc / masked: share of tokens whose IS weight the correction "
              "truncated / zeroed. Collapse, KL and fractions as defined in qurl/studies/tables.py.",
              "", *_md_table(table, list(table[0]))]
     cuts = [{"arm": r["arm"], **{c: _fmt(r[f"cut_{c}"]) for c in CUT_PRESETS},
