@@ -192,6 +192,8 @@ class WeightUpdates(SGLangDeltaMixin):
                               f"sglang.tp={s.spec.tp}: set sglang.tp={tp}")
         loaders = info.get("custom_weight_loader")
         s.custom_loaders = tuple(loaders) if isinstance(loaders, list) else ()
+        if s.spec.tp > 1:  # the head counts that map a rank's cut (deltas, verification)
+            s.layout = self._find_layout(s)
         if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS and loaders is not None \
                 and RESTORE_LOAD_FORMAT not in loaders:
             raise SGLangError(f"server {s.spec.url} serves {QUANTIZATION[self.precision][0]} "
