@@ -2,23 +2,27 @@
 
 The server runs two scheduler processes (ranks); each holds only its cut of every weight
 (qurl/engines/sglang_shard.py). The model is the tests' tiny Qwen2 with 4 query heads of 64 and
-ONE key/value head, so at TP 2 that head is replicated on both ranks (SGLang's
-`num_kv_head_replicas`), next to column cuts (q, gate/up), row-parallel column cuts (o, down),
-whole per-channel scales of the row-parallel layers and a vocabulary of 100 rows padded to 128
-(rank 0 rows 0..63, rank 1 rows 64..99). Block FP8 is run on a second shape (4 kv heads,
+2 key/value heads (one per rank), next to column cuts (q, gate/up), row-parallel column cuts
+(o, down), whole per-channel scales of the row-parallel layers and a vocabulary of 100 rows padded
+to 128 (rank 0 rows 0..63, rank 1 rows 64..99). Block FP8 runs on a second shape (4 kv heads,
 SwiGLU 1024), because SGLang needs every rank's part to be whole 128-row tiles.
 
 Per format, qurl's production sync loop (`WeightSync.push`) sends one full sync then DELTAS
 deltas of versions that move every weight by 3e-4 of its spread (a few % of the codes flip), each
-verified on both ranks against the learner's per-rank digests; then one code of the replicated k
-head is flipped on rank 1 only (a test loader, behind qurl's back) and the next sync — the same
+verified on both ranks against the learner's per-rank digests; then one code of rank 1's k head
+is flipped on rank 1 only (a test loader, behind qurl's back) and the next sync — the same
 weights, a delta of nothing — is caught by verification (only rank 0 answers SGLang's HTTP call:
 the ranks' outcomes are merged in the server), resynced in full and counted. Afterwards every
 parameter of both ranks is byte-equal, at its startup address, to what a full sync of the same
 version leaves (SGLang's own loader cutting the whole tensors: the reference).
+
+Fewer kv heads than ranks: the GPU path replicates a head (mapped, tests/test_sglang_shard.py),
+but SGLang's CPU path pads the heads with zero heads instead; such a server must get full,
+unverified syncs, saying why — checked here on one kv head.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -34,7 +38,8 @@ from tests.sglang_real import (CORRUPT_KV_LAST, NO_TENSORS, env, is_8bit, launch
 
 pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 DELTAS = 5
-SHAPES = {"mqa": {"num_attention_heads": 4, "num_key_value_heads": 1},
+SHAPES = {"gqa": {"num_attention_heads": 4, "num_key_value_heads": 2},
+          "mqa": {"num_attention_heads": 4, "num_key_value_heads": 1},
           "tiles": {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 1024}}
 
 
@@ -61,7 +66,7 @@ def _corrupt_last_rank(eng, dump) -> str:
     return (dump / "corrupted.txt").read_text()
 
 
-@pytest.mark.parametrize("precision,shape", [("int8", "mqa"), ("fp8", "mqa"),
+@pytest.mark.parametrize("precision,shape", [("int8", "gqa"), ("fp8", "gqa"),
                                              ("fp8_block", "tiles")])
 def test_tp2_delta_syncs_verified_per_rank_byte_equal_and_corruption_caught(
         precision, shape, env, tmp_path_factory):
@@ -123,10 +128,30 @@ def test_tp2_delta_syncs_verified_per_rank_byte_equal_and_corruption_caught(
         assert len(moved) >= 4, (rank, moved)
         for what, ptrs in (("deltas", ptrs_d), ("repair", ptrs_r), ("full", ptrs_f)):
             assert {n: ptrs[n] for n in ptrs0} == ptrs0, (rank, what)
-    # the ranks hold different cuts (a real split), and the same replicated kv head (mqa)
+    # the ranks hold different cuts (a real split): other q heads, other kv heads
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     w0, w1 = after_d[0][0][qkv], after_d[1][0][qkv]
     assert not torch.equal(raw_bytes(w0[:128]), raw_bytes(w1[:128]))
-    if SHAPES[shape]["num_key_value_heads"] == 1:
-        assert w0.shape[0] == 128 + 2 * 64
-        assert torch.equal(raw_bytes(w0[128:]), raw_bytes(w1[128:]))
+    assert not torch.equal(raw_bytes(w0[128:]), raw_bytes(w1[128:]))
+
+
+def test_tp2_cpu_server_that_pads_kv_heads_gets_full_unverified_syncs(env, tmp_path_factory):
+    quant, fmt = QUANTIZATION["int8"]
+    root = tmp_path_factory.mktemp("tp2_mqa")
+    src = build_model(root / "v0", "tiny", seed=0, overrides=SHAPES["mqa"])
+    versions = _versions(src, 1)
+    eng = launch(export_8bit(src, root / fmt, fmt), quant, root / "logs", precision="int8",
+                 generates=False, tp=2)
+    try:
+        sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
+        recs = [sync.push(iter(w.items()), eng, version=k) for k, w in enumerate(versions, 1)]
+        held = read_back_ranks(eng, env)
+    finally:
+        eng.close()
+    assert "pads 4 query / 1 key-value heads" in eng.tp_refusal, eng.tp_refusal
+    assert eng.verify is None
+    assert recs[1]["sync/delta"] == 0.0 and recs[1]["sync/full_reason/unsupported"] == 1.0
+    assert all(math.isnan(r["sync/verified"]) for r in recs)
+    # what SGLang did instead of replicating: 8 query / 2 kv heads, rank 1's all zero
+    qkv = held[1][0]["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.shape[0] == 4 * 64 + 2 * 64 and not bool(qkv.view(torch.uint8).any())

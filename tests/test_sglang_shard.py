@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.engines.sglang_shard import (Box, Layout, local_positions, rank_digests, shard_box,
-                                       slice_shape, take, vocab_rows)
+from qurl.engines.sglang_shard import (Box, Layout, cpu_padding, local_positions, rank_digests,
+                                       shard_box, slice_shape, take, vocab_rows)
 from qurl.sync.delta import changed_positions
 from qurl.sync.digest import tensor_digest
 
@@ -134,3 +134,13 @@ def test_rank_digests_are_digests_of_the_boxes():
     k = L0 + "self_attn.k_proj.weight"
     assert rank_digests(k, t[:2], 2, MQA) == [tensor_digest(t[:2])] * 2
     assert rank_digests(o, t, 1, None) == [tensor_digest(t)]
+
+
+def test_cpu_path_padding_by_hand():
+    """SGLang's CPU path pads instead of replicating (configs/update_config.py)."""
+    assert cpu_padding(Layout(4, 2), 2, 896, None) is None  # 896 = 14 * (2 * 32)
+    assert "heads" in cpu_padding(Layout(4, 1), 2, 896, None)  # one kv head over 2 ranks
+    assert "heads" in cpu_padding(Layout(9, 3), 2, 1536, None)  # SmolLM2's 9 / 3 at TP 2
+    assert "SwiGLU size 896" in cpu_padding(Layout(4, 4), 2, 896, 128)  # 896 % 256
+    assert cpu_padding(Layout(4, 4), 2, 1024, 128) is None
+    assert "1000" in cpu_padding(Layout(4, 4), 2, 1000, None)

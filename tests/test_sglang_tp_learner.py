@@ -17,10 +17,11 @@ from qurl.engines.sglang_shard import Layout
 from qurl.sync.sglang_delta import SGLangDeltaMixin, layout_of_model_dir
 
 
-def _engine(tp: int, layout: Layout | None, loaders=(SYNC_LOAD_FORMAT,)) -> SGLangDeltaMixin:
+def _engine(tp: int, layout: Layout | None, loaders=(SYNC_LOAD_FORMAT,),
+            device: str = "cuda") -> SGLangDeltaMixin:
     eng = SGLangDeltaMixin()
     eng.servers = [SimpleNamespace(spec=SimpleNamespace(tp=tp), custom_loaders=loaders,
-                                   layout=layout)]
+                                   layout=layout, device=device)]
     return eng
 
 
@@ -49,6 +50,17 @@ def test_a_tensor_the_map_cannot_cut_turns_verification_off_saying_why():
     assert eng._wire(odd, 1, None) == odd  # sent whole, without qurl's header
     assert "experts.0.w1.weight" in eng.tp_refusal and "TP 2" in eng.tp_refusal
     assert not eng.delta_capable and eng.verify is None
+
+
+def test_a_cpu_server_that_pads_its_cut_gets_full_syncs():
+    """One kv head at TP 2: the GPU path replicates it (mapped), SGLang's CPU path pads it."""
+    assert _engine(2, Layout(4, 1), device="cuda")._wire(CHUNKS, 1, None)[0][0] == HEADER
+    eng = _engine(2, Layout(4, 1), device="cpu")
+    assert eng._wire(CHUNKS, 1, None) == CHUNKS
+    assert "pads 4 query / 1 key-value heads" in eng.tp_refusal and eng.verify is None
+    mlp = CHUNKS + [("model.layers.0.mlp.gate_proj.weight", torch.zeros(96, 8))]
+    eng = _engine(2, Layout(4, 2), device="cpu")
+    assert eng._wire(mlp, 1, None) == mlp and "SwiGLU size 96" in eng.tp_refusal
 
 
 def test_layout_from_a_model_directory(tmp_path):

@@ -124,7 +124,15 @@ def _bind_ranks(model: torch.nn.Module) -> None:
         raise ValueError(f"qurl delta / verified syncs need plain TP (world {dist.get_world_size()}"
                          f", TP {g.world_size})")
     st.rank, st.tp, st.gather = int(g.rank_in_group), int(g.world_size), g.all_gather_object
-    st.layout = Layout.of_config(model.config)
+    cfg = model.config
+    st.layout = Layout.of_config(cfg)
+    padded = [k for k, now in (("original_num_attention_heads", "num_attention_heads"),
+                               ("original_total_num_kv_heads", "num_key_value_heads"),
+                               ("original_intermediate_size", "intermediate_size"))
+              if getattr(cfg, k, None) not in (None, getattr(cfg, now, None))]
+    if padded:  # SGLang's CPU path padded the cut (qurl/engines/sglang_shard.py): no layout
+        log.warning("qurl: SGLang padded %s at TP %d: no delta / verified syncs", padded, st.tp)
+        st.layout = None
 
 
 def _install(model: torch.nn.Module) -> None:

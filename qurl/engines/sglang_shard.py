@@ -34,8 +34,11 @@ positions inside it, re-indexed (`local_positions`). A name or shape this map do
 ValueError: such a server gets full, unverified syncs.
 
 Only what qurl's models use is mapped (Llama / Qwen2 / Qwen3 dense layers, no presharded or
-padded-shard loading: SGLang's CPU path pads a dim that T does not divide, which is refused here
-too since every cut must be exact).
+padded-shard loading; every cut must be exact). SGLang's CPU path (`--device cpu`,
+`configs/update_config.py: adjust_config_with_unaligned_cpu_tp`) does not replicate k/v heads:
+when T does not divide the query or key/value head count it PADS both with zero heads, and it
+pads the SwiGLU size to a multiple of T * 32 (T * 128 for block FP8); `cpu_padding` says when that
+happens, and such servers get full syncs (the replication above is the GPU path's rule).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ import torch
 from qurl.sync.digest import tensor_digest
 
 VOCAB_PAD = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
+CPU_MLP_PAD = 32  # SGLang's DEFAULT_MOE_PADDING_SIZE (configs/update_config.py), per rank
 COLUMN = ("q_proj", "gate_proj", "up_proj")
 KV = ("k_proj", "v_proj")
 ROW = ("o_proj", "down_proj")
@@ -111,7 +115,8 @@ def shard_box(name: str, shape: Sequence[int], rank: int, tp: int, layout: Layou
     if tp == 1:
         return whole(shape)
     if layout is None:
-        raise ValueError("TP > 1 needs the model's head counts")
+        raise ValueError("no TP layout: the model's head counts are unknown here, or SGLang "
+                         "padded the cut")
     if len(shape) not in (1, 2):
         raise ValueError(f"{name}: a {len(shape)}-dim tensor has no TP layout here")
     pieces = name.split(".")
@@ -135,6 +140,19 @@ def shard_box(name: str, shape: Sequence[int], rank: int, tp: int, layout: Layou
     if module == "q_proj" and layout.heads % tp:
         raise ValueError(f"{name}: {layout.heads} heads do not split over TP size {tp}")
     return Box(_chunk(shape[0], tp, rank, name))
+
+
+def cpu_padding(layout: Layout, tp: int, intermediate: int | None, block_n: int | None
+                ) -> str | None:
+    """Why SGLang's CPU path would pad this model's cut at TP size `tp` (module docstring), or
+    None when it does not."""
+    if layout.heads % tp or layout.kv_heads % tp:
+        return (f"SGLang's CPU path pads {layout.heads} query / {layout.kv_heads} key-value heads "
+                f"to multiples of TP {tp} with zero heads")
+    unit = tp * (block_n or CPU_MLP_PAD)
+    if intermediate is not None and intermediate % unit:
+        return f"SGLang's CPU path pads the SwiGLU size {intermediate} to a multiple of {unit}"
+    return None
 
 
 def slice_shape(shape: Sequence[int], box: Box) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ import torch
 
 from qurl.engines.sglang_layout import (HEADER, MISMATCH_MARK, STALE_MARK, VERIFY, json_chunk)
 from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
-from qurl.engines.sglang_shard import Layout, rank_digests, shard_box
+from qurl.engines.sglang_shard import Layout, cpu_padding, rank_digests, shard_box
 from qurl.sync.delta import apply_positions, check_delta, group_delta_chunks
 from qurl.sync.digest import combine, tensor_digest
 
@@ -83,11 +83,19 @@ def verify_chunk(version: int, digests: dict[str, str], meta: dict[str, tuple[li
     return VERIFY, json_chunk(msg)
 
 
-def check_cuts(meta: dict[str, tuple[list[int], str]], tp: int, layout: Layout | None) -> None:
-    """ValueError naming the first tensor whose TP-`tp` cut qurl cannot map."""
+def check_cuts(meta: dict[str, tuple[list[int], str]], tp: int, layout: Layout | None,
+               cpu: bool = False) -> None:
+    """ValueError naming the first tensor whose TP-`tp` cut qurl cannot map (cpu: a server on
+    SGLang's CPU path, which pads cuts that TP does not divide)."""
     for name, (shape, _) in meta.items():
         for r in range(tp):
             shard_box(name, shape, r, tp, layout)
+    if cpu and layout is not None:
+        mlp = [s[0] for n, (s, _) in meta.items() if n.endswith("mlp.gate_proj.weight")]
+        block = any(n.endswith("weight_scale_inv") for n in meta)
+        why = cpu_padding(layout, tp, mlp[0] if mlp else None, 128 if block else None)
+        if why:
+            raise ValueError(why)
 
 
 def tp_digests(kept: dict[str, torch.Tensor], names: list[str], tp: int, layout: Layout | None
@@ -183,7 +191,9 @@ class SGLangDeltaMixin:
             self._meta = chunk_meta(chunks)
             for tp in self._tp_sizes():
                 try:
-                    check_cuts(self._meta, tp, self._tp_layout(tp))
+                    check_cuts(self._meta, tp, self._tp_layout(tp), cpu=any(
+                        getattr(s, "device", None) == "cpu" for s in self.servers
+                        if s.spec.tp == tp))
                 except ValueError as e:  # full, unverified syncs from now on, saying why
                     self.tp_refusal = f"TP {tp} server: qurl cannot map its cut ({e})"
                     log.warning("SGLang delta / verified syncs off: %s", self.tp_refusal)

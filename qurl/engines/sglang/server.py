@@ -58,6 +58,13 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
     return cmd + extra
 
 
+def on_cpu(command: Iterable[str] | None) -> bool:
+    """The command line runs SGLang on the CPU (`--device cpu`)."""
+    args = list(command or ())
+    return "--device=cpu" in args or any(
+        a == "--device" and i + 1 < len(args) and args[i + 1] == "cpu" for i, a in enumerate(args))
+
+
 def launch_env(command: list[str], tp: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a server process starts with: this one, plus, for a CPU server
     (`--device cpu`) with TP size > 1 and no SGLANG_CPU_OMP_THREADS_BIND, one OpenMP core list
@@ -65,10 +72,7 @@ def launch_env(command: list[str], tp: int, env: dict[str, str] | None = None) -
     refuses more ranks than NUMA nodes without it), a core repeated when there are fewer cores
     than ranks ("0|1|0")."""
     env = dict(os.environ if env is None else env)
-    args = list(command)
-    cpu = any(a == "--device=cpu" for a in args) or any(
-        a == "--device" and i + 1 < len(args) and args[i + 1] == "cpu" for i, a in enumerate(args))
-    if cpu and tp > 1 and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
+    if on_cpu(command) and tp > 1 and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
         cores = sorted(os.sched_getaffinity(0))
         per = max(1, len(cores) // tp)
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
@@ -96,6 +100,7 @@ class Server:
         self.inflight = 0
         self.custom_loaders: tuple[str, ...] = ()  # from /server_info (WeightUpdates._check_server)
         self.layout = None  # TP > 1: the head counts that map each rank's cut (sglang_shard.Layout)
+        self.device: str | None = None  # TP > 1: from /server_info ("cpu" pads uneven cuts)
 
     def call(self, method: str, route: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
