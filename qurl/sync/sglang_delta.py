@@ -16,9 +16,10 @@ the server reports in /model_info). For such engines:
   bucket holding only `qurl.sync.verify` {version, {name: [digest, shape, dtype]}, and for TP
   sizes T > 1 "tp": {T: {name: [digest of rank r's box, r = 0..T-1]}}}, end — in which every
   rank hashes what it holds; the per-rank digests are computed from the adapter's own copy of
-  the version (below), after checking that copy against the learner's digests; [] and `digest` set when every server matches, else the
-  names that differ (the servers then stay PAUSED: nothing is sampled from weights that are not
-  the learner's until the next sync, which continues them). The sync loop resyncs in full and
+  the version (below), after checking that copy against the learner's digests; [] and `digest`
+  set when every server matches, else the names that differ (the servers then stay PAUSED:
+  nothing is sampled from weights that are not the learner's until the next sync, which
+  continues them). The sync loop resyncs in full and
   counts it (`sync/verify_mismatches`, `sync/fallbacks/mismatch`).
 - the adapter keeps its own copy of the last version's chunks (to re-send to a restarted server),
   updated in place by each delta (O(changes)); a restarted server gets that full version and is
