@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qurl.engines.sglang_server as srv
-from qurl.engines.sglang_layout import HEADER, MISMATCH_MARK, STALE_MARK, VERIFY
+from qurl.engines.sglang_layout import MISMATCH_MARK, STALE_MARK
 from qurl.engines.sglang_shard import Layout
 from qurl.sync.delta import encode_named
 from qurl.sync.digest import combine, named_digests
@@ -219,4 +219,3 @@ def test_outcomes_merge_over_ranks(monkeypatch):
     monkeypatch.setattr(srv, "STATE", state(0, lambda o: [o, ("error", "KeyError: x")]))
     with pytest.raises(RuntimeError, match="rank 1: KeyError"):
         load(model, 0, [header_chunk(4, None, meta)])
-    assert HEADER != VERIFY
