@@ -16,13 +16,14 @@ the ranks' outcomes are merged in the server), resynced in full and counted. Aft
 parameter of both ranks is byte-equal, at its startup address, to what a full sync of the same
 version leaves (SGLang's own loader cutting the whole tensors: the reference).
 
-Fewer kv heads than ranks: the GPU path replicates a head (mapped, tests/test_sglang_shard.py),
-but SGLang's CPU path pads the heads with zero heads instead; such a server must get full,
-unverified syncs, saying why — checked here on one kv head.
+Fewer kv heads than ranks (the GPU path replicates a head; mapped and checked in
+tests/test_sglang_shard.py and tests/test_sglang_tp_server.py) cannot be run here: SGLang's CPU
+path pads the heads instead (configs/update_config.py), and with one kv head at TP 2 the server
+then dies loading its own checkpoint ("start (64) + length (64) exceeds dimension size (64)",
+layers/linear.py: measured 2026-12-01), so 2 kv heads, one per rank.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -39,7 +40,6 @@ from tests.sglang_real import (CORRUPT_KV_LAST, NO_TENSORS, env, is_8bit, launch
 pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 DELTAS = 5
 SHAPES = {"gqa": {"num_attention_heads": 4, "num_key_value_heads": 2},
-          "mqa": {"num_attention_heads": 4, "num_key_value_heads": 1},
           "tiles": {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 1024}}
 
 
@@ -134,24 +134,3 @@ def test_tp2_delta_syncs_verified_per_rank_byte_equal_and_corruption_caught(
     assert not torch.equal(raw_bytes(w0[:128]), raw_bytes(w1[:128]))
     assert not torch.equal(raw_bytes(w0[128:]), raw_bytes(w1[128:]))
 
-
-def test_tp2_cpu_server_that_pads_kv_heads_gets_full_unverified_syncs(env, tmp_path_factory):
-    quant, fmt = QUANTIZATION["int8"]
-    root = tmp_path_factory.mktemp("tp2_mqa")
-    src = build_model(root / "v0", "tiny", seed=0, overrides=SHAPES["mqa"])
-    versions = _versions(src, 1)
-    eng = launch(export_8bit(src, root / fmt, fmt), quant, root / "logs", precision="int8",
-                 generates=False, tp=2)
-    try:
-        sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
-        recs = [sync.push(iter(w.items()), eng, version=k) for k, w in enumerate(versions, 1)]
-        held = read_back_ranks(eng, env)
-    finally:
-        eng.close()
-    assert "pads 4 query / 1 key-value heads" in eng.tp_refusal, eng.tp_refusal
-    assert eng.verify is None
-    assert recs[1]["sync/delta"] == 0.0 and recs[1]["sync/full_reason/unsupported"] == 1.0
-    assert all(math.isnan(r["sync/verified"]) for r in recs)
-    # what SGLang did instead of replicating: 8 query / 2 kv heads, rank 1's all zero
-    qkv = held[1][0]["model.layers.0.self_attn.qkv_proj.weight"]
-    assert qkv.shape[0] == 4 * 64 + 2 * 64 and not bool(qkv.view(torch.uint8).any())
