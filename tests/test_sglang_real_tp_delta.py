@@ -16,6 +16,10 @@ the ranks' outcomes are merged in the server), resynced in full and counted. Aft
 parameter of both ranks is byte-equal, at its startup address, to what a full sync of the same
 version leaves (SGLang's own loader cutting the whole tensors: the reference).
 
+And end to end: `qurl train` with one async worker whose bf16 server qurl launches at TP 2 (the
+tiny model's own 8 heads / 2 kv heads) sends every version after the first as a delta, verified
+on both ranks.
+
 Fewer kv heads than ranks (the GPU path replicates a head; mapped and checked in
 tests/test_sglang_shard.py and tests/test_sglang_tp_server.py) cannot be run here: SGLang's CPU
 path pads the heads instead (configs/update_config.py), and with one kv head at TP 2 the server
@@ -134,3 +138,27 @@ def test_tp2_delta_syncs_verified_per_rank_byte_equal_and_corruption_caught(
     assert not torch.equal(raw_bytes(w0[:128]), raw_bytes(w1[:128]))
     assert not torch.equal(raw_bytes(w0[128:]), raw_bytes(w1[128:]))
 
+
+
+def test_qurl_train_async_worker_with_a_tp2_server_takes_verified_deltas(env, tmp_path):
+    """The production path end to end: `qurl train` with one async worker whose bf16 SGLang server
+    runs at TP 2 (qurl launches it; the tiny model's 8 heads / 2 kv heads cut evenly, so the CPU
+    path pads nothing): every version after the first reaches the server as a delta and is
+    verified on both ranks (the worker's acks), no resync."""
+    from tests.test_sglang_real import _check_run, _train
+
+    recs = _train(tmp_path, "async_tp2", "deploy.rollout=workers", "rollout.max_staleness=1",
+                  "deploy.engines=1", "sglang.tp=2", "model.warmstart_steps=40",
+                  "data.digits=1", "data.operands=2", "rollout.max_new_tokens=16")
+    _check_run(recs)
+    train = [r for r in recs if r.get("kind") == "train"]
+    for r in train:
+        sync = {k: v for k, v in r.items() if k.startswith("sync/") and "time" not in k}
+        print(f"tp2 async step {r['step']} grad_norm={r['grad_norm']:.4f} {sync}")
+        assert r["sync/delta"] == 1.0 and r["sync/verify_mismatches"] == 0, sync
+        assert not any(k.startswith("async/resync/") for k in r), r
+        assert "sync/fallbacks/unsupported" not in r, sync
+    acks, deltas = (sum(r[f"sync/worker_{k}acks"] for r in train) for k in ("", "delta_"))
+    assert acks >= 3 and deltas == acks - 1, (acks, deltas)
+    checked = [r["sync/verified"] for r in train if r["sync/verified"] is not None]  # NaN: no ack
+    assert checked and all(v == 1.0 for v in checked), [r["sync/verified"] for r in train]
