@@ -38,6 +38,7 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
 DUMP = "qurl_sglang_dump.dump_params"
 DUMP_PTRS = "qurl_sglang_dump.dump_ptrs"
 CORRUPT = "qurl_sglang_dump.corrupt_one_code"
+CORRUPT_KV_LAST = "qurl_sglang_dump.corrupt_kv_code_last_rank"
 TIMEOUTS = Timeouts(control_s=60, generate_s=120, group_s=120, launch_s=1200, health_s=10)
 
 needs_sglang = [
@@ -62,14 +63,15 @@ def tp_env(tp: int) -> dict[str, str]:
 
 
 def cpu_server_args(generates: bool) -> tuple[str, ...]:
-    return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS, CORRUPT) + (() if generates else
-                                                           ("--skip-server-warmup",))
+    return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS, CORRUPT, CORRUPT_KV_LAST) + (
+        () if generates else ("--skip-server-warmup",))
 
 
 def launch(model_dir: Path, quantization: str | None, log_dir: Path, *, precision: str,
            generates: bool, tokenizer=None, vocab_size: int = 0, tp: int = 1) -> SGLangEngine:
     """One qurl-launched real server on a free port, driven by qurl's SGLangEngine (gloo group).
-    tp > 1 needs SGLANG_CPU_OMP_THREADS_BIND in the environment (`tp_env`)."""
+    tp > 1: qurl's launch sets SGLANG_CPU_OMP_THREADS_BIND for a CPU server unless the
+    environment has it (qurl/engines/sglang/server.py `launch_env`; `tp_env` sets it here)."""
     port = free_port()
     cmd = server_command(str(model_dir), port=port, tp=tp, quantization=quantization,
                          extra=cpu_server_args(generates), python=str(SGL_PY))

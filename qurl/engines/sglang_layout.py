@@ -1,5 +1,5 @@
-"""Where an HF tensor lives inside an SGLang server's parameters (TP size 1), and the control
-chunks qurl's delta / verified syncs carry to the server.
+"""Where an HF tensor lives inside an SGLang server's parameters, and the control chunks qurl's
+delta / verified syncs carry to the server.
 
 qurl sends weights under their HF names (`model.layers.0.self_attn.q_proj.weight`, its
 `weight_scale` / `weight_scale_inv`, biases, norms, the embedding). SGLang 0.5.23 holds them
@@ -17,18 +17,24 @@ in its own parameters:
   loading; qurl's restore (qurl/engines/sglang_loader.py) gives back the [out, in] view of the same
   storage, which is the layout everything here reads and writes (always inside an update session,
   after the restore);
-- TP slicing (rank r holds rows / columns r/T of each part) is NOT mapped here: delta and verified
-  syncs are for TP size 1 servers (larger ones get full, unverified syncs).
+- TP slicing: a rank of a TP size T > 1 server holds only its box of each HF tensor
+  (qurl/engines/sglang_shard.py: rows, or columns of a row-parallel layer, or the whole tensor).
+  Its parameter holds that box exactly where it would hold the whole tensor at T = 1 (each fused
+  part's rows are the rank's rows of that part; a vocabulary rank's rows come first), so the
+  functions below are called with the box's shape instead of the HF shape.
 
-So at TP 1 every HF tensor is a contiguous row range of one parameter: `hf_rows(...)` says
-which, `hf_view` returns it (a view: writing it writes the parameter in place).
+So every HF tensor (or a rank's box of it) is a contiguous row range of one parameter:
+`hf_rows(...)` says which, `hf_view` returns it (a view: writing it writes the parameter in
+place).
 
 Control chunks (uint8 tensors holding UTF-8 JSON, under names no model has), which ride the
 weight broadcast itself, so they reach the in-server loader (qurl/engines/sglang_server.py)
 through the same `update_weights_from_distributed` path as the weights:
 
     qurl.sync.header  first chunk of every sync: {"version": v, "base": [v-1, digest] | null}
-    qurl.sync.verify  {"version": v, "digests": {hf name: [hex digest, shape, dtype]}}
+    qurl.sync.verify  {"version": v, "digests": {hf name: [hex digest, shape, dtype]},
+                       "tp": {T: {hf name: [hex digest of rank r's box, r = 0..T-1]}}}
+                      ("tp" only for servers with TP size T > 1)
 """
 from __future__ import annotations
 

@@ -33,11 +33,21 @@ each bucket:
   difference raises `qurl-mismatch: [names]`, else the version becomes this process's verified
   base (the only thing a later delta may build on).
 
-Limits: TP size 1 (a rank holds only its slice of each tensor; the adapter sends deltas and
-verification only to TP-1 servers); hashing runs on the CPU (a GPU server copies each tensor to
-the host to hash it: one device-to-host pass over the weights per sync).
+Tensor parallelism (TP size T > 1): every rank runs this code on every bucket. Rank r holds only
+its box of each HF tensor (qurl/engines/sglang_shard.py, SGLang's own cutting rules): a delta's
+positions are validated against the whole HF tensor, then only those inside the rank's box are
+written, re-indexed to the box; verification hashes the rank's box and compares it with the
+digest the learner computed for that rank (`qurl.sync.verify` carries {T: {name: [digest per
+rank]}}). Only TP rank 0 answers SGLang's HTTP call, so at the end of every bucket the ranks
+exchange their outcomes (`all_gather_object` on SGLang's TP CPU group, one small message per
+bucket); a refusal, mismatch or error on any rank fails the call on every rank, with the union
+of the names that differ, and no rank keeps a verified base.
+
+Limits: hashing runs on the CPU (a GPU server copies each tensor to the host to hash it: one
+device-to-host pass over the weights per sync); TP only (no pipeline or data parallelism inside
+a server).
 This module imports only torch and qurl's torch-only sync modules (and blake3, qurl's
-dependency), never sglang.
+dependency); sglang only for its TP group, inside a TP > 1 server.
 """
 from __future__ import annotations
 
@@ -50,6 +60,7 @@ import torch
 
 from qurl.engines.sglang_layout import (CONTROL, HEADER, MISMATCH_MARK, STALE_MARK, VERIFY,
                                         hf_view, read_json_chunk, sglang_name)
+from qurl.engines.sglang_shard import Box, Layout, local_positions, shard_box, slice_shape
 from qurl.sync.delta import apply_positions, check_delta, delta_owner, is_delta_name
 from qurl.sync.digest import combine, tensor_digest
 
@@ -59,7 +70,7 @@ TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
 @dataclass
 class _State:
-    """What this server process knows about its weights (one per TP process)."""
+    """What this server process (one TP rank) knows about its weights."""
     verified: tuple[int, str] | None = None  # (version, combined digest) last verified
     loaded: int | None = None  # version of the last qurl sync, if nothing else loaded since
     open: bool = False  # between a sync's header and its verification: its buckets follow
@@ -67,24 +78,61 @@ class _State:
     shapes: dict[str, list[int]] = field(default_factory=dict)  # HF shapes, from the header
     parts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # partial deltas
     error: str | None = None  # a failure in prepare, reported by the next load
+    rank: int = 0  # TP rank of this process, of `tp`
+    tp: int = 1
+    layout: Layout | None = None  # head counts (from the model's config), for TP > 1 cuts
+    gather: Callable[[Any], list] | None = None  # all_gather_object over the TP ranks
 
 
 STATE = _State()
 
 
+class Mismatch(ValueError):
+    """Verification failed: `names` differ from the learner's."""
+
+    def __init__(self, names: list[str], version: int, total: int) -> None:
+        self.names = names
+        super().__init__(f"{MISMATCH_MARK}{json.dumps(names)} (v{version}: {len(names)} of "
+                         f"{total} tensors differ from the learner's)")
+
+
 def prepare(model: torch.nn.Module, named_tensors: list, restore: Callable) -> None:
-    """Custom loader body: restore W8A8 layouts, install the wrapper. Never raises (a raise here
-    kills SGLang's scheduler): a failure is kept and raised by the next load (an HTTP 400)."""
+    """Custom loader body: restore W8A8 layouts, learn this rank's place, install the wrapper.
+    Never raises (a raise here kills SGLang's scheduler): a failure is kept and raised by the
+    next load (an HTTP 400)."""
     try:
         if named_tensors:
             raise ValueError(f"the qurl prepare loader takes no tensors (got {len(named_tensors)})")
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise ValueError("qurl delta / verified syncs need a TP size 1 server")
+        _bind_ranks(model)
         restore(model, [])
         _install(model)
     except Exception as e:  # noqa: BLE001 - reported through the next load
         STATE.error = f"qurl prepare failed: {type(e).__name__}: {e}"
         log.error(STATE.error)
+
+
+def _bind_ranks(model: torch.nn.Module) -> None:
+    st = STATE
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        st.rank, st.tp, st.gather = 0, 1, None
+        return
+    from sglang.srt.distributed.parallel_state import get_tp_group  # inside the server only
+
+    g = get_tp_group()
+    if g.world_size != dist.get_world_size():
+        raise ValueError(f"qurl delta / verified syncs need plain TP (world {dist.get_world_size()}"
+                         f", TP {g.world_size})")
+    st.rank, st.tp, st.gather = int(g.rank_in_group), int(g.world_size), g.all_gather_object
+    cfg = model.config
+    st.layout = Layout.of_config(cfg)
+    padded = [k for k, now in (("original_num_attention_heads", "num_attention_heads"),
+                               ("original_total_num_kv_heads", "num_key_value_heads"),
+                               ("original_intermediate_size", "intermediate_size"))
+              if getattr(cfg, k, None) not in (None, getattr(cfg, now, None))]
+    if padded:  # SGLang's CPU path padded the cut (qurl/engines/sglang_shard.py): no layout
+        log.warning("qurl: SGLang padded %s at TP %d: no delta / verified syncs", padded, st.tp)
+        st.layout = None
 
 
 def _install(model: torch.nn.Module) -> None:
@@ -101,7 +149,48 @@ def _install(model: torch.nn.Module) -> None:
 
 def load_bucket(model: torch.nn.Module, inner: Callable, weights: list[tuple[str, torch.Tensor]],
                 *args: Any, **kw: Any) -> Any:
-    """One received bucket (module docstring). Raises ValueError for a refusal or mismatch."""
+    """One received bucket (module docstring), on every TP rank; the ranks' outcomes are
+    exchanged so that any rank's refusal / mismatch / error fails the call on all of them."""
+    st = STATE
+    try:
+        out, fail = _load_bucket(model, inner, weights, *args, **kw), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, merged over the ranks
+        out, fail = None, e
+    if st.tp > 1 and st.gather is not None:
+        fails = st.gather(_outcome(fail))
+        if any(f is not None for f in fails):
+            raise _merged(fails)
+    elif fail is not None:
+        raise fail
+    return out
+
+
+def _outcome(e: BaseException | None) -> tuple[str, Any] | None:
+    if e is None:
+        return None
+    if isinstance(e, Mismatch):
+        return "mismatch", e.names
+    kind = "stale" if STALE_MARK in str(e) else "error"
+    return kind, f"{type(e).__name__}: {e}"
+
+
+def _merged(fails: list) -> Exception:
+    """Every rank's state forgets what it vouched for; one error for all ranks."""
+    st = STATE
+    stale = any(f is not None and f[0] == "stale" for f in fails)
+    st.verified = st.loaded = None
+    st.open, st.refused = False, stale
+    per_rank = "; ".join(f"rank {r}: {f[1]}" for r, f in enumerate(fails) if f is not None)
+    if stale:
+        return ValueError(f"{STALE_MARK} {per_rank}")
+    names = sorted({n for f in fails if f is not None and f[0] == "mismatch" for n in f[1]})
+    if names and all(f is None or f[0] == "mismatch" for f in fails):
+        return ValueError(f"{MISMATCH_MARK}{json.dumps(names)} ({per_rank})")
+    return RuntimeError(f"qurl sync failed on TP ranks: {per_rank}")
+
+
+def _load_bucket(model: torch.nn.Module, inner: Callable,
+                 weights: list[tuple[str, torch.Tensor]], *args: Any, **kw: Any) -> Any:
     st = STATE
     if st.error is not None:
         err, st.error = st.error, None
@@ -126,9 +215,12 @@ def load_bucket(model: torch.nn.Module, inner: Callable, weights: list[tuple[str
     ready = {n: p for n, p in st.parts.items() if len(p) == 3}
     checked = []
     for name, parts in ready.items():  # validate every complete delta before writing any
-        targets = targets_of(model, name, st.shapes.get(name))
-        pos, val = check_delta(name, targets[0], parts)
-        checked.append((targets, pos, val))
+        shape = st.shapes.get(name)
+        targets, box = targets_of(model, name, shape)
+        # positions are checked against the whole HF tensor, then cut to this rank's box
+        hf = torch.empty(shape, dtype=targets[0].dtype, device="meta")
+        pos, val = check_delta(name, hf, parts)
+        checked.append((targets, *local_positions(pos, val, shape, box)))
         del st.parts[name]
     for targets, pos, val in checked:
         for t in targets:
@@ -153,34 +245,44 @@ def _open(header: dict) -> None:
 
 
 def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None
-               ) -> list[torch.Tensor]:
-    """Views of every parameter region that holds the HF tensor (the embedding also in a tied
-    lm_head with storage of its own); ValueError when the server has no place for it."""
+               ) -> tuple[list[torch.Tensor], Box]:
+    """(views of every parameter region that holds this rank's box of the HF tensor — the
+    embedding also in a tied lm_head with storage of its own —, the box); ValueError when the
+    server has no place for it."""
+    st = STATE
     if hf_shape is None:
         raise ValueError(f"{hf_name}: no shape in the sync's header")
+    box = shard_box(hf_name, hf_shape, st.rank, st.tp, st.layout)
+    shape = slice_shape(hf_shape, box)
     params = dict(model.named_parameters())
     pname, part = sglang_name(hf_name)
     if pname not in params:
         raise ValueError(f"{hf_name}: this server has no parameter {pname}")
     sizes = None
+    layer = model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model
     if part is not None:
-        layer = model.get_submodule(pname.rsplit(".", 1)[0])
         sizes = list(getattr(layer, "output_partition_sizes", None) or [])
-    views = [hf_view(params[pname].data, part, sizes, hf_shape)]
+    idx = getattr(layer, "shard_indices", None)  # a vocabulary layer: SGLang's own cut
+    if idx is not None and box.rows != (idx.org_vocab_start_index,
+                                        idx.org_vocab_end_index - idx.org_vocab_start_index):
+        raise ValueError(f"{hf_name}: qurl's vocabulary rows {box.rows} on TP rank {st.rank} are "
+                         f"not the layer's [{idx.org_vocab_start_index}, "
+                         f"{idx.org_vocab_end_index})")
+    views = [hf_view(params[pname].data, part, sizes, shape)]
     if hf_name == TIED[0] and TIED[1] in params and \
             params[TIED[1]].data_ptr() != params[TIED[0]].data_ptr() and \
             getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        views.append(hf_view(params[TIED[1]].data, None, None, hf_shape))
-    return views
+        views.append(hf_view(params[TIED[1]].data, None, None, shape))
+    return views, box
 
 
 def held_digests(model: torch.nn.Module, spec: dict[str, list]) -> dict[str, str]:
-    """{HF name: digest of what the server holds for it}, spec {name: [_, shape, dtype]};
+    """{HF name: digest of this rank's box of it, as held}, spec {name: [_, shape, dtype]};
     a tensor the server cannot find gets the digest "missing"."""
     out = {}
     for name, (_, shape, dtype) in spec.items():
         try:
-            view = targets_of(model, name, shape)[0]
+            view = targets_of(model, name, shape)[0][0]
         except ValueError:
             out[name] = "missing"
             continue
@@ -189,19 +291,29 @@ def held_digests(model: torch.nn.Module, spec: dict[str, list]) -> dict[str, str
     return out
 
 
+def expected_digests(msg: dict, rank: int, tp: int) -> dict[str, str | None]:
+    """What this rank must hold: the whole-tensor digests at TP 1, else the learner's digest of
+    this rank's box ({T: {name: [per rank]}} under "tp"; None where the learner sent none)."""
+    spec = msg["digests"]
+    if tp == 1:
+        return {str(n): v[0] for n, v in spec.items()}
+    mine = (msg.get("tp") or {}).get(str(tp)) or {}
+    return {str(n): (mine[n][rank] if n in mine and len(mine[n]) == tp else None) for n in spec}
+
+
 def verify(model: torch.nn.Module, msg: dict) -> None:
     """Compare the held tensors with the sender's digests; on success this version becomes the
-    verified base, else ValueError `qurl-mismatch: [names]` and nothing is verified."""
+    verified base, else Mismatch `qurl-mismatch: [names]` and nothing is verified."""
     st = STATE
     spec = {str(k): v for k, v in msg["digests"].items()}
+    want = expected_digests(msg, st.rank, st.tp)
     got = held_digests(model, spec)
-    bad = sorted(n for n in spec if got[n] != spec[n][0])
+    bad = sorted(n for n in spec if want[n] is None or got[n] != want[n])
     version = int(msg["version"])
     st.open = False
     if st.loaded != version and not bad:
         bad = ["<version>"]  # loaded by something else than qurl's sync of this version
     if bad:
         st.verified = None
-        raise ValueError(f"{MISMATCH_MARK}{json.dumps(bad)} (v{version}: {len(bad)} of "
-                         f"{len(spec)} tensors differ from the learner's)")
+        raise Mismatch(bad, version, len(spec))
     st.verified = (version, combine({n: v[0] for n, v in spec.items()}))

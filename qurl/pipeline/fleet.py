@@ -27,7 +27,8 @@ every sync against the digests (qurl/pipeline/worker.py); either failure comes b
 control message with its reason, counted (`resync/<reason>`), and the current version is sent
 again in full. Deltas need every member's engine to apply them: each worker says in its hello
 whether it can (`deltas`: its engine has `verify` — the local engine, and an SGLang adapter whose
-one TP-1 server runs qurl's sync loader, qurl/sync/sglang_delta.py); while any slot cannot, every
+one server runs qurl's sync loader, at TP 1 or at a TP size whose cut qurl maps,
+qurl/sync/sglang_delta.py); while any slot cannot, every
 version goes in full (counted as `unsupported`). A worker that gets a delta anyway refuses it
 (qurl/sync/receiver.py) and the group is re-formed and sent the version in full. A version equal
 to the last one (a step without gradient: an empty delta) sends its smallest tensor whole, since

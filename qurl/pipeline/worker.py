@@ -9,7 +9,8 @@ controller -> worker -> its server, the second hop through the adapter's own wei
 its own inbox (prompts + control; only authenticated messages are accepted) and then:
 
 1. says hello with its inbox address and whether its engine can apply delta syncs (it has
-   `verify`: the local engine; an SGLang adapter whose TP-1 server runs qurl's sync loader), every
+   `verify`: the local engine; an SGLang adapter whose server runs qurl's sync loader at TP 1 or
+   at a TP size whose cut qurl maps, qurl/engines/sglang_shard.py), every
    second until the controller answers with a weight group to join; the controller connects to
    that inbox;
 2. joins the weight-update group (qurl/sync/group.py) as rank slot+1 and receives the current

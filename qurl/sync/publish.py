@@ -9,7 +9,8 @@ Each version goes as a delta against the previous one when the engine holds it v
 full (qurl/sync/plan.py), and the engine then proves it holds the sender's bits (qurl/sync/digest.py:
 `verify`); a mismatch is resynced in full at once and counted, and a second mismatch is an error:
 the loop never samples from weights that differ from the learner's. Engines without `verify` (an
-SGLang engine whose servers lack qurl's sync loader, or run TP > 1: qurl/sync/sglang_delta.py) get
+SGLang engine whose servers lack qurl's sync loader, or run TP > 1 with a cut qurl cannot map:
+qurl/sync/sglang_delta.py) get
 full syncs (`unsupported`) and records say `sync/verified` = NaN (not checked).
 """
 from __future__ import annotations
@@ -82,6 +83,9 @@ class WeightSync:
             if not isinstance(e, StaleBase):
                 raise
             refused = True
+        # an engine may find at its first load that it cannot verify (an SGLang TP > 1 server
+        # whose cut qurl cannot map: qurl/sync/sglang_delta.py `tp_refusal`)
+        verify = getattr(engine, "verify", None)
         load_s, verify_s, mismatched, verified = time.perf_counter() - t1, 0.0, 0.0, float("nan")
         sent = plan.stats.bytes
         if refused:

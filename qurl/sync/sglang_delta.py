@@ -2,8 +2,10 @@
 
 A server launched with qurl's sync loader (`--custom-weight-loader
 qurl.engines.sglang_loader.prepare_sync`, which server_command adds to every server qurl
-launches) and TP size 1 can take a delta and prove what it holds (qurl/engines/sglang_server.py
-does both inside the server). For such engines:
+launches) can take a delta and prove what it holds (qurl/engines/sglang_server.py does both
+inside the server), at any TP size whose cut qurl can map (qurl/engines/sglang_shard.py: that
+needs the model's head counts, from the engine's `layout` or the config.json of the model path
+the server reports in /model_info). For such engines:
 
 - `load_weights(chunks, version, base=(v-1, digest))` sends a delta (qurl/sync/delta.py chunks)
   over the same weight group and `update_weights_from_distributed` calls as a full sync,
@@ -11,29 +13,39 @@ does both inside the server). For such engines:
   not hold exactly the base verified refuses before writing anything; that comes back as
   `StaleBase` (the sync loop then sends the version in full, counted as `refused`).
 - `verify(digests)` runs one short update session per server — pause, begin, qurl's prepare, one
-  bucket holding only `qurl.sync.verify` {version, {name: [digest, shape, dtype]}}, end — in
-  which the server hashes what it holds; [] and `digest` set when every server matches, else the
-  names that differ (the servers then stay PAUSED: nothing is sampled from weights that are not
-  the learner's until the next sync, which continues them). The sync loop resyncs in full and
+  bucket holding only `qurl.sync.verify` {version, {name: [digest, shape, dtype]}, and for TP
+  sizes T > 1 "tp": {T: {name: [digest of rank r's box, r = 0..T-1]}}}, end — in which every
+  rank hashes what it holds; the per-rank digests are computed from the adapter's own copy of
+  the version (below), after checking that copy against the learner's digests; [] and `digest`
+  set when every server matches, else the names that differ (the servers then stay PAUSED:
+  nothing is sampled from weights that are not the learner's until the next sync, which
+  continues them). The sync loop resyncs in full and
   counts it (`sync/verify_mismatches`, `sync/fallbacks/mismatch`).
 - the adapter keeps its own copy of the last version's chunks (to re-send to a restarted server),
   updated in place by each delta (O(changes)); a restarted server gets that full version and is
   unverified until the next sync (so the next sync is full: reason `holder`).
 
-Engines without the loader on every server, or with TP > 1, have `verify` = None: the sync loop
-then sends full syncs (`unsupported`) and records `sync/verified` = NaN.
+Engines without the loader on every server, or with a TP > 1 server whose cut cannot be mapped
+(head counts unknown; a tensor the map does not know, found at the first full sync: then
+`tp_refusal` says why and the engine stops offering `verify`), have `verify` = None: the sync
+loop then sends full syncs (`unsupported`) and records `sync/verified` = NaN.
 """
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from qurl.engines.sglang_layout import (HEADER, MISMATCH_MARK, STALE_MARK, VERIFY, json_chunk)
 from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
+from qurl.engines.sglang_shard import Layout, cpu_padding, rank_digests, shard_box
 from qurl.sync.delta import apply_positions, check_delta, group_delta_chunks
-from qurl.sync.digest import combine
+from qurl.sync.digest import combine, tensor_digest
+
+log = logging.getLogger(__name__)
 
 Chunks = list[tuple[str, torch.Tensor]]
 
@@ -61,11 +73,44 @@ def header_chunk(version: int, base: tuple[int, str] | None,
                                "shapes": {n: s for n, (s, _) in meta.items()}})
 
 
-def verify_chunk(version: int, digests: dict[str, str], meta: dict[str, tuple[list[int], str]]
-                 ) -> tuple[str, torch.Tensor]:
-    """The verification request; a name the adapter never sent is a KeyError (caller's bug)."""
-    return VERIFY, json_chunk({"version": int(version),
-                               "digests": {n: [d, *meta[n]] for n, d in digests.items()}})
+def verify_chunk(version: int, digests: dict[str, str], meta: dict[str, tuple[list[int], str]],
+                 tp: dict[int, dict[str, list[str]]] | None = None) -> tuple[str, torch.Tensor]:
+    """The verification request; a name the adapter never sent is a KeyError (caller's bug).
+    tp: {T: {name: [digest of rank r's box]}} for the TP sizes > 1 among the servers."""
+    msg: dict[str, Any] = {"version": int(version),
+                           "digests": {n: [d, *meta[n]] for n, d in digests.items()}}
+    if tp:
+        msg["tp"] = {str(t): d for t, d in tp.items()}
+    return VERIFY, json_chunk(msg)
+
+
+def check_cuts(meta: dict[str, tuple[list[int], str]], tp: int, layout: Layout | None,
+               cpu: bool = False) -> None:
+    """ValueError naming the first tensor whose TP-`tp` cut qurl cannot map (cpu: a server on
+    SGLang's CPU path, which pads cuts that TP does not divide)."""
+    for name, (shape, _) in meta.items():
+        for r in range(tp):
+            shard_box(name, shape, r, tp, layout)
+    if cpu and layout is not None:
+        mlp = [s[0] for n, (s, _) in meta.items() if n.endswith("mlp.gate_proj.weight")]
+        block = any(n.endswith("weight_scale_inv") for n in meta)
+        why = cpu_padding(layout, tp, mlp[0] if mlp else None, 128 if block else None)
+        if why:
+            raise ValueError(why)
+
+
+def tp_digests(kept: dict[str, torch.Tensor], names: list[str], tp: int, layout: Layout | None
+               ) -> dict[str, list[str]]:
+    """{name: [digest of rank r's box of the kept tensor, r = 0..tp-1]}."""
+    return {n: rank_digests(n, kept[n], tp, layout) for n in names}
+
+
+def layout_of_model_dir(path: str | None) -> Layout | None:
+    """Head counts from `path`/config.json, None when it cannot be read here."""
+    try:
+        return Layout.of_config(json.loads((Path(str(path)) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def chunk_meta(chunks: Chunks) -> dict[str, tuple[list[int], str]]:
@@ -96,12 +141,35 @@ class SGLangDeltaMixin:
     _digest: str | None = None
     _meta: dict[str, tuple[list[int], str]] | None = None
     _kept: dict[str, torch.Tensor] | None = None
+    layout: Layout | None = None  # the model's head counts, when the engine was told them
+    tp_refusal: str | None = None  # why a TP > 1 server's cut cannot be mapped (then: full)
 
     @property
     def delta_capable(self) -> bool:
-        """Every server runs qurl's sync loader at TP size 1."""
-        return all(SYNC_LOAD_FORMAT in (getattr(s, "custom_loaders", None) or ())
-                   and s.spec.tp == 1 for s in self.servers)
+        """Every server runs qurl's sync loader, at TP size 1 or with a cut qurl can map."""
+        return self.tp_refusal is None and all(
+            SYNC_LOAD_FORMAT in (getattr(s, "custom_loaders", None) or ())
+            and (s.spec.tp == 1 or getattr(s, "layout", None) is not None) for s in self.servers)
+
+    def _find_layout(self, s: Any) -> Layout | None:
+        """Head counts for a TP > 1 server: the engine's, else the config.json of the model
+        path the server reports (/model_info), when this process can read it."""
+        from qurl.engines.sglang.protocol import SGLangError
+
+        if self.layout is not None:
+            return self.layout
+        try:
+            status, raw = s.call("GET", "/model_info", None, self.timeouts.control_s)
+            path = json.loads(raw).get("model_path") if status == 200 else None
+        except (SGLangError, json.JSONDecodeError, AttributeError):
+            path = None
+        return layout_of_model_dir(path)
+
+    def _tp_sizes(self) -> list[int]:
+        return sorted({s.spec.tp for s in self.servers if s.spec.tp > 1})
+
+    def _tp_layout(self, tp: int) -> Layout | None:
+        return next(s.layout for s in self.servers if s.spec.tp == tp)
 
     @property
     def digest(self) -> str | None:
@@ -116,11 +184,22 @@ class SGLangDeltaMixin:
         """What goes on the wire for one load: the header first when the servers take it."""
         if base is not None and not self.delta_capable:
             raise ValueError("this SGLang engine cannot apply deltas (servers without qurl's "
-                             f"{SYNC_LOAD_FORMAT} loader, or TP > 1)")
+                             f"{SYNC_LOAD_FORMAT} loader, or a TP > 1 cut qurl cannot map: "
+                             f"{self.tp_refusal or 'head counts unknown'})")
         if not self.delta_capable:
             return chunks
         if base is None:
             self._meta = chunk_meta(chunks)
+            for tp in self._tp_sizes():
+                try:
+                    check_cuts(self._meta, tp, self._tp_layout(tp), cpu=any(
+                        getattr(s, "device", None) == "cpu" for s in self.servers
+                        if s.spec.tp == tp))
+                except ValueError as e:  # full, unverified syncs from now on, saying why
+                    self.tp_refusal = f"TP {tp} server: qurl cannot map its cut ({e})"
+                    log.warning("SGLang delta / verified syncs off: %s", self.tp_refusal)
+                    self._meta = None
+                    return chunks
         elif self._meta is None:
             raise ValueError("a delta before any full sync")
         self._digest = None
@@ -154,7 +233,17 @@ class SGLangDeltaMixin:
         unknown = sorted(set(digests) - set(self._meta))
         if unknown:
             return unknown
-        chunk = verify_chunk(self._version, digests, self._meta)
+        tp = {}
+        if self._tp_sizes():  # per-rank digests, from the kept copy: first check it is v
+            if self._kept is None:
+                return sorted(digests)
+            off = sorted(n for n in digests
+                         if n not in self._kept or tensor_digest(self._kept[n]) != digests[n])
+            if off:
+                return off
+            tp = {t: tp_digests(self._kept, sorted(digests), t, self._tp_layout(t))
+                  for t in self._tp_sizes()}
+        chunk = verify_chunk(self._version, digests, self._meta, tp)
         c = self.timeouts.control_s
         bad: list[str] = []
         with self._hold():

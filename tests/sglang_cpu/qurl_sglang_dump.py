@@ -47,3 +47,24 @@ def corrupt_one_code(model: torch.nn.Module, named_tensors: list) -> None:
             with open(os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], "corrupted.txt"), "w") as f:
                 f.write(name)
             return
+
+
+def corrupt_kv_code_last_rank(model: torch.nn.Module, named_tensors: list) -> None:
+    """On the last TP rank only: flip one bit of the first code of the k part of the first
+    qkv_proj (row output_partition_sizes[0] in the loading layout [out, in]: call it after
+    qurl's restore on W8A8 servers). With fewer kv heads than ranks that head is replicated:
+    the other ranks' copies stay right. Writes the HF name to corrupted.txt."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if rank != world - 1:
+        return
+    for name, module in model.named_modules():
+        p = getattr(module, "weight", None)
+        if name.endswith("qkv_proj") and p is not None and p.dtype in (torch.int8,
+                                                                       torch.float8_e4m3fn):
+            row = module.output_partition_sizes[0]
+            bits = p.data.view(torch.uint8)
+            bits[row, 0] = bits[row, 0] ^ 1
+            with open(os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], "corrupted.txt"), "w") as f:
+                f.write(name.replace("qkv_proj", "k_proj") + ".weight")
+            return

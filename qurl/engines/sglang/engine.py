@@ -44,6 +44,7 @@ from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, S
                                           SGLangUnavailable, parse_generate)
 from qurl.engines.sglang.server import Server, ServerSpec, server_command
 from qurl.engines.sglang.update import WeightUpdates
+from qurl.engines.sglang_shard import Layout
 from qurl.sync.broadcaster import Broadcaster
 from qurl.sync.group import free_port
 from qurl.sync.sender import SyncStats
@@ -78,12 +79,15 @@ class SGLangEngine(WeightUpdates):
                  bucket_bytes: int = 64 << 20, load_format: str = "flattened_bucket",
                  timeouts: Timeouts | None = None, log_dir: str | Path | None = None,
                  max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
-                 tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health") -> None:
+                 tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health",
+                 layout: Layout | None = None) -> None:
         """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
         validate token ids against it); from_section reads both from the model directory.
         `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
         one-token generation) or "/model_info" (model loaded; for servers that cannot generate,
-        such as 8-bit SGLang on a CPU)."""
+        such as 8-bit SGLang on a CPU). `layout`: the model's head counts, which map a TP > 1
+        server's cut for delta and verified syncs (qurl/engines/sglang_shard.py; without it,
+        read from the config.json of the model path the server reports, when readable here)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         if precision not in QUANTIZATION:
@@ -95,7 +99,7 @@ class SGLangEngine(WeightUpdates):
         if backend == "nccl" and not torch.cuda.is_available():
             raise ConfigError("sglang.backend=nccl: this process has no CUDA device to join the "
                              "weight group from; use sglang.backend=gloo (or auto)")
-        self.precision = precision
+        self.precision, self.layout = precision, layout
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.timeouts = timeouts or Timeouts()
         # the weight group: this process is rank 0, every TP rank of every server a peer
@@ -171,10 +175,10 @@ class SGLangEngine(WeightUpdates):
         from transformers import AutoConfig, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        vocab = int(AutoConfig.from_pretrained(str(model_dir), local_files_only=True).vocab_size)
+        hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         return cls(specs, precision=precision, group_host=group_host, group_port=group_port,
                    backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
-                   tokenizer=tok, vocab_size=vocab)
+                   tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf))
 
     @property
     def version(self) -> int:

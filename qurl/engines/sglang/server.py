@@ -58,6 +58,29 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
     return cmd + extra
 
 
+def on_cpu(command: Iterable[str] | None) -> bool:
+    """The command line runs SGLang on the CPU (`--device cpu`)."""
+    args = list(command or ())
+    return "--device=cpu" in args or any(
+        a == "--device" and i + 1 < len(args) and args[i + 1] == "cpu" for i, a in enumerate(args))
+
+
+def launch_env(command: list[str], tp: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a server process starts with: this one, plus, for a CPU server
+    (`--device cpu`) with TP size > 1 and no SGLANG_CPU_OMP_THREADS_BIND, one OpenMP core list
+    per rank: this process's cores cut into tp equal groups ("0,1|2,3"; SGLang's CPU path
+    refuses more ranks than NUMA nodes without it), a core repeated when there are fewer cores
+    than ranks ("0|1|0")."""
+    env = dict(os.environ if env is None else env)
+    if on_cpu(command) and tp > 1 and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // tp)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(str(c) for c in cores[r * per:(r + 1) * per]) if len(cores) >= tp
+            else str(cores[r % len(cores)]) for r in range(tp))
+    return env
+
+
 @dataclass
 class ServerSpec:
     url: str  # http://host:port
@@ -76,6 +99,8 @@ class Server:
         self.log_path = (log_dir / f"sglang_{self.port}.log") if log_dir else None
         self.inflight = 0
         self.custom_loaders: tuple[str, ...] = ()  # from /server_info (WeightUpdates._check_server)
+        self.layout = None  # TP > 1: the head counts that map each rank's cut (sglang_shard.Layout)
+        self.device: str | None = None  # TP > 1: from /server_info ("cpu" pads uneven cuts)
 
     def call(self, method: str, route: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
@@ -139,7 +164,8 @@ class Server:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # own session: stopping the server also stops its scheduler/detokenizer children
         self.proc = subprocess.Popen(self.spec.command, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env=launch_env(self.spec.command, self.spec.tp))
         if out is not subprocess.DEVNULL:
             out.close()
 

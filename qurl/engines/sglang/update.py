@@ -25,7 +25,7 @@ import torch
 
 from qurl.engines.sglang.protocol import (NO_TENSORS, QUANTIZATION, RESTORE_QUANTIZATIONS,
                                           SGLangError, SGLangUnavailable)
-from qurl.engines.sglang.server import Server
+from qurl.engines.sglang.server import Server, on_cpu
 from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.sync.broadcaster import GroupFormError, GroupSpec
 from qurl.sync.sender import BucketAnnouncement, SyncStats
@@ -192,6 +192,9 @@ class WeightUpdates(SGLangDeltaMixin):
                               f"sglang.tp={s.spec.tp}: set sglang.tp={tp}")
         loaders = info.get("custom_weight_loader")
         s.custom_loaders = tuple(loaders) if isinstance(loaders, list) else ()
+        if s.spec.tp > 1:  # the head counts that map a rank's cut (deltas, verification)
+            s.layout = self._find_layout(s)
+            s.device = info.get("device") or ("cpu" if on_cpu(s.spec.command) else None)
         if QUANTIZATION[self.precision][0] in RESTORE_QUANTIZATIONS and loaders is not None \
                 and RESTORE_LOAD_FORMAT not in loaders:
             raise SGLangError(f"server {s.spec.url} serves {QUANTIZATION[self.precision][0]} "
