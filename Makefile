@@ -22,8 +22,9 @@ run: setup
 	$(BIN)/qurl train --set run.name=$(RUN)
 	$(BIN)/qurl report runs/$(RUN)
 
+# The real-server tests (marker sglang) are `make test-sglang`'s: ~25 minutes on 2 cores.
 test: setup
-	$(BIN)/python -m pytest -q -m "not real_model" tests
+	$(BIN)/python -m pytest -q -m "not real_model and not sglang" tests
 
 # The real pretrained model through every layer (tests/test_real_model.py; tens of minutes on 2
 # cores, so not part of `make test`): fetches SmolLM2-135M first (a no-op when already there).
@@ -32,7 +33,7 @@ test-real: setup
 	$(BIN)/python -m pytest -v -m real_model tests/test_real_model.py
 
 # The real SGLang 0.5.23 server on this CPU (no CUDA packages; tests/sglang_cpu/README.md), in its
-# own venv, and the tests that drive it with qurl's adapter (skipped by `make test` without it).
+# own venv, and the tests that drive it with qurl's adapter (left out of `make test`).
 SGL_VENV := .venv-sglang
 $(SGL_VENV)/.installed: tests/sglang_cpu/requirements.txt tests/sglang_cpu/setup_venv.sh
 	PY=$(PY) bash tests/sglang_cpu/setup_venv.sh $(SGL_VENV)

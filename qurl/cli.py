@@ -91,7 +91,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from qurl.evaluation.suite import summary
 
-    rec = eval_run(Path(args.run_dir), max_examples=args.n, sets=args.set)
+    rec = eval_run(Path(args.run_dir), max_examples=args.n, sets=args.set,
+                   per_question=args.per_question)
     if args.out:
         Path(args.out).write_text(json.dumps(rec) + "\n")
     print(f"{args.run_dir}: {summary(rec)}")
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[],
                    help="override the run's config for this evaluation (data.eval, eval.*)")
     p.add_argument("--out", default=None, help="also write the evaluation record here (JSON)")
+    p.add_argument("--per-question", action="store_true", help="the record also holds the right "
+                   "answers per question (eval_counts), for a measured standard error")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")

@@ -187,10 +187,6 @@ class EvalConfig:
     That engine is qurl's fp32 torch decoder in learner rank 0's process (on its GPU): cheap for
     the CPU presets, out of memory or hours for long GPU evaluations, so the paper presets turn
     it off (qurl eval on a checkpoint scores the policy instead)."""
-    per_question: bool = False
-    """Also record how many answers each question got right (`eval_counts`: {"<set>/greedy" |
-    "<set>/avg@k": [right per question]}, the rollout engine's), from which the evaluation's own
-    standard error is measured (qurl/studies/tables.py); off by default: a list per evaluation."""
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from qurl.sync.publish import WeightSync
 from qurl.train.rundir import CheckpointDir, read_config, run_dir_for
 
 
-def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
-                world_size: int) -> dict:
+def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_question: bool,
+                rank: int, world_size: int) -> dict:
     set_threads(learner_threads(cfg, workers=False))
     init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
     model_dir = str(run_dir_for(cfg) / "base_model") if cfg.model.base in LOCAL_BASES \
@@ -43,19 +43,22 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, rank: int,
         state = Path(ckpt) / "state.pt"
         if main and state.is_file():  # the policy version trained into these weights
             version = int(torch.load(state, weights_only=False).get("version", step))
-        evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples)
+        evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples,
+                              per_question=per_question)
         return evaluator.run(step, version, engine, learner) or {}
     finally:
         if engine is not None:  # SGLang servers launched for this evaluation stop with it
             engine.close()
 
 
-def eval_run(run_dir: Path, max_examples: int | None = None,
-             sets: list[str] | None = None) -> dict:
-    """Evaluate `run_dir`'s latest checkpoint; `sets`: `--set` overrides (e.g. eval.samples=8)."""
+def eval_run(run_dir: Path, max_examples: int | None = None, sets: list[str] | None = None,
+             per_question: bool = False) -> dict:
+    """Evaluate `run_dir`'s latest checkpoint; `sets`: `--set` overrides (e.g. eval.samples=8);
+    per_question: also the right answers per question (`eval_counts`)."""
     cfg = override(read_config(run_dir), {"deploy.dir": str(run_dir.parent), "run.name": run_dir.name})
     cfg = validate(override(cfg, parse_sets(sets or [])))
     latest = CheckpointDir(run_dir).latest()
     if latest is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
-    return run_ranks(_eval_entry, cfg, ckpt=str(latest), max_examples=max_examples)
+    return run_ranks(_eval_entry, cfg, ckpt=str(latest), max_examples=max_examples,
+                     per_question=per_question)

@@ -9,8 +9,10 @@ An evaluation record (`kind: "eval"` in metrics.jsonl) holds, for WHO in
 the keys `WHO/<set>/greedy`, `WHO/<set>/avg@k`, `WHO/<set>/pass@j` (set = file stem, e.g.
 `aime24`, or `synthetic`) and `WHO/mean/...`, their unweighted mean over the sets. Also
 `accuracy` (the rollout engine's headline: mean greedy accuracy if eval.greedy, else mean Avg@k),
-`n` (problems over all sets) and `time/eval`; with eval.per_question, `eval_counts`: the rollout
-engine's right answers per question ({"<set>/greedy" | "<set>/avg@k": [count per question]}).
+`n` (problems over all sets) and `time/eval`; with `per_question` (`qurl eval --per-question`),
+`eval_counts`: the rollout engine's right answers per question ({"<set>/greedy" | "<set>/avg@k":
+[count per question]}), from which an evaluation's standard error is measured
+(qurl/studies/tables.py).
 
 Sampled answers use seeds derived from (run seed, uid, sample index) only, so both engines, and every
 evaluation of a run, see the same random numbers: differences between them and over steps are not
@@ -102,12 +104,12 @@ class Evaluator:
     """Scores the rollout engine and, side by side, the full-precision policy on data.eval."""
 
     def __init__(self, cfg: Config, model_dir: str, *, main: bool,
-                 max_examples: int | None = None) -> None:
+                 max_examples: int | None = None, per_question: bool = False) -> None:
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
         from qurl.sync.publish import WeightSync
 
-        self.cfg, self.fp = cfg, needs_fp_policy(cfg)
+        self.cfg, self.fp, self.per_question = cfg, needs_fp_policy(cfg), per_question
         self.sets: dict[str, list[Example]] = {}
         self.fp_engine: Engine | None = None
         if main:
@@ -134,7 +136,7 @@ class Evaluator:
         counts: dict[str, list[int]] = {}
         quant = score_engine(engine, self.sets, codec, ecfg, counts=counts, **kw)
         rec.update({f"eval/{k}": v for k, v in quant.items()})
-        if ecfg.per_question:
+        if self.per_question:
             rec["eval_counts"] = counts
         if self.fp_engine is not None:
             fp = score_engine(self.fp_engine, self.sets, codec, ecfg, **kw)

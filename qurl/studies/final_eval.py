@@ -12,7 +12,7 @@ per-question success rates are in the middle (qurl/evaluation/metrics.py).
 What. `qurl study ablation --final-eval K` runs, for every finished arm without one, `qurl eval` on
 its run directory's last checkpoint (the step the run ended at) with greedy decoding and Avg@K, the
 rollout engine only (eval.fp_policy off), on the same held-out questions as the training evaluations
-(the run's data config), keeping the right answers per question (eval.per_question: the table
+(the run's data config), keeping the right answers per question (`--per-question`: the table
 measures the evaluation's standard error from them), and commits the record beside the arm's
 metrics:
 
@@ -39,8 +39,7 @@ def eval_sets(k: int) -> list[str]:
     """The `qurl eval --set` overrides of a final evaluation with Avg@k."""
     if k < 1:
         raise ValueError(f"final evaluation: k = {k}, need >= 1 samples per question")
-    return ["eval.greedy=true", f"eval.samples={k}", "eval.fp_policy=false",
-            "eval.per_question=true"]
+    return ["eval.greedy=true", f"eval.samples={k}", "eval.fp_policy=false"]
 
 
 def read_final(arm_dir: Path, k: int | None = None) -> dict[str, Any] | None:
@@ -71,7 +70,8 @@ def evaluate(run_dir: Path, arm_dir: Path, k: int, steps: int) -> str:
     log = Path(run_dir).parent / f"{Path(run_dir).name}.final_eval.log"
     with log.open("ab") as f:
         rc = subprocess.call([sys.executable, "-m", "qurl.cli", "eval", str(run_dir), "--out",
-                              str(tmp), *(a for s in eval_sets(k) for a in ("--set", s))],
+                              str(tmp), "--per-question",
+                              *(a for s in eval_sets(k) for a in ("--set", s))],
                              stdout=f, stderr=subprocess.STDOUT,
                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if rc != 0 or not tmp.exists():

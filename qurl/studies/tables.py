@@ -13,7 +13,7 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   questions, sqrt(p(1−p)/n): exact for greedy (a binomial), an upper bound for Avg@k (the per-question
   share c/k varies less than a single 0/1 answer). It is the part of a seed-to-seed difference that
   is measurement noise; the rest is the RL trajectory's. **eval_se_measured**: where the
-  evaluation kept its right answers per question (`eval_counts`, eval.per_question; the final
+  evaluation kept its right answers per question (`eval_counts`, `qurl eval --per-question`; the final
   evaluations do), the standard error they measure, sd(c/k)/sqrt(n) per set (`measured_se`), as
   the root mean square over seeds in the summary. **acc_vs_base_eval_se**: the measurement noise of
   the paired difference, from the same counts: per seed sd over questions of the two arms' score
