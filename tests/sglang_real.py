@@ -117,6 +117,18 @@ def read_back_ranks(engine: SGLangEngine, dump_dir: Path
     return out
 
 
+def push_versions(sync, engine: SGLangEngine, versions: list[dict[str, torch.Tensor]]
+                  ) -> list[dict]:
+    """Push versions 1..N in order through `sync` (a qurl WeightSync); each push's record, with
+    its wall time in `wall_s`."""
+    recs = []
+    for k, w in enumerate(versions, start=1):
+        t0 = time.perf_counter()
+        recs.append(sync.push(iter(w.items()), engine, version=k))
+        recs[-1]["wall_s"] = time.perf_counter() - t0
+    return recs
+
+
 def checksums(engine: SGLangEngine) -> dict[str, str]:
     """/weights_checker checksums (SHA of each dequantized parameter), as the server computes them."""
     s = engine.servers[0]

@@ -18,7 +18,6 @@ caught by the next sync's verification and repaired by the full resync, counted 
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -29,8 +28,8 @@ from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
 from qurl.sync.publish import WeightSync
 from tests.sglang_real import (CORRUPT, NO_TENSORS, env, fuse_like_sglang,  # noqa: F401
-                               held_like, is_8bit, launch, models, needs_sglang, raw_bytes,
-                               read_back_with_ptrs)
+                               held_like, is_8bit, launch, models, needs_sglang, push_versions,
+                               raw_bytes, read_back_with_ptrs)
 
 pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 STEPS = 20  # training steps: 21 versions, the first synced in full, then 20 deltas
@@ -122,11 +121,7 @@ def test_twenty_delta_syncs_of_a_run_verified_byte_equal_and_corruption_caught(
         assert eng.verify is not None, "the server should run qurl's sync loader"
         held0, ptrs0 = read_back_with_ptrs(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
-        recs = []
-        for k, w in enumerate(versions, start=1):
-            t0 = time.perf_counter()
-            recs.append(sync.push(iter(w.items()), eng, version=k))
-            recs[-1]["wall_s"] = time.perf_counter() - t0
+        recs = push_versions(sync, eng, versions)
         held_d, ptrs_d = read_back_with_ptrs(eng, env)
         # one code corrupted on the server. The next sync re-sends the same weights: a delta of
         # nothing (a changed tensor could be re-sent whole and repair the code by chance: block

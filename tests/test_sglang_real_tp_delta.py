@@ -28,7 +28,6 @@ layers/linear.py: measured 2026-12-01), so 2 kv heads, one per rank.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -39,7 +38,7 @@ from qurl.models.export8bit import export_8bit
 from qurl.models.hf import build_model, read_state_dict
 from qurl.sync.publish import WeightSync
 from tests.sglang_real import (CORRUPT_KV_LAST, NO_TENSORS, env, is_8bit, launch,  # noqa: F401
-                               needs_sglang, raw_bytes, read_back_ranks)
+                               needs_sglang, push_versions, raw_bytes, read_back_ranks)
 
 pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 DELTAS = 5
@@ -85,11 +84,7 @@ def test_tp2_delta_syncs_verified_per_rank_byte_equal_and_corruption_caught(
         assert eng.verify is not None and eng.tp_refusal is None
         before = read_back_ranks(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
-        recs = []
-        for k, w in enumerate(versions, start=1):
-            t0 = time.perf_counter()
-            recs.append(sync.push(iter(w.items()), eng, version=k))
-            recs[-1]["wall_s"] = time.perf_counter() - t0
+        recs = push_versions(sync, eng, versions)
         after_d = read_back_ranks(eng, env)
         corrupted = _corrupt_last_rank(eng, env)
         bad = sync.push(iter(versions[-1].items()), eng, version=len(versions) + 1)

@@ -117,9 +117,9 @@ def _bind_ranks(model: torch.nn.Module) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         st.rank, st.tp, st.gather = 0, 1, None
         return
-    from sglang.srt.distributed.parallel_state import get_tp_group  # inside the server only
+    from qurl.engines.sglang.in_server import tp_group  # imports sglang: inside the server only
 
-    g = get_tp_group()
+    g = tp_group()
     if g.world_size != dist.get_world_size():
         raise ValueError(f"qurl delta / verified syncs need plain TP (world {dist.get_world_size()}"
                          f", TP {g.world_size})")
