@@ -167,7 +167,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise ConfigError(f"--final-eval {args.final_eval}: samples per question, >= 1 (0 = off)")
     ablation(load_config(args.preset, args.config, args.set), args.out, seeds=args.seeds,
              arms=arms, runs_dir=args.runs, jobs=args.jobs, table_only=args.table_only,
-             final_eval=args.final_eval)
+             final_eval=args.final_eval, train_code=args.train_code)
     return 0
 
 
@@ -242,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="score every finished arm's last checkpoint again with greedy and Avg@K "
                    "(committed as final_eval.json; the table's final accuracy once every arm has "
                    "one); 0 = off")
+    p.add_argument("--train-code", default=None, metavar="DIR",
+                   help="train the arms with the qurl in DIR (a checkout at a fixed commit, e.g. a "
+                   "git worktree), so a study spanning sessions runs all its arms on one commit; "
+                   "default: this qurl")
     p.set_defaults(fn=cmd_study)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "learner", "stream", "sync"))

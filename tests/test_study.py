@@ -85,6 +85,8 @@ def test_run_row_means_and_ends():
     assert row["reward_first"] == pytest.approx(0.2) and row["reward_last"] == pytest.approx(0.8)
     assert row["kl"] == pytest.approx(2e-3) and row["clip_high"] == pytest.approx(0.005)
     assert row["collapse_step"] is None
+    assert row["learned_step"] == 20  # evals at 0 / 20 / 40: 0.3, 0.5, 0.7; 0.5 reaches 50%
+    assert run_row(_records([0.2] * 40, [0.3, 0.45, 0.49]))["learned_step"] is None
     with pytest.raises(ValueError, match="no train or no eval"):
         run_row([{"kind": "eval", "step": 0, "accuracy": 0.5}])
 
@@ -107,6 +109,8 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
     assert by["int8-naive"]["acc_vs_base_sd"] == pytest.approx(math.sqrt(0.045))
     assert by["int8-naive"]["collapsed"] == "1/2" and by["int8-naive"]["collapse_step"] == 26
     assert by["int8-acr"]["collapsed"] == "0/2" and math.isnan(by["int8-acr"]["collapse_step"])
+    # every run starts at 50%: greedy ≥ 50% from step 0
+    assert (by["bf16-ppo"]["learned"], by["bf16-ppo"]["learned_step"]) == ("2/2", 0.0)
     pairs = {p["difference"]: p for p in pair_rows(rows, "bf16-ppo")}
     assert set(pairs) == {"int8-naive − bf16-ppo", "int8-acr − int8-tis"}  # no acr-uaq arm here
     assert pairs["int8-acr − int8-tis"]["acc_mean"] == pytest.approx(0.04)  # (0.03, 0.05)
@@ -118,6 +122,22 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
         seeds_csv = list(csv.DictReader(f))
     assert len(seeds_csv) == 8
     assert [r["collapse_step"] for r in seeds_csv if r["arm"] == "int8-naive"] == ["26", ""]
+
+
+def test_learned_counts_the_seeds_that_reached_half_and_when(tmp_path):
+    """Greedy ≥ 50% first at step 20 (seed 0) and 40 (seed 1) for bf16; naive in seed 1 only."""
+    flat = [0.3] * 40
+    records = {0: {"bf16-ppo": _records(flat, [0.1, 0.9, 0.95]),
+                   "int8-naive": _records(flat, [0.1, 0.2, 0.3])},
+               1: {"bf16-ppo": _records(flat, [0.1, 0.2, 0.5]),
+                   "int8-naive": _records(flat, [0.1, 0.6, 0.4])}}  # reached, then fell back
+    by = {r["arm"]: r for r in summarize(seed_rows(records), "bf16-ppo")}
+    assert (by["bf16-ppo"]["learned"], by["bf16-ppo"]["learned_step"]) == ("2/2", 30.0)
+    assert (by["int8-naive"]["learned"], by["int8-naive"]["learned_step"]) == ("1/2", 20.0)
+    md = write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
+    assert "| 2/2, step 30 |" in md and "| 1/2, step 20 |" in md
+    records[1]["int8-naive"] = _records(flat, [0.1, 0.2, 0.3])
+    assert "| 0/2 |" in write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
 
 
 @pytest.mark.parametrize("argv,said", [(["--arms", "int2-naive"], "int2-naive"),

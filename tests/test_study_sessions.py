@@ -1,17 +1,21 @@
 """`qurl study ablation` across sessions: finished-run detection, committed arms reused (not run
-again), a table rebuilt from committed files alone, a committed arm of another config refused, and
-an interrupted arm resumed from its checkpoint — with real `qurl train` processes on the tiny model."""
+again), a table rebuilt from committed files alone, a committed arm of another config refused, an
+interrupted arm resumed from its checkpoint, and a study lengthened (a finished arm continued to
+more steps) — with real `qurl train` processes on the tiny model."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from pipeline_helpers import TIMING, tiny_cfg
 from qurl.config import ConfigError, override
-from qurl.studies.ablation import ablation
-from qurl.studies.store import FILES, arm_dir, finished
+from qurl.studies.ablation import ablation, arm_configs
+from qurl.studies.runner import run_to_end, train_command
+from qurl.studies.store import FILES, arm_dir, extends, finished
 from qurl.train.metrics_log import read_metrics
 
 
@@ -27,6 +31,40 @@ def test_finished_needs_every_step_and_the_final_eval():
     assert not finished([], 2)
 
 
+def test_extends_only_where_the_first_steps_are_the_same(tmp_path):
+    short = tiny_cfg(tmp_path, "arm", 20, **{"run.eval_every": 10})
+    assert extends(short, override(short, {"run.steps": 40}))
+    assert extends(short, override(short, {"run.steps": 40, "deploy.torch_threads": 1}))  # where
+    assert not extends(short, short)  # the same run
+    assert not extends(override(short, {"run.steps": 40}), short)  # fewer steps
+    assert not extends(short, override(short, {"run.steps": 40, "optim.lr": 1e-4}))
+    cosine = override(short, {"optim.schedule": "cosine"})  # its decay spans run.steps
+    assert not extends(cosine, override(cosine, {"run.steps": 40}))
+    stale = override(short, {"rollout.max_staleness": 1})  # generates ahead near its end
+    assert not extends(stale, override(stale, {"run.steps": 40}))
+    odd = override(short, {"run.steps": 25})  # ended on an evaluation a 40-step run lacks
+    assert not extends(odd, override(short, {"run.steps": 40}))
+    final_only = override(short, {"run.eval_every": 0})  # the same: its final one at step 20
+    assert not extends(final_only, override(final_only, {"run.steps": 40}))
+
+
+def test_train_command_imports_the_pinned_checkout(tmp_path, monkeypatch):
+    """`--train-code DIR`: the arm's process imports qurl from DIR, even run from another
+    checkout's root (where `python -m` would otherwise put that checkout's qurl first)."""
+    pinned = tmp_path / "pinned"
+    (pinned / "qurl").mkdir(parents=True)
+    (pinned / "qurl" / "__init__.py").write_text("")
+    (pinned / "qurl" / "cli.py").write_text("import sys; print('pinned', sys.argv[1:])\n")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # this checkout's root holds qurl/
+    cmd, env = train_command(["--resume", "r"], pinned)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "pinned ['train', '--resume', 'r']"
+    cmd, env = train_command(["--help"], None)  # default: this qurl
+    assert "pinned" not in subprocess.run(cmd, env=env, capture_output=True, text=True).stdout
+    with pytest.raises(FileNotFoundError, match="not a qurl checkout"):
+        train_command([], tmp_path)
+
+
 def _strip(rec: dict) -> dict:
     """A record without its timings and wall-clock rates (which differ between any two runs)."""
     return {k: v for k, v in rec.items() if not any(t in k for t in TIMING)}
@@ -35,7 +73,8 @@ def _strip(rec: dict) -> dict:
 @pytest.mark.slow
 def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     """Three 2-step `qurl train` processes: bf16 (session 1), int8-mis (session 2), the resume."""
-    cfg = tiny_cfg(tmp_path, "unused", 2, **{"deploy.torch_threads": 1, "eval.samples": 2})
+    cfg = tiny_cfg(tmp_path, "unused", 2, **{"deploy.torch_threads": 1, "eval.samples": 2,
+                                             "run.eval_every": 2})
     out, runs = tmp_path / "study", tmp_path / "runs"
     (runs / "seed0").mkdir(parents=True)  # the session's shared cache of warm-started base models
     (runs / "seed0" / "_base").symlink_to(runs_dir("study-base") / "_base", target_is_directory=True)
@@ -80,8 +119,13 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     assert sum(counts["synthetic/greedy"]) / last["n"] == last["eval/mean/greedy"]
     assert md_final == md
 
-    # another setting is refused in one line naming the field, nothing overwritten
+    # another setting is refused in one line naming the field, nothing overwritten: more steps
+    # under a cosine schedule (whose decay depends on run.steps) cannot extend the 2-step arms
     with pytest.raises(ConfigError, match=r"run\.steps: 2 there, 3 here"):
+        ablation(override(cfg, {"run.steps": 3, "optim.schedule": "cosine"}), out, seeds=[0],
+                 arms=["bf16-ppo"], runs_dir=runs)
+    # more steps at a constant rate would extend them, but only all the arms at once
+    with pytest.raises(ConfigError, match=r"int8-mis/seed0: committed at 2 steps"):
         ablation(override(cfg, {"run.steps": 3}), out, seeds=[0], arms=["bf16-ppo"], runs_dir=runs)
 
     # the table from the committed files alone (no config needed beyond the defaults)
@@ -104,7 +148,34 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     resumed = read_metrics(arm_dir(out, "int8-mis", 0) / "metrics.jsonl")
     assert [(r["kind"], r["step"]) for r in resumed] == [(r["kind"], r["step"]) for r in whole]
     assert resumed[1]["marker"] == 1
-    for a, b in zip(resumed[2:], whole[2:]):
+    _assert_same_records(resumed[2:], whole[2:])
+
+    # the study lengthened to 3 steps: int8-mis (run directory there, 2 steps finished) is
+    # continued from its step-2 checkpoint, bf16 (directory gone) starts over; the extended arm's
+    # records equal those of a 3-step int8-mis run made from scratch
+    cfg3 = override(cfg, {"run.steps": 3})
+    md3 = ablation(cfg3, out, seeds=[0], arms=["bf16-ppo", "int8-mis"], runs_dir=runs).read_text()
+    said = capsys.readouterr().out
+    assert "seed 0 int8-mis: committed at 2 steps, extending to 3" in said
+    assert "seed 0 int8-mis: extended, finished and committed" in said
+    assert "seed 0 bf16-ppo: started, finished and committed" in said
+    assert "| bf16-ppo | 1 | 3 |" in md3 and "| int8-mis | 1 | 3 |" in md3
+    extended = read_metrics(arm_dir(out, "int8-mis", 0) / "metrics.jsonl")
+    assert extended[1]["marker"] == 1  # steps 1-2 kept, not rerun
+    direct = arm_configs(cfg3, runs_dir("study-direct"), ["int8-mis"])["int8-mis"]
+    assert run_to_end(direct) == "started"
+    whole3 = read_metrics(runs_dir_of(direct) / "metrics.jsonl")
+    assert [(r["kind"], r["step"]) for r in extended] == [(r["kind"], r["step"]) for r in whole3]
+    _assert_same_records(extended[2:], whole3[2:])
+
+
+def runs_dir_of(cfg) -> Path:
+    return Path(cfg.deploy.dir) / cfg.run.name
+
+
+def _assert_same_records(got: list[dict], want: list[dict]) -> None:
+    """Records equal but for timings, floats to the tolerance of two runs of one computation."""
+    for a, b in zip(got, want, strict=True):
         a, b = _strip(a), _strip(b)
         assert a.keys() == b.keys()
         for k in a:

@@ -28,6 +28,9 @@ committed. Running the study again runs only the (seed, arm) pairs not yet finis
 (an interrupted run is resumed from its last checkpoint when its run directory is still there, see
 qurl/studies/runner.py), then rebuilds the tables and plot from every finished arm in `<out>`,
 including arms of earlier sessions that were not asked for this time. `--table-only` runs nothing.
+A study can be lengthened: asked for more steps (`--set run.steps=M`), a committed shorter arm whose
+first steps a longer run repeats exactly (constant learning rate, synchronous rollout: see
+qurl/studies/store.py) is continued from its last checkpoint instead of refused.
 `--jobs N` runs N arms at once (give each a thread: `--set deploy.torch_threads=1`); the base model
 of each seed is built once, by its first arm.
 
@@ -56,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from qurl.config import LOCAL_BASES, Config, ConfigError, override
-from qurl.studies.store import arm_dir, check_same, commit, committed, training_diff
+from qurl.studies.store import arm_dir, check_same, commit, committed, extends, training_diff
 
 BASELINE = "bf16-ppo"
 _QUANT_ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -138,10 +141,12 @@ def _check_mutually_consistent(found: dict, out: Path) -> None:
 
 def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[str],
               runs_dir: str | Path | None = None, jobs: int = 1, table_only: bool = False,
-              final_eval: int = 0) -> dict[int, dict[str, list[dict]]]:
+              final_eval: int = 0, train_code: str | Path | None = None
+              ) -> dict[int, dict[str, list[dict]]]:
     """Run every (seed, arm) not yet finished in out_dir (module docstring), commit each into
     out_dir as it finishes; with final_eval = k > 0 also give every finished arm of out_dir a final
-    evaluation with Avg@k where it has none (qurl/studies/final_eval.py). Returns
+    evaluation with Avg@k where it has none (qurl/studies/final_eval.py); train_code: the qurl
+    checkout whose `qurl train` runs the arms (qurl/studies/runner.py). Returns
     {seed: {arm: records}} of every finished arm in out_dir."""
     from qurl.models.base import build_base
     from qurl.studies import final_eval as fe
@@ -161,8 +166,17 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     def arm_cfg(arm: str, seed: int) -> Config:
         return arm_configs(override(cfg, {"run.seed": seed}), runs / f"seed{seed}", [arm])[arm]
 
-    for (arm, seed), (c, _) in found.items():
-        check_same(arm_dir(out, arm, seed), c, arm_cfg(arm, seed))
+    for (arm, seed), (c, _) in list(found.items()):
+        if extends(c, arm_cfg(arm, seed)):  # a shorter arm is continued (qurl/studies/store.py)
+            if seed not in seeds or arm not in arms:  # else its table would mix run lengths
+                raise ConfigError(f"{arm_dir(out, arm, seed)}: committed at {c.run.steps} steps; "
+                                  f"to lengthen the study to {cfg.run.steps}, ask for its seed and "
+                                  "arm too (--seeds, --arms), or use another --out")
+            print(f"[ablation] seed {seed} {arm}: committed at {c.run.steps} steps, "
+                  f"extending to {cfg.run.steps}", flush=True)
+            del found[(arm, seed)]
+        else:
+            check_same(arm_dir(out, arm, seed), c, arm_cfg(arm, seed))
     todo = [arm_cfg(a, s) for s in seeds for a in arms if (a, s) not in found]
     for a, s in ((a, s) for s in seeds for a in arms if (a, s) in found):
         print(f"[ablation] seed {s} {a}: committed in {arm_dir(out, a, s)}", flush=True)
@@ -172,7 +186,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
 
     def evaluate(arm: str, seed: int) -> None:
         where = arm_dir(out, arm, seed)
-        if final_eval and fe.read_final(where, final_eval) is None:
+        if final_eval and fe.read_final(where, final_eval, step=cfg.run.steps) is None:
             how = fe.evaluate(runs / f"seed{seed}" / arm, where, final_eval, cfg.run.steps)
             print(f"[ablation] seed {seed} {arm}: final evaluation (avg@{final_eval}): {how}",
                   flush=True)
@@ -182,7 +196,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
             with base_locks[c.deploy.dir]:
                 build_base(c)
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {c.run.steps} steps", flush=True)
-        how = run_to_end(c)
+        how = run_to_end(c, Path(train_code) if train_code else None)
         commit(Path(c.deploy.dir) / c.run.name, arm_dir(out, c.run.name, c.run.seed))
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {how}, finished and committed", flush=True)
         evaluate(c.run.name, c.run.seed)
@@ -198,7 +212,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
 
 def ablation(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[str] | None = None,
              runs_dir: str | Path | None = None, jobs: int = 1, table_only: bool = False,
-             final_eval: int = 0) -> Path:
+             final_eval: int = 0, train_code: str | Path | None = None) -> Path:
     """Run what is missing and write the tables and plot of every finished arm into out_dir;
     returns ablation.md."""
     from qurl.studies.plots import plot_study
@@ -206,7 +220,8 @@ def ablation(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[s
 
     out = Path(out_dir)
     records = run_study(cfg, out, seeds=seeds, arms=arms or list(DEFAULT_ARMS), runs_dir=runs_dir,
-                        jobs=jobs, table_only=table_only, final_eval=final_eval)
+                        jobs=jobs, table_only=table_only, final_eval=final_eval,
+                        train_code=train_code)
     if not records:
         raise ConfigError(f"{out}: no finished arm to tabulate (qurl/studies/store.py)")
     path = write_tables(records, out, baseline=BASELINE)

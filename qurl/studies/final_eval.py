@@ -42,13 +42,14 @@ def eval_sets(k: int) -> list[str]:
     return ["eval.greedy=true", f"eval.samples={k}", "eval.fp_policy=false"]
 
 
-def read_final(arm_dir: Path, k: int | None = None) -> dict[str, Any] | None:
-    """The committed final evaluation of an arm (at k samples if given), else None."""
+def read_final(arm_dir: Path, k: int | None = None, step: int | None = None) -> dict[str, Any] | None:
+    """The committed final evaluation of an arm (at k samples, of the step-`step` checkpoint, where
+    given), else None: an arm extended to more steps keeps its shorter run's until scored again."""
     path = Path(arm_dir) / FINAL
     if not path.exists():
         return None
     got = json.loads(path.read_text())
-    return got if k is None or got.get("k") == k else None
+    return got if k in (None, got.get("k")) and step in (None, got.get("step")) else None
 
 
 def last_checkpoint_step(run_dir: Path) -> int | None:

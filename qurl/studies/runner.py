@@ -8,9 +8,19 @@ model and checkpoints). What happens depends on what is already there:
   (`qurl train --resume`), which restores the learner, optimizer, data cursor and RNG state of the
   newest intact checkpoint and truncates metrics.jsonl to it, so the resumed run's records equal an
   uninterrupted run's (qurl/train/rundir.py, qurl/train/metrics_log.py). At most deploy.ckpt_every steps are redone;
+- a finished shorter run that the wanted one extends (qurl.studies.store.extends: only more steps,
+  and the same first steps): it is continued from its last checkpoint with
+  `qurl train --resume <run> --set run.steps=M`;
 - anything else (no checkpoint, another config): the directory is removed and the run starts over.
 
 The process's output is appended to `<deploy.dir>/<run.name>.log`.
+
+Which code trains. By default the `qurl` this process imports. A study that spans sessions can pin
+its arms to one checkout instead (`code`, a directory holding `qurl/`, e.g. a git worktree at a
+fixed commit): RL turns a float-rounding change in a later commit (a fused kernel, a reordered sum)
+into a different trajectory from the first sampled step on, so arms trained by different commits
+are not samples of one experiment. The study's own logic (what to run, final evaluations, tables)
+stays this process's.
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ import sys
 from pathlib import Path
 
 from qurl.config import Config, to_toml
-from qurl.studies.store import read_run, training_diff
+from qurl.studies.store import extends, read_run, training_diff
 
 
 def _resumable(run_dir: Path, cfg: Config) -> bool:
@@ -36,15 +46,32 @@ def _resumable(run_dir: Path, cfg: Config) -> bool:
     return training_diff(old, cfg) is None
 
 
-def run_to_end(cfg: Config) -> str:
-    """Bring cfg's run to its end; returns what was done: 'done', 'resumed' or 'started'."""
+def train_command(argv: list[str], code: Path | None) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of a `qurl train <argv>` process, offline, importing qurl from
+    `code` if given: PYTHONPATH names it and -P keeps the working directory's qurl (a checkout's
+    root) from coming first."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if code is None:
+        return [sys.executable, "-m", "qurl.cli", "train", *argv], env
+    if not (Path(code) / "qurl" / "cli.py").is_file():
+        raise FileNotFoundError(f"{code}: no qurl/cli.py there; not a qurl checkout to train with")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(code).resolve()),
+                                                    env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-P", "-m", "qurl.cli", "train", *argv], env
+
+
+def run_to_end(cfg: Config, code: Path | None = None) -> str:
+    """Bring cfg's run to its end, training with the qurl in `code` if given (module docstring);
+    returns what was done: 'done', 'resumed', 'extended' or 'started'."""
     root = Path(cfg.deploy.dir)
     run_dir = root / cfg.run.name
     done = read_run(run_dir) if run_dir.exists() else None
     if done is not None and training_diff(done[0], cfg) is None:
         return "done"
     root.mkdir(parents=True, exist_ok=True)
-    if _resumable(run_dir, cfg):
+    if done is not None and extends(done[0], cfg):
+        how, argv = "extended", ["--resume", str(run_dir), "--set", f"run.steps={cfg.run.steps}"]
+    elif _resumable(run_dir, cfg):
         how, argv = "resumed", ["--resume", str(run_dir)]
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -52,9 +79,9 @@ def run_to_end(cfg: Config) -> str:
         toml.write_text(to_toml(cfg))
         how, argv = "started", ["--config", str(toml)]
     log = root / f"{cfg.run.name}.log"
+    cmd, env = train_command(argv, code)
     with log.open("ab") as f:
-        rc = subprocess.call([sys.executable, "-m", "qurl.cli", "train", *argv], stdout=f,
-                             stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0 or read_run(run_dir) is None:
         raise RuntimeError(f"study arm {cfg.run.name} ({how}) did not finish (exit {rc}); see {log}")
     return how

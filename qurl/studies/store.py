@@ -18,8 +18,20 @@ and a copy found here unfinished (e.g. edited by hand) is treated as missing and
 
 **Same study** (`check_same`): every committed arm must have been run with the training config the
 study would give it now (qurl.config.tree's training sections; where it ran, `deploy`, may differ).
-A committed arm from another setting (more steps, another eval size) is refused with one line that
-names the field, rather than mixed into a table or overwritten: use another `<out>` for it.
+A committed arm from another setting (another eval size, another learning rate) is refused with one
+line that names the field, rather than mixed into a table or overwritten: use another `<out>` for it.
+
+**Extending** (`extends`): one difference is allowed, more steps, when a longer run's first steps
+are exactly the shorter run's. That holds when nothing before step N depends on the run's length:
+the learning rate is constant after its warmup (a cosine schedule decays over run.steps), rollout
+is synchronous (rollout.max_staleness = 0: an asynchronous run near its end generates less ahead
+than a longer run would at the same step), and the shorter run ended on an evaluation step (N a
+multiple of run.eval_every > 0; with no periodic evaluation the shorter run's final one at N is a
+record the longer run lacks), so both runs hold the same records up to N. Then `qurl train
+--resume <run> --set run.steps=M` continues the finished N-step run from its step-N checkpoint
+into the run an M-step study would have made, and the committed N-step arm is redone that way
+instead of being refused (qurl/studies/runner.py). A study whose N steps end mid-transition can so
+be lengthened without rerunning a step.
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qurl.config import TRAINING_SECTIONS, Config, ConfigError
+from qurl.config import TRAINING_SECTIONS, Config, ConfigError, override
 from qurl.train.metrics_log import read_metrics
 
 FILES = ("config.toml", "metrics.jsonl")
@@ -69,6 +81,15 @@ def training_diff(a: Config, b: Config) -> str | None:
             if va != vb:
                 return f"{section}.{f.name}: {va!r} vs {vb!r}"
     return None
+
+
+def extends(shorter: Config, longer: Config) -> bool:
+    """Whether `longer` is `shorter` run for more steps, with the same first steps (module docstring)."""
+    every = longer.run.eval_every
+    if shorter.run.steps >= longer.run.steps or longer.optim.schedule != "constant" \
+            or longer.rollout.max_staleness != 0 or not every or shorter.run.steps % every:
+        return False
+    return training_diff(override(shorter, {"run.steps": longer.run.steps}), longer) is None
 
 
 def check_same(where: Path, committed: Config, wanted: Config) -> None:

@@ -20,6 +20,11 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   difference / sqrt(n) (both arms of a seed answer the same questions), sqrt(Σ se_s²)/m over m
   seeds (`paired_eval_se`). Δ's se over seeds holds this noise and the trajectories' spread.
 - **reward_last**: mean training reward over the last `WINDOW` steps.
+- **learned step**: the first evaluation step whose greedy accuracy (`eval/mean/greedy`, else the
+  evaluation's headline `accuracy`) reaches LEARNED_ACC, None if none did. Where learning is one jump whose step varies from run to run (the
+  real-model recipe: ~10–20% → ~100% within ~10 steps), the final accuracy of a run cut before its
+  jump says *when* more than *how well*; this column says which runs had learned by the end, and
+  when (the summary: how many of the seeds, and their mean step).
 - **collapse step**: let m_t be the mean training reward over steps t-WINDOW+1 .. t (a trailing
   window, defined from the WINDOW-th step on) and r0 the mean over the first WINDOW steps. The run
   collapsed at step t if m_u < COLLAPSE_FRAC * r0 for every u >= t up to the end of the run, t
@@ -51,6 +56,7 @@ from qurl.studies.compare import _fmt, _md_table, _mean, _sd
 
 WINDOW = 10
 COLLAPSE_FRAC = 0.5
+LEARNED_ACC = 0.5
 STEP_MEANS = {"kl": "kl_behav_prox", "flip": "flip_frac", "clip_low": "clip_frac_low",
               "clip_high": "clip_frac_high", "trunc": "tis_trunc_frac",
               "mask_low": "mask_frac_low", "mask_high": "mask_frac_high",
@@ -89,6 +95,12 @@ def collapse_step(steps: Sequence[int], rewards: Sequence[float], *, window: int
         else:
             break
     return found
+
+
+def learned_step(evals: list[dict], level: float = LEARNED_ACC) -> int | None:
+    """The first evaluation step whose greedy accuracy reaches `level` (module docstring)."""
+    return next((int(r["step"]) for r in evals
+                 if r.get("eval/mean/greedy", r["accuracy"]) >= level), None)
 
 
 def final_eval_k(records: list[dict]) -> int | None:
@@ -156,6 +168,7 @@ def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
         "_scores": question_scores(last.get("eval_counts", {}), head),
         "reward_first": _mean(rewards[:WINDOW]), "reward_last": _mean(rewards[-WINDOW:]),
         "collapse_step": collapse_step([r["step"] for r in train], rewards),
+        "learned_step": learned_step(evals),
     }
     for name, key in STEP_MEANS.items():
         row[name] = _mean([r.get(key) for r in train])
@@ -185,6 +198,7 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
         acc = [r["acc_final"] for r in mine]
         delta = _paired(rows, arm, baseline, "acc_final") if arm != baseline else []
         collapsed = [r["collapse_step"] for r in mine if r["collapse_step"] is not None]
+        learned = [r["learned_step"] for r in mine if r["learned_step"] is not None]
         p, n = _mean(acc), _mean([float(r["eval_n"]) for r in mine])
         measured = [r["eval_se_measured"] for r in mine]
         out.append({
@@ -203,6 +217,8 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
             "reward_last": _mean([r["reward_last"] for r in mine]),
             "collapsed": f"{len(collapsed)}/{len(mine)}",
             "collapse_step": _mean([float(c) for c in collapsed]),
+            "learned": f"{len(learned)}/{len(mine)}",
+            "learned_step": _mean([float(t) for t in learned]),
             **{k: _mean([r[k] for r in mine]) for k in STEP_MEANS},
         })
     return out
@@ -249,6 +265,8 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
               "Δ eval se": _fmt(100 * r["acc_vs_base_eval_se"]),
               "eval se": _fmt(100 * r["eval_se"]) if not math.isfinite(r["eval_se_measured"])
               else f"{_fmt(100 * r['eval_se_measured'])} (≤ {_fmt(100 * r['eval_se'])})",
+              f"greedy ≥ {_fmt(100 * LEARNED_ACC)} at": f"{r['learned']}, step "
+              f"{_fmt(r['learned_step'])}" if math.isfinite(r["learned_step"]) else r["learned"],
               "reward last": _fmt(r["reward_last"]), "collapsed": r["collapsed"],
               "collapse step": _fmt(r["collapse_step"]), "KL(b‖p)": _fmt(r["kl"]),
               "flip": _fmt(r["flip"]), "clip lo/hi": f"{_fmt(r['clip_low'])} / {_fmt(r['clip_high'])}",
@@ -268,7 +286,9 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
              "sd(c/k)/sqrt(n), root mean square over seeds, with that bound after it); Δ eval se: "
              "the part of Δ's uncertainty the evaluations add, paired by question (both arms of "
              "a seed answer the same questions), over the seeds' mean. Trunc / masked: share of tokens whose IS weight the correction "
-             "truncated / zeroed. Collapse, KL and fractions as defined in qurl/studies/tables.py.",
+             "truncated / zeroed. Greedy ≥ 50 at: how many seeds' greedy held-out accuracy "
+             "reached 50 by the end, and their mean first step. Collapse, KL and fractions as "
+             "defined in qurl/studies/tables.py.",
              "", *_md_table(table, list(table[0]))]
     cuts = [{"arm": r["arm"], **{c: _fmt(r[f"cut_{c}"]) for c in CUT_PRESETS},
              "mean IS weight": _fmt(r["w_mean"])} for r in summary
