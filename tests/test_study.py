@@ -9,7 +9,7 @@ import pytest
 
 from qurl.config import load_config
 from qurl.studies.ablation import ARM_NAMES, DEFAULT_ARMS, arm_configs, select_arms
-from qurl.studies.tables import (collapse_step, pair_rows, run_row, seed_rows, summarize,
+from qurl.studies.tables import (collapse_step, learned_interval, pair_rows, run_row, seed_rows, summarize,
                                  write_tables)
 
 
@@ -135,9 +135,22 @@ def test_learned_counts_the_seeds_that_reached_half_and_when(tmp_path):
     assert (by["bf16-ppo"]["learned"], by["bf16-ppo"]["learned_step"]) == ("2/2", 30.0)
     assert (by["int8-naive"]["learned"], by["int8-naive"]["learned_step"]) == ("1/2", 20.0)
     md = write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
-    assert "| 2/2, step 30 |" in md and "| 1/2, step 20 |" in md
+    # exact 95% intervals: 2/2 -> [0.025^(1/2), 1], 1/2 -> [1 - 0.975^(1/2), 0.975^(1/2)]
+    assert "| 2/2 (16–100%), step 30 |" in md and "| 1/2 (1–99%), step 20 |" in md
     records[1]["int8-naive"] = _records(flat, [0.1, 0.2, 0.3])
-    assert "| 0/2 |" in write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
+    assert "| 0/2 (0–84%) |" in write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
+
+
+def test_learned_interval_is_clopper_pearson():
+    """Closed forms: k = 0 -> hi = 1 − (a/2)^(1/n); k = n -> lo = (a/2)^(1/n); n = 2, k = 1 ->
+    lo = 1 − sqrt(1 − a/2), hi = sqrt(1 − a/2). n = 10, k = 3: the tabulated [0.0667, 0.6525]."""
+    assert learned_interval(0, 3) == (0.0, pytest.approx(1 - 0.025 ** (1 / 3), abs=1e-9))
+    assert learned_interval(3, 3) == (pytest.approx(0.025 ** (1 / 3), abs=1e-9), 1.0)
+    assert learned_interval(1, 2) == pytest.approx((1 - math.sqrt(0.975), math.sqrt(0.975)), abs=1e-9)
+    assert learned_interval(3, 10) == pytest.approx((0.0667, 0.6525), abs=1e-4)
+    for bad in ((4, 3), (-1, 3), (0, 0)):
+        with pytest.raises(ValueError):
+            learned_interval(*bad)
 
 
 @pytest.mark.parametrize("argv,said", [(["--arms", "int2-naive"], "int2-naive"),

@@ -24,7 +24,9 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   evaluation's headline `accuracy`) reaches LEARNED_ACC, None if none did. Where learning is one jump whose step varies from run to run (the
   real-model recipe: ~10–20% → ~100% within ~10 steps), the final accuracy of a run cut before its
   jump says *when* more than *how well*; this column says which runs had learned by the end, and
-  when (the summary: how many of the seeds, and their mean step).
+  when (the summary: how many of the seeds, their exact 95% interval for the share of runs that
+  learn (`learned_interval`, Clopper–Pearson), and their mean step). Three seeds resolve little:
+  0/3 learned allows a true share up to 71%, 3/3 one down to 29%.
 - **collapse step**: let m_t be the mean training reward over steps t-WINDOW+1 .. t (a trailing
   window, defined from the WINDOW-th step on) and r0 the mean over the first WINDOW steps. The run
   collapsed at step t if m_u < COLLAPSE_FRAC * r0 for every u >= t up to the end of the run, t
@@ -101,6 +103,33 @@ def learned_step(evals: list[dict], level: float = LEARNED_ACC) -> int | None:
     """The first evaluation step whose greedy accuracy reaches `level` (module docstring)."""
     return next((int(r["step"]) for r in evals
                  if r.get("eval/mean/greedy", r["accuracy"]) >= level), None)
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p)."""
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def _solve(f: Any, target: float) -> float:
+    """The p in [0, 1] where the decreasing function f(p) equals target (bisection, 1e-12)."""
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-12:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def learned_interval(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper–Pearson) interval for a binomial share after k successes in n trials: lo
+    solves P(X >= k | lo) = a/2, i.e. P(X <= k−1 | lo) = 1 − a/2, and hi solves P(X <= k | hi) = a/2
+    (a = 1 − level); lo = 0 when k = 0 and hi = 1 when k = n. E.g. k = 0, n = 3: hi = 1 − 0.025^(1/3)
+    = 0.708."""
+    if not 0 <= k <= n or n < 1:
+        raise ValueError(f"need 0 <= k <= n and n >= 1, got k={k}, n={n}")
+    a = (1 - level) / 2
+    lo = 0.0 if k == 0 else _solve(lambda p: _binom_cdf(k - 1, n, p), 1 - a)
+    hi = 1.0 if k == n else _solve(lambda p: _binom_cdf(k, n, p), a)
+    return lo, hi
 
 
 def final_eval_k(records: list[dict]) -> int | None:
@@ -218,6 +247,7 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
             "collapsed": f"{len(collapsed)}/{len(mine)}",
             "collapse_step": _mean([float(c) for c in collapsed]),
             "learned": f"{len(learned)}/{len(mine)}",
+            **dict(zip(("learned_lo", "learned_hi"), learned_interval(len(learned), len(mine)))),
             "learned_step": _mean([float(t) for t in learned]),
             **{k: _mean([r[k] for r in mine]) for k in STEP_MEANS},
         })
@@ -256,6 +286,11 @@ def _pm(mean: float, sd: float) -> str:
     return _fmt(mean) if not math.isfinite(sd) else f"{_fmt(mean)} ± {_fmt(sd)}"
 
 
+def _learned_cell(r: dict[str, Any]) -> str:
+    text = f"{r['learned']} ({100 * r['learned_lo']:.0f}–{100 * r['learned_hi']:.0f}%)"
+    return f"{text}, step {_fmt(r['learned_step'])}" if math.isfinite(r["learned_step"]) else text
+
+
 def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: list[int]) -> str:
     """The results table (accuracy as points: ×100) and the paired differences."""
     table = [{"arm": r["arm"], "seeds": r["seeds"], "steps": r["steps"],
@@ -265,8 +300,7 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
               "Δ eval se": _fmt(100 * r["acc_vs_base_eval_se"]),
               "eval se": _fmt(100 * r["eval_se"]) if not math.isfinite(r["eval_se_measured"])
               else f"{_fmt(100 * r['eval_se_measured'])} (≤ {_fmt(100 * r['eval_se'])})",
-              f"greedy ≥ {_fmt(100 * LEARNED_ACC)} at": f"{r['learned']}, step "
-              f"{_fmt(r['learned_step'])}" if math.isfinite(r["learned_step"]) else r["learned"],
+              f"greedy ≥ {_fmt(100 * LEARNED_ACC)} at": _learned_cell(r),
               "reward last": _fmt(r["reward_last"]), "collapsed": r["collapsed"],
               "collapse step": _fmt(r["collapse_step"]), "KL(b‖p)": _fmt(r["kl"]),
               "flip": _fmt(r["flip"]), "clip lo/hi": f"{_fmt(r['clip_low'])} / {_fmt(r['clip_high'])}",
@@ -287,7 +321,8 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
              "the part of Δ's uncertainty the evaluations add, paired by question (both arms of "
              "a seed answer the same questions), over the seeds' mean. Trunc / masked: share of tokens whose IS weight the correction "
              "truncated / zeroed. Greedy ≥ 50 at: how many seeds' greedy held-out accuracy "
-             "reached 50 by the end, and their mean first step. Collapse, KL and fractions as "
+             "reached 50 by the end (in brackets the exact 95% interval for the share of runs "
+             "that would), and their mean first step. Collapse, KL and fractions as "
              "defined in qurl/studies/tables.py.",
              "", *_md_table(table, list(table[0]))]
     cuts = [{"arm": r["arm"], **{c: _fmt(r[f"cut_{c}"]) for c in CUT_PRESETS},
