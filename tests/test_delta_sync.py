@@ -16,7 +16,7 @@ from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.named import engine_chunks
 from qurl.sync import delta as D
 from qurl.sync.digest import combine, named_digests, tensor_digest
-from qurl.sync.plan import SyncPlanner
+from qurl.sync.plan import SyncPlanner, broadcast_chunks
 from qurl.sync.publish import WeightSync
 
 
@@ -304,7 +304,7 @@ def gloo_replay(model_dir, precision: str, versions: list, corrupt_at: int | Non
         for v, named in enumerate(versions):
             chunks = list(engine_chunks(iter(named), precision))
             plan = planner.plan(chunks, v, holder)
-            wire = list(plan.chunks)
+            wire = list(broadcast_chunks(plan, chunks))  # as the fleet sends it
             if v == corrupt_at:
                 i = next(i for i, (n, _) in enumerate(wire) if n.endswith("#dval"))
                 wire[i] = (wire[i][0], _flip(wire[i][1], [0]))
@@ -343,6 +343,17 @@ def test_receiver_process_applies_deltas_and_catches_a_corrupted_one(model_dir):
     fresh = LocalEngine(model_dir, precision="int8")
     WeightSync("int8", mode="full").push(iter(versions[-1]), fresh, 4)
     assert out["state"] == named_digests(fresh.model.state_dict().items())
+
+
+def test_an_unchanged_version_replays_over_gloo(model_dir):
+    """A step without gradient publishes the same weights twice: the delta is empty, the
+    broadcast carries the smallest tensor whole (broadcast_chunks, as the fleet does), and the
+    receiving process verifies and ends holding that version."""
+    v0 = _versions(model_dir, 1)[0]
+    out = gloo_replay(model_dir, "int8", [v0, [(n, t.clone()) for n, t in v0]])
+    assert [p.mode for p in out["plans"]] == ["full", "delta"]
+    assert out["plans"][1].chunks == [] and out["plans"][1].stats.same == len(out["plans"][0].chunks)
+    assert [(a["version"], a["bad"]) for a in out["acks"]] == [(0, []), (1, [])]
 
 
 # ------------------------------------------------------------------ a real training run

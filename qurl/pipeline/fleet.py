@@ -57,7 +57,7 @@ from qurl.engines.sglang.server import STOP_WAIT_S
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
 from qurl.sync.broadcaster import Broadcaster, GroupSpec
-from qurl.sync.plan import SyncPlan, SyncPlanner
+from qurl.sync.plan import SyncPlan, SyncPlanner, broadcast_chunks
 
 log = logging.getLogger("qurl.fleet")
 
@@ -287,10 +287,7 @@ class Fleet:
                 if not self.send_control(i, meta):
                     raise RuntimeError(f"weight announcement to slot {i} not sent")
 
-        wire = plan.chunks
-        if not wire:  # an unchanged version (a step without gradient): a broadcast needs a tensor,
-            # so the smallest one goes whole (a delta may carry whole tensors)
-            wire = [min(chunks, key=lambda c: c[1].numel() * c[1].element_size())]
+        wire = broadcast_chunks(plan, chunks)
         self._holder = None  # until every member has it
         try:
             stats = self.weights.send(iter(wire), version, announce=announce)

@@ -71,6 +71,15 @@ class SyncPlan:
         return out
 
 
+def broadcast_chunks(plan: SyncPlan, chunks: Sequence[tuple[str, torch.Tensor]]) -> Chunks:
+    """What a collective broadcast of `plan` sends: its chunks, or, for an empty delta (an
+    unchanged version: a step without gradient), the smallest of the version's full `chunks`
+    whole, since a broadcast needs a tensor and a delta may carry whole tensors."""
+    if plan.chunks or not chunks:
+        return plan.chunks
+    return [min(chunks, key=lambda c: c[1].numel() * c[1].element_size())]
+
+
 class SyncPlanner:
     """See the module docstring. mode: "delta" or "full"; full_every: every this many syncs one
     is full even when a delta would do (0 = never)."""
