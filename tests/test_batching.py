@@ -24,6 +24,12 @@ def test_layout_and_advantages():
     assert batch.adv[0] > 0 > batch.adv[1]
     assert batch.adv[2:].abs().max() == 0
     assert batch.num_tokens == 3 + 1 + 2 + 2
+    # without dynamic sampling the uniform group stays in the batch but is still counted: a step
+    # whose groups are all uniform has no gradient, and its metrics must say so
+    assert stats["groups_uniform"] == 1
+    _, all_wrong = build_batch([[traj("c", 0, [4], [1], 0.0), traj("c", 1, [4], [2], 0.0)], g2],
+                               version=3, pad_id=0)
+    assert all_wrong["groups_uniform"] == 2
 
 
 def test_dynamic_sampling_drops_uniform_groups():

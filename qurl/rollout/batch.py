@@ -63,11 +63,13 @@ def build_batch(
         rewards = rewards + overlong_penalty(
             lengths, max_len=max_new_tokens, buffer_len=overlong_buffer, penalty=overlong_penalty_value)
     adv = grpo_advantages(rewards, group_ids, scale_by_std=(advantage == "grpo"))
-    stats = {"groups": float(len(groups)), "groups_uniform": 0.0}
+    # groups whose G accuracies are all equal carry no GRPO signal (counted with or without
+    # dynamic sampling: a step where every group is uniform is a step without a gradient)
+    uniform = uniform_groups(accuracy, group_ids)
+    stats = {"groups": float(len(groups)),
+             "groups_uniform": float(len(set(group_ids[uniform].tolist())))}
     if dynamic_sampling:
         # DAPO judges groups on accuracy: an all-wrong group must not survive on length shaping
-        uniform = uniform_groups(accuracy, group_ids)
-        stats["groups_uniform"] = float(len(set(group_ids[uniform].tolist())))
         keep = (~uniform).nonzero().flatten().tolist()
         if not keep:
             return None, stats
