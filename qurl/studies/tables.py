@@ -33,9 +33,11 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   the earliest such step: the reward fell below half its starting level and never came back.
   A run with r0 <= 0 (nothing to fall from) or fewer than WINDOW steps never collapses.
 - **kl, flip, clip_low/high, trunc, mask_low/high, acr_widened, rho_max**: means over steps of
-  `kl_behav_prox` (k3 estimate of KL(π_behav‖π_prox)), `flip_frac` (share of 8-bit codes that
-  changed at a sync), `clip_frac_low/high`, `tis_trunc_frac` (share of tokens whose IS weight the
-  correction truncated at its cap: tis, acr, seqtis), `mask_frac_low/high` (share it masked, weight
+  `kl_behav_prox` (k3 estimate of KL(π_behav‖π_prox)), `flip_frac` (share of the engine's linear
+  weights whose code changed at a sync: 8-bit codes for INT8/FP8 arms; for a bf16 arm the values
+  on the wire, nearly all of which change every step, so ~1 there says nothing of quantization),
+  `clip_frac_low/high`, `tis_trunc_frac` (share of tokens whose IS weight the correction truncated
+  at its cap: tis, acr, seqtis), `mask_frac_low/high` (share it masked, weight
   0, below / above its bounds: icepop, mis, geomask; qurl/algo/corrections.py), `acr_widened_frac`,
   `is_ratio_max` (the largest ρ = π_prox/π_behav of the step) and `is_weight_mean` (w_mean: the
   mean IS weight). **cut_<c>**: mean over steps of `cut/<c>`, the share of tokens correction c
@@ -322,7 +324,9 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
              "a seed answer the same questions), over the seeds' mean. Trunc / masked: share of tokens whose IS weight the correction "
              "truncated / zeroed. Greedy ≥ 50 at: how many seeds' greedy held-out accuracy "
              "reached 50 by the end (in brackets the exact 95% interval for the share of runs "
-             "that would), and their mean first step. Collapse, KL and fractions as "
+             "that would), and their mean first step. Flip: share of the engine's linear "
+             "weights whose code changed at a sync (8-bit codes; a bf16 arm's bf16 values, "
+             "nearly all of which change every step). Collapse, KL and fractions as "
              "defined in qurl/studies/tables.py.",
              "", *_md_table(table, list(table[0]))]
     cuts = [{"arm": r["arm"], **{c: _fmt(r[f"cut_{c}"]) for c in CUT_PRESETS},
