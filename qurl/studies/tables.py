@@ -37,8 +37,8 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   weights whose code changed at a sync: 8-bit codes for INT8/FP8 arms; for a bf16 arm the values
   on the wire, nearly all of which change every step, so ~1 there says nothing of quantization),
   `clip_frac_low/high`, `tis_trunc_frac` (share of tokens whose IS weight the correction truncated
-  at its cap: tis, acr, seqtis), `mask_frac_low/high` (share it masked, weight
-  0, below / above its bounds: icepop, mis, geomask; qurl/algo/corrections.py), `acr_widened_frac`,
+  at its cap: tis, acr, seqtis), `mask_frac_low/high` (share it masked, weight 0, below / above
+  its bounds: icepop, mis, geomask; qurl/algo/corrections.py), `acr_widened_frac`,
   `is_ratio_max` (the largest ρ = π_prox/π_behav of the step) and `is_weight_mean` (w_mean: the
   mean IS weight). **cut_<c>**: mean over steps of `cut/<c>`, the share of tokens correction c
   (tis, icepop, mis, seqtis, geomask, at the run's bounds) would truncate or mask on the arm's own
