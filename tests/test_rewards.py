@@ -104,6 +104,27 @@ def test_module_level_score_batch():
     rewards.shutdown_default()
 
 
+def test_number_answers_must_be_numerals_the_question_copied_is_not_an_answer():
+    """The hole SmolLM2 found (session 16): math-verify evaluates "6+7+0" to 13, so under "math" a
+    response that boxes the question scores 1. Answer kind "number" takes numerals only."""
+    copied, computed = "To find \\boxed{6+7+0}, we add.", "6+7+0 = 13. \\boxed{13}"
+    with RewardFn(workers=1) as fn:
+        assert fn.score(copied, "13").reward == 1.0  # the verifier's design, kept for "math"
+        got = fn.score_batch(
+            [copied, computed, "\\boxed{13.0}", "\\boxed{1,013}", "\\boxed{-13}", "\\boxed{\\frac{26}{2}}",
+             "\\boxed{13}", "no box"],
+            ["13", "13", "13", "1013", "13", "13", "-13", "13"], kinds=["number"] * 8)
+        assert [r.reward for r in got] == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+        assert got[0].extracted == "6+7+0" and got[7].extracted is None
+        assert fn.stats["slow"] == 1  # only the "math" call reached math-verify
+        with pytest.raises(ValueError, match="not a numeral"):
+            fn.score_batch(["\\boxed{1}"], ["x=1"], kinds=["number"])
+        with pytest.raises(ValueError, match="answer kind"):
+            fn.score_batch(["\\boxed{1}"], ["1"], kinds=["integer"])
+        with pytest.raises(ValueError, match="1 kinds"):
+            fn.score_batch(["\\boxed{1}", "\\boxed{2}"], ["1", "2"], kinds=["number"])
+
+
 # ---------------------------------------------------------------- real data
 
 

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from qurl.data.datasets import Example
-from qurl.rollout.generate import group_stats
+from qurl.data import rewards
+from qurl.data.synthetic import arithmetic_task
+from qurl.rollout.generate import group_stats, to_trajectories
 from qurl.rollout.requests import make_requests
-from qurl.types import SamplingParams, Trajectory
+from qurl.types import GenResult, SamplingParams, Trajectory
 
 
 def test_dispatch_keys_name_requests_but_do_not_change_seeds():
@@ -46,3 +48,31 @@ def test_group_stats_by_hand():
     assert s["staleness_mean"] == 0.5 and s["staleness_max"] == 2.0
     with pytest.raises(ValueError, match="empty"):
         group_stats([], trained_version=0)
+
+
+class _ByteCodec:
+    """decode() of a byte-level tokenizer: token id = byte value (all to_trajectories asks of a codec)."""
+
+    @staticmethod
+    def decode(ids: torch.Tensor) -> str:
+        return bytes(ids.tolist()).decode()
+
+
+def test_arithmetic_rewards_refuse_the_copied_question_in_rollout_and_eval():
+    """The path every rollout and evaluation scores through: an arithmetic example's answer kind
+    reaches the reward, so boxing the question (math-verify would evaluate it) scores 0, and the
+    same box for a "math" example with the same gold scores 1."""
+    ex = arithmetic_task(1, seed=0, split="train", digits=1, n_operands=3)[0]
+    assert ex.answer_kind == "number"
+    q = ex.prompt.rstrip("=")
+    same_gold = Example("math:x", "x", ex.answer)  # default kind "math"
+    texts = {f"{ex.uid}#0": f"\\boxed{{{q}}}", f"{ex.uid}#1": f"{q}={ex.answer}. \\boxed{{{ex.answer}}}",
+             "math:x#0": f"\\boxed{{{q}}}"}
+    results = [GenResult(rid=rid, prompt_ids=[1], output_ids=torch.tensor(list(t.encode())),
+                         logprobs=torch.zeros(len(t)), versions=torch.zeros(len(t), dtype=torch.int64),
+                         finish_reason="stop") for rid, t in texts.items()]
+    groups = to_trajectories(results, [ex, same_gold], _ByteCodec(), reward_timeout_s=10.0)
+    assert [[t.reward for t in g] for g in groups] == [[0.0, 1.0], [1.0]]
+    rewards.shutdown_default()
+    with pytest.raises(ValueError, match="answer_kind"):
+        Example("u", "p", "1", answer_kind="integer")

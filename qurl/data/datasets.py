@@ -41,20 +41,33 @@ from typing import Any
 
 from qurl.errors import InputError
 
-__all__ = ["DataError", "Example", "PRESETS", "load_dataset", "gsm8k_final_answer"]
+__all__ = ["ANSWER_KINDS", "DataError", "Example", "PRESETS", "load_dataset", "gsm8k_final_answer"]
 
 
 class DataError(InputError):
     """A data file or row is malformed; the message names the file and line (or row)."""
 
 
+ANSWER_KINDS = ("math", "number")
+
+
 @dataclass(frozen=True)
 class Example:
-    """One verifiable task: `prompt` is the raw question text (no template), `answer` the gold string."""
+    """One verifiable task: `prompt` is the raw question text (no template), `answer` the gold string.
+
+    answer_kind says what the reward accepts as equal to the gold (qurl/data/rewards.py):
+    "math" (math-verify's symbolic equivalence: "\\frac{1}{2}" equals "0.5") or "number" (a plain
+    numeral only, compared exactly: the kind of a task whose question is itself an expression)."""
 
     uid: str
     prompt: str
     answer: str
+    answer_kind: str = "math"
+
+    def __post_init__(self) -> None:
+        if self.answer_kind not in ANSWER_KINDS:
+            raise ValueError(f"Example {self.uid!r}: answer_kind must be one of {ANSWER_KINDS}, "
+                             f"got {self.answer_kind!r}")
 
 
 # preset name -> (question field, answer field); aliases share one mapping.

@@ -9,6 +9,11 @@ extracted string is compared with the gold:
 - otherwise `math-verify` decides (`math_equal`): both sides are wrapped in `\\boxed{}` and parsed
   into sympy (fractions, radicals, intervals, sets, equations, units...), then `verify(gold, pred)`.
   The comparison is not symmetric ("x=5" as gold accepts "5"); gold always goes first.
+- answer kind "number" (`Example.answer_kind`): the extracted answer must itself be a plain numeral
+  (integer or decimal, thousands commas allowed), compared exactly; anything else scores 0 and never
+  reaches math-verify. math-verify evaluates expressions ("6+7+0" equals "13"), which is right for
+  MATH-style answers and a hole in a task whose question is the expression: copying the question
+  into the box would score 1 (qurl/data/synthetic.py).
 
 Why a process pool: sympy can run for minutes (or forever) on a pathological answer such as
 `9^{9^{9^{9}}}`, and math-verify's own timeout uses SIGALRM, which exists only in the main thread and
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from qurl.data import _reward_pool as pool_mod
-from qurl.data.datasets import gsm8k_final_answer
+from qurl.data.datasets import ANSWER_KINDS, gsm8k_final_answer
 
 __all__ = [
     "RewardResult",
@@ -118,6 +123,18 @@ def _fast_equal(pred: str, gold: str) -> bool | None:
             return True
         return None  # unequal decimals: math-verify's rounding rules decide (1/3 vs 0.333333)
     return None
+
+
+def _number_equal(pred: str, gold: str) -> bool:
+    """Answer kind "number": `pred` is a plain numeral equal to the numeral `gold` (exactly)."""
+    p, g = pred.strip(), gold.strip()
+    if not _is_numeral(p):
+        return False
+    return Decimal(p.replace(",", "")) == Decimal(g.replace(",", ""))
+
+
+def _is_numeral(s: str) -> bool:
+    return bool(_INT.fullmatch(s) or _DEC.fullmatch(s))
 
 
 def _as_latex(s: str) -> str:
@@ -223,28 +240,42 @@ class RewardFn:
         """Counters since construction: calls, no_answer, fast, slow, timeouts, errors, respawns."""
         return {**self._counts, "respawns": self._pool.respawns}
 
-    def score(self, response_text: str, gold: str, *, timeout_s: float | None = None) -> RewardResult:
-        return self.score_batch([response_text], [gold], timeout_s=timeout_s)[0]
+    def score(self, response_text: str, gold: str, *, timeout_s: float | None = None,
+              kind: str = "math") -> RewardResult:
+        return self.score_batch([response_text], [gold], timeout_s=timeout_s, kinds=[kind])[0]
 
     def score_batch(
-        self, texts: Sequence[str], golds: Sequence[str], *, timeout_s: float | None = None
+        self, texts: Sequence[str], golds: Sequence[str], *, timeout_s: float | None = None,
+        kinds: Sequence[str] | None = None,
     ) -> list[RewardResult]:
-        """One RewardResult per (text, gold), in order. timeout_s overrides the per-call deadline."""
-        if len(texts) != len(golds):
-            raise ValueError(f"score_batch got {len(texts)} texts but {len(golds)} golds")
+        """One RewardResult per (text, gold), in order. timeout_s overrides the per-call deadline.
+        kinds: each gold's answer kind (`Example.answer_kind`, module docstring); default "math"."""
+        kinds = ["math"] * len(texts) if kinds is None else list(kinds)
+        if not len(texts) == len(golds) == len(kinds):
+            raise ValueError(f"score_batch got {len(texts)} texts but {len(golds)} golds and "
+                             f"{len(kinds)} kinds")
         deadline = self.timeout_s if timeout_s is None else float(timeout_s)
         if not deadline > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         results: list[RewardResult | None] = [None] * len(texts)
         slow: list[tuple[int, str, str]] = []
         counts = {"calls": len(texts), "no_answer": 0, "fast": 0, "slow": 0, "timeouts": 0, "errors": 0}
-        for i, (text, gold) in enumerate(zip(texts, golds)):
+        for i, (text, gold, kind) in enumerate(zip(texts, golds, kinds)):
             if not isinstance(text, str) or not isinstance(gold, str):
                 raise ValueError(f"score_batch item {i}: text and gold must be str")
+            if kind not in ANSWER_KINDS:
+                raise ValueError(f"score_batch item {i}: answer kind must be one of {ANSWER_KINDS}, "
+                                 f"got {kind!r}")
+            if kind == "number" and not _is_numeral(gold.strip()):
+                raise ValueError(f"score_batch item {i}: gold {gold!r} of kind 'number' is not a numeral")
             pred = extract_answer(text)
             if pred is None:
                 counts["no_answer"] += 1
                 results[i] = RewardResult(0.0, False, None)
+                continue
+            if kind == "number":
+                counts["fast"] += 1
+                results[i] = RewardResult(float(_number_equal(pred, gold)), False, pred)
                 continue
             fast = _fast_equal(pred, gold) if self.fast_path else None
             if fast is not None:
@@ -289,14 +320,15 @@ def _default_fn() -> RewardFn:
         return _default
 
 
-def score(response_text: str, gold: str, *, timeout_s: float = 5.0) -> RewardResult:
+def score(response_text: str, gold: str, *, timeout_s: float = 5.0, kind: str = "math") -> RewardResult:
     """Score one response with the process-wide default RewardFn (created on first use)."""
-    return _default_fn().score(response_text, gold, timeout_s=timeout_s)
+    return _default_fn().score(response_text, gold, timeout_s=timeout_s, kind=kind)
 
 
-def score_batch(texts: Sequence[str], golds: Sequence[str], *, timeout_s: float = 5.0) -> list[RewardResult]:
+def score_batch(texts: Sequence[str], golds: Sequence[str], *, timeout_s: float = 5.0,
+                kinds: Sequence[str] | None = None) -> list[RewardResult]:
     """Score many responses with the process-wide default RewardFn (created on first use)."""
-    return _default_fn().score_batch(texts, golds, timeout_s=timeout_s)
+    return _default_fn().score_batch(texts, golds, timeout_s=timeout_s, kinds=kinds)
 
 
 def shutdown_default() -> None:

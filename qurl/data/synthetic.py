@@ -21,6 +21,10 @@ Invariants:
   put an eval question into a train list (given the same eval_fraction).
 - The same arguments always give the same list; each list holds distinct questions.
 - uid is `arith:<question>`, so it is stable and unique across splits and difficulties.
+- answer_kind is "number": the reward accepts only a numeral. math-verify evaluates expressions, so
+  under "math" a response that copies the question into its box ("\\boxed{6+7+0}" for "6+7+0=")
+  scores 1 without computing anything; SmolLM2-135M found that copy within 20–40 RL steps
+  (docs/study/smollm2_regime.md, "The reward accepted the question as its answer").
 """
 from __future__ import annotations
 
@@ -118,7 +122,8 @@ def arithmetic_task(
         if question in seen or in_eval_split(question, eval_fraction) != want_eval:
             continue
         seen.add(question)
-        out.append(Example(uid=f"arith:{question}", prompt=question, answer=str(value)))
+        out.append(Example(uid=f"arith:{question}", prompt=question, answer=str(value),
+                           answer_kind="number"))
     return out
 
 

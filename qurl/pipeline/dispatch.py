@@ -90,7 +90,8 @@ class Dispatcher:
                                   params=self.params, group_size=self.G, version=version)
                 meta, tensors = pack_prompt(task)
                 # the worker tags its trajectories with `key`; `burst_end` lets it start generating
-                meta.update(key=d.key, answer=ex.answer, burst_end=k == len(indices) - 1)
+                meta.update(key=d.key, answer=ex.answer, answer_kind=ex.answer_kind,
+                            burst_end=k == len(indices) - 1)
                 if send(slot, meta, tensors):
                     sent += 1
                 else:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from qurl.data.datasets import ANSWER_KINDS
 from qurl.pipeline.worker_sync import Abort, Unverified, WeightClient
 
 log = logging.getLogger("qurl.worker")
@@ -204,7 +205,8 @@ class RolloutWorker(WeightClient):
 
     def _queue_prompt(self, msg: Any) -> None:
         meta = msg.meta
-        if not isinstance(meta.get("key"), str) or not isinstance(meta.get("answer"), str):
+        if not isinstance(meta.get("key"), str) or not isinstance(meta.get("answer"), str) \
+                or meta.get("answer_kind", "math") not in ANSWER_KINDS:
             self.counts["bad_control"] += 1
             return
         self.tasks.append((msg.payload, meta, time.monotonic()))
@@ -237,11 +239,13 @@ class RolloutWorker(WeightClient):
         requests, examples = [], []
         for task, meta, _ in batch:  # each prompt trains at step = its dispatch version + 1
             uid, _did = split_key(meta["key"])
+            kind = meta.get("answer_kind", "math")
             requests += make_requests([Example(uid=uid, prompt="", answer=meta["answer"])],
                                       [task.prompt_ids.tolist()], task.params,
                                       group_size=task.group_size, run_seed=self.cfg.run.seed,
                                       step=task.version + 1, keys=[meta["key"]])
-            examples.append(Example(uid=meta["key"], prompt="", answer=meta["answer"]))
+            examples.append(Example(uid=meta["key"], prompt="", answer=meta["answer"],
+                                    answer_kind=kind))
         v_start = int(self.engine.version)
         try:
             groups, gen = generate_groups(self.engine, requests, examples, self.codec,

@@ -23,8 +23,9 @@ def to_trajectories(results: list[GenResult], examples: list[Example], codec: Pr
     """Score results (ordered as make_requests made them) and group them per prompt."""
     by_uid = {ex.uid: ex for ex in examples}
     texts = [codec.decode(r.output_ids) for r in results]
-    golds = [by_uid[r.rid.rsplit("#", 1)[0]].answer for r in results]
-    scores = score_batch(texts, golds, timeout_s=reward_timeout_s)
+    asked = [by_uid[r.rid.rsplit("#", 1)[0]] for r in results]
+    scores = score_batch(texts, [ex.answer for ex in asked], timeout_s=reward_timeout_s,
+                         kinds=[ex.answer_kind for ex in asked])
     groups: dict[str, list[Trajectory]] = {}
     for res, sc in zip(results, scores):
         uid, j = res.rid.rsplit("#", 1)
