@@ -90,9 +90,11 @@ def smollm2_arith() -> Config:
     right on ~20% of held-out questions (it drops or flips an operand), so groups of 8 carry both
     rewards and there is something to learn. 8 prompts x 8 samples, 24 new tokens (an answer is
     ~12), 2 mini-batches, lr 2e-5 constant, 30 steps; greedy evaluation of the INT8 engine and of the fp
-    policy on 200 held-out questions every 10 steps. The model learns to keep all three operands in
-    one jump after ~800-1500 sampled answers (steps 13-16 in one seed-0 run, 21-25 in another): 30
-    steps hold the jump, ~28 minutes on a quiet 2-core CPU. The learner computes in fp32: on CPUs without
+    policy on 200 held-out questions every 10 steps. The "jump" to ~100% seen with this preset before
+    165b27e was the model learning to box the question itself, which the reward then accepted
+    (math-verify evaluated it); answers must now be numerals, and whether the preset learns
+    arithmetic in its 30 steps is being measured again (docs/study/smollm2_regime.md). A step takes
+    ~1 minute on a quiet 2-core CPU. The learner computes in fp32: on CPUs without
     AVX512-BF16 (this project's AMD EPYC CI machines) a bf16 GEMM is emulated and measured ~9x
     slower than fp32. Results: docs/real_model.md."""
     return override(Config(), {
