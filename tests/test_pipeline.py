@@ -267,3 +267,22 @@ def test_eta1_two_workers_stale_tokens_exactly_once_and_stray_peer(run_root):
     for reason in ("bad_mac", "truncated", "oversized", "replay"):
         assert last.get(f"async/rejects/{reason}") == 1.0, (reason, last)
     assert last.get("async/late") == 1.0
+
+
+def test_dispatched_prompts_carry_the_answer_kind():
+    """The async worker scores with the kind the prompt message carries: an arithmetic prompt must
+    arrive as "number" (a boxed copy of the question scores 0), a MATH-style one as "math"."""
+    from qurl.data.datasets import Example
+    from qurl.data.synthetic import arithmetic_task
+    from qurl.pipeline.dispatch import Dispatcher
+    from qurl.types import SamplingParams
+
+    data = arithmetic_task(2, seed=0, split="train", digits=1, n_operands=3) + \
+        [Example("m0", "x", "\\frac{1}{2}"), Example("m1", "y", "3")]
+    work = Dispatcher(data, batch_size=4, group_size=2, max_staleness=0, total_steps=1, seed=0,
+                      encode=lambda s: [5] * len(s), params=SamplingParams())
+    metas: list[dict] = []
+    assert work.dispatch(0, [0], lambda slot, meta, tensors: metas.append(meta) or True) == 4
+    kinds = {m["key"].split("@")[0]: (m["answer"], m["answer_kind"]) for m in metas}
+    assert kinds == {ex.uid: (ex.answer, "number" if ex.uid.startswith("arith:") else "math")
+                     for ex in data}
