@@ -89,7 +89,8 @@ class Dispatcher:
                 task = PromptTask(prompt_uid=ex.uid, prompt_ids=self._prompt_ids(index),
                                   params=self.params, group_size=self.G, version=version)
                 meta, tensors = pack_prompt(task)
-                # the worker tags its trajectories with `key`; `burst_end` lets it start generating
+                # the worker tags its trajectories with `key` and scores them by `answer` / `answer_kind`;
+                # `burst_end` lets it start generating
                 meta.update(key=d.key, answer=ex.answer, answer_kind=ex.answer_kind,
                             burst_end=k == len(indices) - 1)
                 if send(slot, meta, tensors):

@@ -239,13 +239,12 @@ class RolloutWorker(WeightClient):
         requests, examples = [], []
         for task, meta, _ in batch:  # each prompt trains at step = its dispatch version + 1
             uid, _did = split_key(meta["key"])
-            kind = meta.get("answer_kind", "math")
             requests += make_requests([Example(uid=uid, prompt="", answer=meta["answer"])],
                                       [task.prompt_ids.tolist()], task.params,
                                       group_size=task.group_size, run_seed=self.cfg.run.seed,
                                       step=task.version + 1, keys=[meta["key"]])
             examples.append(Example(uid=meta["key"], prompt="", answer=meta["answer"],
-                                    answer_kind=kind))
+                                    answer_kind=meta.get("answer_kind", "math")))
         v_start = int(self.engine.version)
         try:
             groups, gen = generate_groups(self.engine, requests, examples, self.codec,
