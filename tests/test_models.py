@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +178,81 @@ def test_base_model_key_follows_the_recipe_not_the_rl_prompt_count():
     for changed in ("run.seed=1", "model.warmstart_steps=40", "model.warmstart_lr=1e-3",
                     "data.digits=2", "data.operands=2", "data.template=boxed", "model.base=small"):
         assert _base_key(load_config(sets=[changed])) != key, changed
+
+
+def _checkpoint_cfg(base, tmp_path, *sets):
+    from qurl.config import load_config
+
+    return load_config(sets=[f"model.base={base}", f"deploy.dir={tmp_path / 'runs'}",
+                             "deploy.torch_threads=1", *sets])
+
+
+def test_a_checkpoint_base_is_used_as_given_unless_warm_start_is_asked(micro_dir, tmp_path):
+    """The default warmstart_steps (250, the tiny model's recipe) must not fine-tune a checkpoint
+    on its own: without model.warmstart_checkpoint the run reads model.base where it is."""
+    from qurl.models.base import build_base, builds_base, prepare_base_model
+
+    cfg = _checkpoint_cfg(micro_dir, tmp_path)
+    assert cfg.model.warmstart_steps == 250 and not builds_base(cfg)
+    assert prepare_base_model(cfg, tmp_path / "run") == str(micro_dir)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+    with pytest.raises(ValueError, match="no base to build"):
+        build_base(cfg)
+    assert not builds_base(_checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
+                                           "model.warmstart_steps=0"))
+
+
+def test_a_checkpoint_is_warm_started_on_the_synthetic_recipe(micro_dir, tmp_path):
+    """model.warmstart_checkpoint: the checkpoint is fine-tuned on worked solutions of the warm
+    start's 2000 synthetic questions (rendered with the checkpoint's own tokenizer), cached once,
+    and hard-linked into each run dir; the weights are those of the same fine-tune run by hand."""
+    from qurl.data.synthetic import arithmetic_task, worked_solution
+    from qurl.models.base import prepare_base_model
+
+    cfg = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
+                          "model.warmstart_steps=3", "model.warmstart_lr=1e-3", "run.seed=4")
+    got = Path(prepare_base_model(cfg, tmp_path / "run_a"))
+    assert got == tmp_path / "run_a" / "base_model"
+    check_checkpoint(got)
+    log = json.loads((got / "warmstart.json").read_text())
+    assert (log["steps"], log["lr"], log["batch_size"], log["seed"], log["pairs"]) == (3, 1e-3, 32, 4, 2000)
+
+    questions = arithmetic_task(2000, seed=4, split="train", digits=cfg.data.digits,
+                                n_operands=cfg.data.operands, at_most=True)
+    pairs = [(q.prompt, worked_solution(q)) for q in questions]  # template "plain": the bare question
+    by_hand = sft_warmstart(micro_dir, pairs, steps=3, lr=1e-3, batch_size=32, seed=4,
+                            out_dir=tmp_path / "by_hand", num_threads=1)
+    tuned, ref, start = read_state_dict(got), read_state_dict(by_hand), read_state_dict(micro_dir)
+    assert all(torch.equal(tuned[k], ref[k]) for k in ref)
+    assert any(not torch.equal(tuned[k], start[k]) for k in start)
+
+    cached = [p for p in (tmp_path / "runs" / "_base").iterdir()]
+    assert len(cached) == 1 and cached[0].name.startswith(micro_dir.name + "-")
+    again = Path(prepare_base_model(cfg, tmp_path / "run_b"))  # a second run: the cache, linked
+    assert [p.name for p in (tmp_path / "runs" / "_base").iterdir()] == [cached[0].name]
+    weights = "model.safetensors"
+    assert (again / weights).stat().st_ino == (cached[0] / weights).stat().st_ino == (got / weights).stat().st_ino
+
+
+def test_the_warm_start_cache_key_follows_the_checkpoint(micro_dir, tmp_path):
+    from qurl.models.base import _base_key
+
+    other = tmp_path / "other"
+    shutil.copytree(micro_dir, other)
+    sets = ("model.warmstart_checkpoint=true",)
+    key = _base_key(_checkpoint_cfg(other, tmp_path, *sets), other)
+    assert _base_key(_checkpoint_cfg(other, tmp_path, *sets), other) == key
+    conf = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**conf, "rms_norm_eps": 1e-5}))
+    assert _base_key(_checkpoint_cfg(other, tmp_path, *sets), other) != key
+    (other / "config.json").write_text(json.dumps(conf))
+    (other / "extra.bin").write_bytes(b"x")
+    assert _base_key(_checkpoint_cfg(other, tmp_path, *sets), other) != key
+
+
+def test_warm_starting_a_checkpoint_needs_the_synthetic_task(micro_dir, tmp_path):
+    from qurl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.warmstart_checkpoint.*data.train='x.jsonl'"):
+        _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true", "data.train=x.jsonl")
+    _checkpoint_cfg(micro_dir, tmp_path, "data.train=x.jsonl")  # used as given: nothing to check

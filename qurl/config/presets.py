@@ -109,9 +109,29 @@ def smollm2_arith() -> Config:
     })
 
 
+
+def smollm2_arith_sft() -> Config:
+    """smollm2-arith from a warm start: 20 supervised steps on worked answers ("6-3=3,3-3=0
+    \\boxed{0}"; batch 32, lr 3e-5 peak) before RL, so RL starts graded rather than mostly wrong.
+
+    Under the numeral-only reward smollm2-arith's base model is right on 13.5% of held-out questions
+    and bf16 did not learn in 60 steps (docs/study/smollm2_regime.md). The warm start's length was
+    probed (greedy 0.5 / 16 / 61 / 83% after 10 / 15 / 20 / 30 steps, seed 0): 20 steps leaves
+    errors for RL to fix, and a 30-step bf16 pilot from it went 61.0 -> 68.5% greedy with the
+    training reward 0.42 -> 0.55. Each run.seed gets its own warm start (cached under
+    `<deploy.dir>/_base/`). 40 RL steps at smollm2-arith's lr 2e-5, greedy and Avg@4 evaluation
+    every 10. This is the real-model ablation's recipe (issue 22); ~45 s a step on a quiet 2-core
+    CPU."""
+    return override(smollm2_arith(), {
+        "run.name": "smollm2-arith-sft", "run.steps": 40,
+        "model.warmstart_checkpoint": True, "model.warmstart_steps": 20, "model.warmstart_lr": 3e-5,
+        "eval.samples": 4,
+    })
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "cpu-tiny": cpu_tiny,
     "smollm2-arith": smollm2_arith,
+    "smollm2-arith-sft": smollm2_arith_sft,
     "paper-deepscaler-1.5b": paper_deepscaler_1p5b,
     "paper-dapo-7b": paper_dapo_7b,
     "paper-ppo-gsm8k": paper_ppo_gsm8k,

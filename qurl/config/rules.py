@@ -4,7 +4,7 @@ Each rule names the fields it reads, so the error a user meets says which settin
 """
 from __future__ import annotations
 
-from qurl.config.tree import Config
+from qurl.config.tree import LOCAL_BASES, Config
 from qurl.errors import InputError
 
 
@@ -43,6 +43,12 @@ def check_rules(cfg: Config) -> None:
         if len(b) != 2 or not 0 < b[0] <= 1 <= b[1]:
             raise ConfigError(f"algo.{name}={list(b)}: must be two numbers low,high with "
                               "0 < low <= 1 <= high (a ratio of 1, no mismatch, is always kept)")
+    m = cfg.model
+    if (m.warmstart_checkpoint and m.warmstart_steps and m.base not in LOCAL_BASES
+            and cfg.data.train != "synthetic"):
+        raise ConfigError(f"model.warmstart_checkpoint: the warm start trains on worked solutions of "
+                          f"the synthetic task; data.train={cfg.data.train!r} has none (set "
+                          "model.warmstart_checkpoint=false)")
     if not e.greedy and not e.samples:
         raise ConfigError("eval.greedy=false and eval.samples=0: the evaluation would measure nothing")
     for k in e.pass_k:

@@ -59,10 +59,14 @@ class ModelConfig:
     """Learner compute: bfloat16 (fp32 master weights and AdamW moments) or float32. On a CPU with
     AVX512-BF16 a bf16 matmul is 2.6x an fp32 one: the tiny learner's step is 1.75x faster."""
     warmstart_steps: Count = 250
-    """Supervised steps on worked solutions before RL, for `tiny`/`small` only (RL needs a policy
-    that is sometimes right); 0 = none."""
+    """Supervised steps on worked solutions of the synthetic task before RL (RL needs a policy that
+    is sometimes right; qurl/models/base.py); 0 = none. Applies to `tiny`/`small`, and to a
+    checkpoint base only with warmstart_checkpoint."""
     warmstart_lr: PositiveFloat = 3e-3
-    """Learning rate of that warm start."""
+    """Learning rate of that warm start (peak; warm-up, then cosine to a tenth)."""
+    warmstart_checkpoint: bool = False
+    """Warm-start a checkpoint base (a path or a fetched name) too, on data.train=synthetic; off,
+    a checkpoint is RL's start as given. The result is cached and copied into the run dir."""
 
 
 @dataclass(frozen=True)

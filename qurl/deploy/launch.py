@@ -56,11 +56,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from qurl.config import LOCAL_BASES, PRESETS, Config, load_config
+from qurl.config import PRESETS, Config, load_config
 from qurl.deploy.netif import IFNAME_VARS, interface_to
 from qurl.deploy.placement import learner_ranks_per_node
 from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.engines.sglang.server import server_command
+from qurl.models.base import builds_base
 
 BASE_PORT = 30000
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -176,9 +177,10 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                                  f"for sglang.tp={sg.tp} on some node (--nodes)")
             extra_sets.append("sglang.urls=" + ",".join(f"http://{h}:{p}"
                                                                  for h, p in servers))
-        if cfg.model.base in LOCAL_BASES:
-            raise ValueError(f"model.base={cfg.model.base!r}: SGLang servers launched here load a "
-                             "checkpoint directory; set model.base to its path")
+        if builds_base(cfg):
+            raise ValueError(f"model.base={cfg.model.base!r} is built per run (tiny/small, or "
+                             "model.warmstart_checkpoint): SGLang servers launched here load a "
+                             "checkpoint directory; set model.base to its path, as given")
         quant, fmt = QUANTIZATION[r.precision]
         ckpt = str(Path(cfg.deploy.dir) / cfg.run.name / f"sglang_{fmt}")
         export = Command("export", [python, "-m", "qurl.models.export8bit", "--src",

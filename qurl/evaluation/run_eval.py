@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
-from qurl.config import LOCAL_BASES, Config, override, parse_sets, validate
+from qurl.config import Config, override, parse_sets, validate
 from qurl.deploy.placement import learner_threads, set_threads
 from qurl.deploy.ranks import run_ranks
 from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.evaluation.suite import Evaluator
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
+from qurl.models.base import builds_base
 from qurl.models.registry import resolve_base
 from qurl.sync.publish import WeightSync
 from qurl.train.rundir import CheckpointDir, read_config, run_dir_for
@@ -29,7 +30,7 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_questio
                 rank: int, world_size: int) -> dict:
     set_threads(learner_threads(cfg, workers=False))
     init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
-    model_dir = str(run_dir_for(cfg) / "base_model") if cfg.model.base in LOCAL_BASES \
+    model_dir = str(run_dir_for(cfg) / "base_model") if builds_base(cfg) \
         else resolve_base(cfg.model.base)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)

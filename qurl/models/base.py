@@ -3,14 +3,19 @@ model `qurl fetch` got: `qurl.models.registry`) or one built here.
 
 The CPU default has no hub to download from, so its base model is made here: a tiny Qwen2 with a
 character tokenizer, warm-started by a short supervised fine-tune on worked solutions of the
-synthetic training split (RL needs a policy that is sometimes right). The result is cached under
-`runs/_base/<key>/`, keyed by everything that determines it, and copied into the run directory so a
-run can always be resumed from its own files.
+synthetic training split (RL needs a policy that is sometimes right). A checkpoint can be warm-started
+the same way (`model.warmstart_checkpoint`): a pretrained model that is right on 15% of questions
+gives groups that are mostly all-wrong, and a few supervised steps put it where RL improves it by
+degrees (docs/study/smollm2_regime.md). A built base is cached under
+`<deploy.dir>/_base/<name>-<key>/`, keyed by everything that determines it (for a checkpoint, also
+its config and its files' names and sizes), and linked or copied into the run directory so a run can
+always be resumed from its own files.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -26,12 +31,37 @@ from qurl.data.templates import render_prompt
 WARMSTART_QUESTIONS = 2000
 
 
-def _base_key(cfg: Config) -> str:
+def builds_base(cfg: Config) -> bool:
+    """Whether the run's base model is built here (tiny/small, or a warm-started checkpoint) and
+    lives in the run dir, rather than read from model.base as it is."""
+    m = cfg.model
+    return m.base in LOCAL_BASES or (m.warmstart_checkpoint and m.warmstart_steps > 0)
+
+
+def _checkpoint_identity(path: Path) -> dict:
+    """What tells one checkpoint from another cheaply: its config.json and its files' names, sizes."""
+    files = sorted(f for f in path.iterdir() if f.is_file())
+    return {"config": (path / "config.json").read_text(),
+            "files": [[f.name, f.stat().st_size] for f in files]}
+
+
+def _base_key(cfg: Config, checkpoint: Path | None = None) -> str:
     m, d = cfg.model, cfg.data
     ident = {"preset": m.base, "seed": cfg.run.seed, "steps": m.warmstart_steps,
              "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template,
              "questions": WARMSTART_QUESTIONS, "v": 3}
+    if checkpoint is not None:
+        ident["checkpoint"] = _checkpoint_identity(checkpoint)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link a cached file into the run dir (the cache is written once, never in place), or
+    copy it where links cannot be made (another file system)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def prepare_base_model(cfg: Config, run_dir: Path) -> str:
@@ -39,42 +69,59 @@ def prepare_base_model(cfg: Config, run_dir: Path) -> str:
     from qurl.models.hf import check_checkpoint
     from qurl.models.registry import resolve_base
 
-    if cfg.model.base not in LOCAL_BASES:
+    if not builds_base(cfg):
         path = resolve_base(cfg.model.base)
         check_checkpoint(path)
         return path
     target = Path(run_dir) / "base_model"
     if (target / "config.json").exists():
         return str(target)
-    shutil.copytree(build_base(cfg), target, dirs_exist_ok=True)
+    shutil.copytree(build_base(cfg), target, dirs_exist_ok=True, copy_function=_link_or_copy)
     return str(target)
 
 
 def build_base(cfg: Config) -> Path:
-    """The cached base model of model.base tiny/small (`<deploy.dir>/_base/<base>-<key>/`), built and
-    warm-started first if missing. Two processes must not build the same key at once (they share
-    its .tmp dir): callers that start runs side by side build it once beforehand."""
-    from qurl.models.hf import build_model
-    from qurl.models.tokenizer import build_tokenizer
+    """The cached base model (`<deploy.dir>/_base/<name>-<key>/`) of a run that builds_base: built
+    (tiny/small) or read (a checkpoint) and warm-started first if missing. Two processes must not
+    build the same key at once (they share its .tmp dir): callers that start runs side by side
+    build it once beforehand."""
+    from qurl.models.hf import build_model, check_checkpoint
+    from qurl.models.registry import resolve_base
     from qurl.models.warmstart import sft_warmstart
 
-    cache = Path(cfg.deploy.dir) / "_base" / f"{cfg.model.base}-{_base_key(cfg)}"
+    m = cfg.model
+    if not builds_base(cfg):
+        raise ValueError(f"model.base={m.base!r} is used as given (model.warmstart_checkpoint is "
+                         "off or model.warmstart_steps is 0): there is no base to build")
+    checkpoint = None if m.base in LOCAL_BASES else Path(resolve_base(m.base))
+    if checkpoint is not None:
+        check_checkpoint(checkpoint)
+    name = m.base if checkpoint is None else checkpoint.name
+    cache = Path(cfg.deploy.dir) / "_base" / f"{name}-{_base_key(cfg, checkpoint)}"
     if not (cache / "config.json").exists():
         tmp = cache.with_name(cache.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        init = build_model(tmp / "init", cfg.model.base, seed=cfg.run.seed)
-        if cfg.model.warmstart_steps > 0:
-            tok = build_tokenizer()
-            train = arithmetic_task(WARMSTART_QUESTIONS, seed=cfg.run.seed, split="train",
-                                    digits=cfg.data.digits, n_operands=cfg.data.operands,
-                                    at_most=True)
-            pairs = [(render_prompt(ex.prompt, cfg.data.template, tokenizer=tok),
-                      worked_solution(ex)) for ex in train]
-            sft_warmstart(init, pairs, steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr,
-                          batch_size=32, seed=cfg.run.seed, out_dir=tmp / "sft",
+        init = checkpoint or build_model(tmp / "init", m.base, seed=cfg.run.seed)
+        if m.warmstart_steps > 0:
+            sft_warmstart(init, _warmstart_pairs(cfg, init), steps=m.warmstart_steps,
+                          lr=m.warmstart_lr, batch_size=32, seed=cfg.run.seed, out_dir=tmp / "sft",
                           num_threads=cfg.deploy.torch_threads or None)
             shutil.move(str(tmp / "sft"), str(cache))
         else:
             shutil.move(str(init), str(cache))
         shutil.rmtree(tmp, ignore_errors=True)
     return cache
+
+
+def _warmstart_pairs(cfg: Config, model_dir: Path) -> list[tuple[str, str]]:
+    """(prompt as the run renders it, worked solution) for the warm start's fixed training questions."""
+    from transformers import AutoTokenizer
+
+    from qurl.models.tokenizer import build_tokenizer
+
+    tok = (build_tokenizer() if cfg.model.base in LOCAL_BASES
+           else AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
+    train = arithmetic_task(WARMSTART_QUESTIONS, seed=cfg.run.seed, split="train",
+                            digits=cfg.data.digits, n_operands=cfg.data.operands, at_most=True)
+    return [(render_prompt(ex.prompt, cfg.data.template, tokenizer=tok), worked_solution(ex))
+            for ex in train]

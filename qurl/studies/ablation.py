@@ -58,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from qurl.config import LOCAL_BASES, Config, ConfigError, override
+from qurl.config import Config, ConfigError, override
 from qurl.studies.store import arm_dir, check_same, commit, committed, extends, training_diff
 
 BASELINE = "bf16-ppo"
@@ -148,7 +148,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     evaluation with Avg@k where it has none (qurl/studies/final_eval.py); train_code: the qurl
     checkout whose `qurl train` runs the arms (qurl/studies/runner.py). Returns
     {seed: {arm: records}} of every finished arm in out_dir."""
-    from qurl.models.base import build_base
+    from qurl.models.base import build_base, builds_base
     from qurl.studies import final_eval as fe
     from qurl.studies.runner import run_to_end
 
@@ -192,7 +192,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
                   flush=True)
 
     def one(c: Config) -> None:
-        if cfg.model.base in LOCAL_BASES:
+        if builds_base(c):
             with base_locks[c.deploy.dir]:
                 build_base(c)
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {c.run.steps} steps", flush=True)
