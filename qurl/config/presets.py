@@ -92,8 +92,9 @@ def smollm2_arith() -> Config:
     ~12), 2 mini-batches, lr 2e-5 constant, 30 steps; greedy evaluation of the INT8 engine and of the fp
     policy on 200 held-out questions every 10 steps. The "jump" to ~100% seen with this preset before
     165b27e was the model learning to box the question itself, which the reward then accepted
-    (math-verify evaluated it); answers must now be numerals, and whether the preset learns
-    arithmetic in its 30 steps is being measured again (docs/study/smollm2_regime.md). A step takes
+    (math-verify evaluated it); answers must now be numerals, and under that reward bf16 did not
+    learn in 60 steps (13.5 -> 6.5% greedy, seed 0; docs/study/smollm2_regime.md): the recipe
+    that learns is smollm2-arith-sft, this one after a short SFT warm start. A step takes
     ~1 minute on a quiet 2-core CPU. The learner computes in fp32: on CPUs without
     AVX512-BF16 (this project's AMD EPYC CI machines) a bf16 GEMM is emulated and measured ~9x
     slower than fp32. Results: docs/real_model.md."""
