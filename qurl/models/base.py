@@ -4,7 +4,7 @@ model `qurl fetch` got: `qurl.models.registry`) or one built here.
 The CPU default has no hub to download from, so its base model is made here: a tiny Qwen2 with a
 character tokenizer, warm-started by a short supervised fine-tune on worked solutions of the
 synthetic training split (RL needs a policy that is sometimes right). A checkpoint can be warm-started
-the same way (`model.warmstart_checkpoint`): a pretrained model that is right on 15% of questions
+the same way (`model.warmstart_checkpoint`): a pretrained model that is right on ~14% of questions
 gives groups that are mostly all-wrong, and a few supervised steps put it where RL improves it by
 degrees (docs/study/smollm2_regime.md). A built base is cached under
 `<deploy.dir>/_base/<name>-<key>/`, keyed by everything that determines it (for a checkpoint, also
