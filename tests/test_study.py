@@ -226,6 +226,17 @@ def test_final_evaluations_are_the_final_accuracy_only_when_every_arm_has_one(tm
     other_k[0]["int8-acr-uaq"][-1]["k"] = 4
     assert {r["acc_metric"] for r in seed_rows(other_k)} == {"greedy"}
 
+    # runs that evaluated Avg@4 all along: the start is the step-0 Avg@4 (the same expected
+    # accuracy at eval.temperature as the final Avg@8), not the step-0 greedy
+    sampled = {0: {arm: run(0.5, 0.45) for arm in ("bf16-ppo", "int8-acr-uaq")}}
+    for recs in sampled[0].values():
+        for r in recs:
+            if r["kind"] == "eval":
+                r["eval/mean/avg@4"] = r["accuracy"] - 0.1
+    rows = {r["arm"]: r for r in seed_rows(sampled)}
+    assert rows["bf16-ppo"]["acc_initial"] == pytest.approx(0.1)
+    assert rows["bf16-ppo"]["acc_metric"] == "final eval avg@8"
+
 
 def test_final_evaluation_is_refused_without_the_runs_last_checkpoint(tmp_path):
     from qurl.studies import final_eval as fe

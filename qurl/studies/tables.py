@@ -8,7 +8,9 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   measured it, else greedy (`accuracy`); `acc_metric` names which, `eval_n` the questions scored.
   `greedy_final` is the greedy accuracy in either case (when measured). When every arm of the table
   has a committed final evaluation at the same k (qurl/studies/final_eval.py), acc_final and
-  greedy_final are that evaluation's Avg@k and greedy (acc_initial stays the step-0 evaluation).
+  greedy_final are that evaluation's Avg@k and greedy (acc_initial stays the step-0 evaluation:
+  its Avg@k at the run's own k where it measured one, the same expected accuracy at
+  eval.temperature, else greedy).
 - **eval_se**: the standard error of one evaluation at the arm's mean final accuracy p over n
   questions, sqrt(p(1−p)/n): exact for greedy (a binomial), an upper bound for Avg@k (the per-question
   share c/k varies less than a single 0/1 answer). It is the part of a seed-to-seed difference that
@@ -193,7 +195,7 @@ def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
         metric, head = f"final eval avg@{last['k']}", f"avg@{last['k']}"
     row: dict[str, Any] = {
         "steps": len(train), "acc_metric": metric, "eval_n": last.get("n", float("nan")),
-        "acc_initial": evals[0][key] if key in evals[0] else evals[0]["accuracy"],
+        "acc_initial": evals[0][key if key in evals[0] else acc_key(evals[:1])[0]],
         "acc_final": last[key], "greedy_final": last.get("eval/mean/greedy", float("nan")),
         "eval_se_measured": measured_se(last.get("eval_counts", {}), head),
         "_scores": question_scores(last.get("eval_counts", {}), head),
