@@ -15,7 +15,8 @@ from pipeline_helpers import TIMING, tiny_cfg
 from qurl.config import ConfigError, override
 from qurl.studies.ablation import ablation, arm_configs
 from qurl.studies.runner import run_to_end, train_command
-from qurl.studies.store import FILES, arm_dir, extends, finished
+from qurl.studies.store import FILES, START, arm_dir, extends, finished, start_record, starts
+from qurl.studies.tables import starts_markdown
 from qurl.train.metrics_log import read_metrics
 
 
@@ -46,6 +47,30 @@ def test_extends_only_where_the_first_steps_are_the_same(tmp_path):
     assert not extends(odd, override(short, {"run.steps": 40}))
     final_only = override(short, {"run.eval_every": 0})  # the same: its final one at step 20
     assert not extends(final_only, override(final_only, {"run.steps": 40}))
+
+
+def test_start_record_hashes_the_starting_weights(tmp_path):
+    """SHA-256 over the base's weight files in name order, with the warm start's record; None for
+    a run that used a checkpoint as given (no base_model/ of its own)."""
+    import hashlib
+
+    base = tmp_path / "run" / "base_model"
+    base.mkdir(parents=True)
+    (base / "model-00002.safetensors").write_bytes(b"second")
+    (base / "model-00001.safetensors").write_bytes(b"first" * 10_000_000)  # 50 MB: chunked
+    (base / "warmstart.json").write_text('{"steps": 20, "losses": [1.8, 0.06]}')
+    rec = start_record(tmp_path / "run")
+    assert rec == {"sha256": hashlib.sha256(b"first" * 10_000_000 + b"second").hexdigest(),
+                   "warmstart": {"steps": 20, "losses": [1.8, 0.06]}}
+    assert start_record(tmp_path / "other") is None
+
+
+def test_starts_markdown_groups_arms_by_start():
+    a, b = "a" * 64, "b" * 64
+    md = starts_markdown({0: {a: ["bf16-ppo", "int8-tis"], None: ["int8-naive"]}, 1: {b: ["bf16-ppo"]}})
+    assert "- seed 0: `aaaaaaaaaaaa` bf16-ppo, int8-tis; not recorded: int8-naive" in md
+    assert "- seed 1: `bbbbbbbbbbbb` bf16-ppo" in md
+    assert starts_markdown({0: {None: ["bf16-ppo"]}}) == ""  # nothing recorded: no section
 
 
 def test_train_command_imports_the_pinned_checkout(tmp_path, monkeypatch):
@@ -80,7 +105,7 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     (runs / "seed0" / "_base").symlink_to(runs_dir("study-base") / "_base", target_is_directory=True)
 
     ablation(cfg, out, seeds=[0], arms=["bf16-ppo"], runs_dir=runs)
-    assert sorted(p.name for p in arm_dir(out, "bf16-ppo", 0).iterdir()) == sorted(FILES)
+    assert sorted(p.name for p in arm_dir(out, "bf16-ppo", 0).iterdir()) == sorted((*FILES, START))
     first = (arm_dir(out, "bf16-ppo", 0) / "metrics.jsonl").read_text()
     assert (out / "ablation_step.png").stat().st_size > 0
 
@@ -89,7 +114,11 @@ def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     md = ablation(cfg, out, seeds=[0], arms=["int8-mis"], runs_dir=runs).read_text()
     assert not (runs / "seed0" / "bf16-ppo").exists()  # committed: not run again
     assert (arm_dir(out, "bf16-ppo", 0) / "metrics.jsonl").read_text() == first
-    assert sorted(p.name for p in arm_dir(out, "int8-mis", 0).iterdir()) == sorted(FILES)
+    assert sorted(p.name for p in arm_dir(out, "int8-mis", 0).iterdir()) == sorted((*FILES, START))
+    # both arms started from the seed's one cached warm start, and the table says so
+    (sha, arms), = starts(out)[0].items()
+    assert arms == ["bf16-ppo", "int8-mis"] and sha == start_record(runs / "seed0" / "int8-mis")["sha256"]
+    assert f"- seed 0: `{sha[:12]}` bf16-ppo, int8-mis" in md
     # the table holds every committed arm: the earlier session's bf16 too, as the baseline
     assert "| bf16-ppo | 1 | 2 |" in md and "| int8-mis | 1 | 2 |" in md
     assert "avg@2 over 8 held-out questions" in md  # Avg@k is the headline when measured

@@ -7,6 +7,8 @@ the run directories (which hold base models and checkpoints, gigabytes that are 
     <out>/<arm>/seed<S>/metrics.jsonl   its metrics, one JSON record per step and per evaluation
     <out>/<arm>/seed<S>/final_eval.json its last checkpoint scored again, with less noise (optional,
                                         qurl/studies/final_eval.py)
+    <out>/<arm>/seed<S>/base.json       the weights it started from, where the run built them
+                                        (`start_record`); absent for a checkpoint used as given
 
 `<out>` also holds the tables and the plot, rebuilt from these files alone, so a later session
 (or `qurl study ablation --table-only`) reproduces them without any run directory.
@@ -15,6 +17,13 @@ the run directories (which hold base models and checkpoints, gigabytes that are 
 and end with the evaluation record at step run.steps, the last thing a run writes. Anything else
 (no file, a crash mid-run, a run cut by a session's end) is unfinished: it is never copied here,
 and a copy found here unfinished (e.g. edited by hand) is treated as missing and run again.
+
+**Same start** (`start_record`, `starts`): the arms of one seed are meant to start from the same
+warm-started weights, and on one machine they do (the warm start is built once per seed and cached).
+Across machines it is not bitwise the same: bf16 matmuls on CPUs with other instruction sets round
+differently, so a seed's warm start rebuilt in a later session differs slightly (a question or two
+of held-out accuracy). Each committed arm therefore records a SHA-256 of its starting weights and
+the warm start's losses, and the tables say which arms of a seed share a start.
 
 **Same study** (`check_same`): every committed arm must have been run with the training config the
 study would give it now (qurl.config.tree's training sections; where it ran, `deploy`, may differ).
@@ -36,8 +45,9 @@ be lengthened without rerunning a step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +55,7 @@ from qurl.config import TRAINING_SECTIONS, Config, ConfigError, override
 from qurl.train.metrics_log import read_metrics
 
 FILES = ("config.toml", "metrics.jsonl")
+START = "base.json"
 _SEED_DIR = re.compile(r"seed(\d+)$")
 
 
@@ -100,15 +111,54 @@ def check_same(where: Path, committed: Config, wanted: Config) -> None:
                           " here); use another --out, or remove that directory to run it again")
 
 
+def start_record(run_dir: Path) -> dict[str, Any] | None:
+    """The weights a run started from, when it built them (its `base_model/`, qurl.models.base):
+    {"sha256": over its *.safetensors files in name order, "warmstart": the warm start's record
+    (steps, lr, per-step losses) or None}. None for a run that read a checkpoint as given."""
+    base = Path(run_dir) / "base_model"
+    weights = sorted(base.glob("*.safetensors"))
+    if not weights:
+        return None
+    h = hashlib.sha256()
+    for f in weights:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    ws = base / "warmstart.json"
+    return {"sha256": h.hexdigest(), "warmstart": json.loads(ws.read_text()) if ws.exists() else None}
+
+
+def _write(dest: Path, name: str, text: str) -> None:
+    tmp = dest / f".{name}.tmp"
+    tmp.write_text(text)
+    tmp.replace(dest / name)
+
+
 def commit(run_dir: Path, dest: Path) -> None:
-    """Copy the committable files of a finished run into dest (replacing what was there)."""
+    """Copy the committable files of a finished run into dest (replacing what was there), with its
+    start record (START) where it built its base."""
     if read_run(run_dir) is None:
         raise ValueError(f"{run_dir}: not a finished run; nothing to commit")
     dest.mkdir(parents=True, exist_ok=True)
     for name in FILES:
-        tmp = dest / f".{name}.tmp"
-        shutil.copyfile(Path(run_dir) / name, tmp)
-        tmp.replace(dest / name)
+        _write(dest, name, (Path(run_dir) / name).read_text())
+    start = start_record(run_dir)
+    if start is not None:
+        _write(dest, START, json.dumps(start, indent=1) + "\n")
+
+
+def starts(out: Path) -> dict[int, dict[str | None, list[str]]]:
+    """{seed: {sha256 of the starting weights (None: not recorded): [arms]}} over out's committed
+    arms (finished or not), arms in name order."""
+    found: dict[int, dict[str | None, list[str]]] = {}
+    for seed_dir in sorted(Path(out).glob("*/seed*")):
+        m = _SEED_DIR.match(seed_dir.name)
+        if not (m and (seed_dir / FILES[1]).exists()):
+            continue
+        f = seed_dir / START
+        sha = json.loads(f.read_text())["sha256"] if f.exists() else None
+        found.setdefault(int(m.group(1)), {}).setdefault(sha, []).append(seed_dir.parent.name)
+    return found
 
 
 def committed(out: Path) -> dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]:

@@ -344,8 +344,26 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
     return "\n".join(lines) + "\n"
 
 
+def starts_markdown(found: dict[int, dict[str | None, list[str]]]) -> str:
+    """Which arms of each seed started from the same weights ({seed: {sha256 or None: [arms]}},
+    qurl.studies.store.starts); "" when no arm recorded its start."""
+    if not any(sha for by in found.values() for sha in by):
+        return ""
+    lines = ["", "Starting weights per seed (SHA-256 of the warm-started base, first 12 hex digits; "
+             "arms listed together started from the same weights; a seed's warm start rebuilt on "
+             "another machine differs slightly, qurl/studies/store.py):", ""]
+    for seed, by in sorted(found.items()):
+        groups = [f"`{sha[:12]}` {', '.join(arms)}" for sha, arms in by.items() if sha]
+        if None in by:
+            groups.append(f"not recorded: {', '.join(by[None])}")
+        lines.append(f"- seed {seed}: " + "; ".join(groups))
+    return "\n".join(lines) + "\n"
+
+
 def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseline: str) -> Path:
     """ablation.md / .csv, ablation_seeds.csv, ablation_pairs.csv into out; returns ablation.md."""
+    from qurl.studies.store import starts
+
     rows = seed_rows(records)
     summary, pairs = summarize(rows, baseline), pair_rows(rows, baseline)
     out.mkdir(parents=True, exist_ok=True)
@@ -354,5 +372,6 @@ def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseli
     if pairs:
         _csv(pairs, out / "ablation_pairs.csv")
     path = out / "ablation.md"
-    path.write_text("# qurl study ablation\n\n" + markdown(summary, pairs, list(records)))
+    path.write_text("# qurl study ablation\n\n" + markdown(summary, pairs, list(records))
+                    + starts_markdown(starts(out)))
     return path
