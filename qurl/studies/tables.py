@@ -21,7 +21,10 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   the paired difference, from the same counts: per seed sd over questions of the two arms' score
   difference / sqrt(n) (both arms of a seed answer the same questions), sqrt(Σ se_s²)/m over m
   seeds (`paired_eval_se`). Δ's se over seeds holds this noise and the trajectories' spread.
-- **reward_last**: mean training reward over the last `WINDOW` steps.
+- **reward_last**: mean training reward over the last `WINDOW` steps. **kl_first / kl_last**:
+  mean `kl_behav_prox` over the first / last `WINDOW` steps (the paper's sign of TIS failing is
+  its growth). `_curve`: the training evaluations' (step, headline accuracy), for
+  qurl/studies/claims.py.
 - **learned step**: the first evaluation step whose greedy accuracy (`eval/mean/greedy`, else the
   evaluation's headline `accuracy`) reaches LEARNED_ACC, None if none did. Where learning is one jump whose step varies from run to run (the
   real-model recipe: ~10–20% → ~100% within ~10 steps), the final accuracy of a run cut before its
@@ -188,6 +191,8 @@ def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
         raise ValueError("metrics have no train or no eval records")
     rewards = [float(r["reward"]) for r in train]
     key, metric = acc_key(evals)
+    curve = [(int(r["step"]), float(r[key])) for r in evals if key in r]
+    kl = [r.get("kl_behav_prox") for r in train]
     last, head = evals[-1], metric
     if use_final:
         last = next(r for r in records if r.get("kind") == "final_eval")
@@ -202,6 +207,8 @@ def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
         "reward_first": _mean(rewards[:WINDOW]), "reward_last": _mean(rewards[-WINDOW:]),
         "collapse_step": collapse_step([r["step"] for r in train], rewards),
         "learned_step": learned_step(evals),
+        "kl_first": _mean(kl[:WINDOW]), "kl_last": _mean(kl[-WINDOW:]),
+        "_curve": curve,
     }
     for name, key in STEP_MEANS.items():
         row[name] = _mean([r.get(key) for r in train])
@@ -362,6 +369,7 @@ def starts_markdown(found: dict[int, dict[str | None, list[str]]]) -> str:
 
 def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseline: str) -> Path:
     """ablation.md / .csv, ablation_seeds.csv, ablation_pairs.csv into out; returns ablation.md."""
+    from qurl.studies.claims import claims_markdown
     from qurl.studies.store import starts
 
     rows = seed_rows(records)
@@ -373,5 +381,6 @@ def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseli
         _csv(pairs, out / "ablation_pairs.csv")
     path = out / "ablation.md"
     path.write_text("# qurl study ablation\n\n" + markdown(summary, pairs, list(records))
+                    + claims_markdown(rows, baseline, {r["arm"]: r["acc_vs_base_eval_se"] for r in summary})
                     + starts_markdown(starts(out)))
     return path

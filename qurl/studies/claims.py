@@ -1,0 +1,123 @@
+"""The paper's three accuracy claims, checked on a study's runs, with a verdict each.
+
+QuRL (arXiv 2602.13953) makes three claims that an ablation of 8-bit rollout can test:
+
+1. **Naive collapses.** Using the quantized actor as the PPO ratio's denominator "collapses
+   training within a few steps". Read as the issue states it: the naive arm ends at least
+   NAIVE_GAP (10) points below bf16 in the same seed, or its reward collapsed
+   (qurl/studies/tables.py's collapse step). Checked per seed: it holds in k of n seeds.
+2. **ACR + UAQ matches bf16.** Read as: the paired difference d = acc(acr-uaq) − acc(bf16) is within
+   MATCH_GAP (2) points. With n seeds, d̄ ± 2·se where se = sd(d)/√n; with one seed there is no
+   spread over trajectories, so se is the evaluation's own paired standard error (both arms answer
+   the same questions; only the measurement noise, so one seed understates the uncertainty).
+   Verdict: *holds* when the interval lies inside ±2, *does not hold* when it lies wholly outside,
+   else *not resolved* (the interval is wider than the claim).
+3. **TIS degrades over the run.** The paper sees TIS hold for ~500 steps, then KL(behav‖prox) grow
+   ~12× and training collapse. Checked per seed: the run collapsed, or its last training evaluation
+   is below its best earlier one by more than 2 standard errors of an evaluation at that best
+   accuracy (sqrt(p(1−p)/n), the binomial bound; an Avg@k evaluation is less noisy, so this errs
+   toward "not degrading"). The table also gives KL over the last WINDOW steps ÷ the first WINDOW
+   steps, the paper's sign. A run far shorter than ~500 steps is not expected to show it: a
+   verdict of "no" there does not contradict the paper.
+
+Each claim is checked for every 8-bit format (int8, fp8, w4a16) whose arms the study holds.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from qurl.studies.compare import _fmt, _md_table, _mean, _sd
+
+NAIVE_GAP = 0.10
+MATCH_GAP = 0.02
+FORMATS = ("int8", "fp8", "w4a16")
+
+
+def _by(rows: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
+    return {(r["seed"], r["arm"]): r for r in rows}
+
+
+def naive_claim(rows: list[dict[str, Any]], arm: str, baseline: str) -> dict[str, Any] | None:
+    """Claim 1 for `arm`: {"seeds", "holds" (seeds where it does), "deltas" (points)}; None when no
+    seed has both arms."""
+    by = _by(rows)
+    pairs = [(by[k], by[(k[0], baseline)]) for k in by if k[1] == arm and (k[0], baseline) in by]
+    if not pairs:
+        return None
+    deltas = [r["acc_final"] - b["acc_final"] for r, b in pairs]
+    holds = sum(d <= -NAIVE_GAP or r["collapse_step"] is not None
+                for d, (r, _) in zip(deltas, pairs))
+    return {"seeds": len(pairs), "holds": holds, "deltas": deltas}
+
+
+def match_claim(rows: list[dict[str, Any]], arm: str, baseline: str,
+                eval_se: float = float("nan")) -> dict[str, Any] | None:
+    """Claim 2 for `arm`: {"seeds", "mean", "se", "lo", "hi", "verdict"}; eval_se (the paired
+    evaluation se, tables.paired_eval_se) stands in for se with one seed. None without a pair."""
+    by = _by(rows)
+    d = [by[k]["acc_final"] - by[(k[0], baseline)]["acc_final"]
+         for k in by if k[1] == arm and (k[0], baseline) in by]
+    if not d:
+        return None
+    se = _sd(d) / math.sqrt(len(d)) if len(d) > 1 else eval_se
+    mean = _mean(d)
+    lo, hi = mean - 2 * se, mean + 2 * se
+    if not math.isfinite(se):
+        verdict = "not resolved (no standard error)"
+    elif -MATCH_GAP <= lo and hi <= MATCH_GAP:
+        verdict = "holds"
+    elif hi < -MATCH_GAP or lo > MATCH_GAP:
+        verdict = "does not hold"
+    else:
+        verdict = "not resolved"
+    return {"seeds": len(d), "mean": mean, "se": se, "lo": lo, "hi": hi, "verdict": verdict}
+
+
+def degrades(row: dict[str, Any]) -> bool:
+    """Claim 3 for one run (module docstring): collapsed, or its last training evaluation more than
+    2 evaluation standard errors below its best earlier one."""
+    if row["collapse_step"] is not None:
+        return True
+    curve, n = row["_curve"], float(row["eval_n"])
+    if len(curve) < 2 or not n > 0:
+        return False
+    best = max(acc for _, acc in curve[:-1])
+    return curve[-1][1] < best - 2 * math.sqrt(best * (1 - best) / n)
+
+
+def claims_markdown(rows: list[dict[str, Any]], baseline: str,
+                    eval_ses: dict[str, float] | None = None) -> str:
+    """The claims table for every format the rows hold ("" if none can be checked). eval_ses:
+    {arm: its paired evaluation se vs the baseline}, for claim 2 with one seed."""
+    arms = {r["arm"] for r in rows}
+    table = []
+    for q in FORMATS:
+        naive = naive_claim(rows, f"{q}-naive", baseline)
+        if naive:
+            table.append({"claim (paper)": f"{q} naive ≥ 10 points below bf16, or collapsed",
+                          "arm": f"{q}-naive", "seeds": naive["seeds"],
+                          "measured": "Δ " + ", ".join(_fmt(100 * d) for d in naive["deltas"]),
+                          "verdict": f"holds in {naive['holds']} of {naive['seeds']} seeds"})
+        match = match_claim(rows, f"{q}-acr-uaq", baseline,
+                            (eval_ses or {}).get(f"{q}-acr-uaq", float("nan")))
+        if match:
+            se_of = "over seeds" if match["seeds"] > 1 else "evaluation only, one seed"
+            table.append({"claim (paper)": f"{q} ACR + UAQ within 2 points of bf16",
+                          "arm": f"{q}-acr-uaq", "seeds": match["seeds"],
+                          "measured": f"Δ {_fmt(100 * match['mean'])} ± {_fmt(100 * match['se'])} "
+                                      f"({se_of}); ±2 se: [{_fmt(100 * match['lo'])}, "
+                                      f"{_fmt(100 * match['hi'])}]",
+                          "verdict": match["verdict"]})
+        tis = [r for r in rows if r["arm"] == f"{q}-tis"]
+        if f"{q}-tis" in arms:
+            growth = [r["kl_last"] / r["kl_first"] for r in tis if r["kl_first"] > 0]
+            table.append({"claim (paper)": f"{q} TIS degrades over the run (paper: after ~500 steps)",
+                          "arm": f"{q}-tis", "seeds": len(tis),
+                          "measured": f"{tis[0]['steps']} steps; KL last/first "
+                                      + ", ".join(_fmt(g) for g in growth),
+                          "verdict": f"holds in {sum(map(degrades, tis))} of {len(tis)} seeds"})
+    if not table:
+        return ""
+    return "\n".join(["", "The paper's claims on these runs (definitions and verdict rules: "
+                      "qurl/studies/claims.py):", "", *_md_table(table, list(table[0]))]) + "\n"
