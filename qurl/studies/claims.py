@@ -11,7 +11,8 @@ QuRL (arXiv 2602.13953) makes three claims that an ablation of 8-bit rollout can
    spread over trajectories, so se is the evaluation's own paired standard error (both arms answer
    the same questions; only the measurement noise, so one seed understates the uncertainty).
    Verdict: *holds* when the interval lies inside ±2, *does not hold* when it lies wholly outside,
-   else *not resolved* (the interval is wider than the claim).
+   else *not resolved* (the interval is wider than the claim); with one seed the verdict is said
+   of that seed only: runs of one recipe differ by more than their evaluations do.
 3. **TIS degrades over the run.** The paper sees TIS hold for ~500 steps, then KL(behav‖prox) grow
    ~12× and training collapse. Checked per seed: the run collapsed, or its last training evaluation
    is below its best earlier one by more than 2 standard errors of an evaluation at that best
@@ -71,6 +72,8 @@ def match_claim(rows: list[dict[str, Any]], arm: str, baseline: str,
         verdict = "does not hold"
     else:
         verdict = "not resolved"
+    if len(d) == 1 and math.isfinite(se):
+        verdict += " in this seed (its trajectory's spread unmeasured)"
     return {"seeds": len(d), "mean": mean, "se": se, "lo": lo, "hi": hi, "verdict": verdict}
 
 
