@@ -20,9 +20,9 @@ and a copy found here unfinished (e.g. edited by hand) is treated as missing and
 
 **Same start** (`start_record`, `starts`): the arms of one seed are meant to start from the same
 warm-started weights, and on one machine they do (the warm start is built once per seed and cached).
-Across machines it is not bitwise the same: bf16 matmuls on CPUs with other instruction sets round
-differently, so a seed's warm start rebuilt in a later session differs slightly (a question or two
-of held-out accuracy). Each committed arm therefore records a SHA-256 of its starting weights and
+Across machines it need not be bitwise the same: seed 0's warm start rebuilt on another VM scored
+a question or two differently at step 0 (docs/study/smollm2_regime.md, session 18; the likely cause,
+not checked, is bf16 matmul kernels that round differently on other CPU instruction sets). Each committed arm therefore records a SHA-256 of its starting weights and
 the warm start's losses, and the tables say which arms of a seed share a start.
 
 **Same study** (`check_same`): every committed arm must have been run with the training config the
