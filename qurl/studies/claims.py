@@ -29,39 +29,33 @@ import math
 from typing import Any
 
 from qurl.studies.compare import _fmt, _md_table, _mean, _sd
+from qurl.studies.tables import _paired, _se
 
 NAIVE_GAP = 0.10
 MATCH_GAP = 0.02
 FORMATS = ("int8", "fp8", "w4a16")
 
 
-def _by(rows: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
-    return {(r["seed"], r["arm"]): r for r in rows}
-
-
 def naive_claim(rows: list[dict[str, Any]], arm: str, baseline: str) -> dict[str, Any] | None:
     """Claim 1 for `arm`: {"seeds", "holds" (seeds where it does), "deltas" (points)}; None when no
     seed has both arms."""
-    by = _by(rows)
-    pairs = [(by[k], by[(k[0], baseline)]) for k in by if k[1] == arm and (k[0], baseline) in by]
-    if not pairs:
+    based = {r["seed"] for r in rows if r["arm"] == baseline}
+    mine = [r for r in rows if r["arm"] == arm and r["seed"] in based]  # _paired's order
+    if not mine:
         return None
-    deltas = [r["acc_final"] - b["acc_final"] for r, b in pairs]
-    holds = sum(d <= -NAIVE_GAP or r["collapse_step"] is not None
-                for d, (r, _) in zip(deltas, pairs))
-    return {"seeds": len(pairs), "holds": holds, "deltas": deltas}
+    deltas = _paired(rows, arm, baseline, "acc_final")
+    holds = sum(d <= -NAIVE_GAP or r["collapse_step"] is not None for d, r in zip(deltas, mine))
+    return {"seeds": len(mine), "holds": holds, "deltas": deltas}
 
 
 def match_claim(rows: list[dict[str, Any]], arm: str, baseline: str,
                 eval_se: float = float("nan")) -> dict[str, Any] | None:
     """Claim 2 for `arm`: {"seeds", "mean", "se", "lo", "hi", "verdict"}; eval_se (the paired
     evaluation se, tables.paired_eval_se) stands in for se with one seed. None without a pair."""
-    by = _by(rows)
-    d = [by[k]["acc_final"] - by[(k[0], baseline)]["acc_final"]
-         for k in by if k[1] == arm and (k[0], baseline) in by]
+    d = _paired(rows, arm, baseline, "acc_final")
     if not d:
         return None
-    se = _sd(d) / math.sqrt(len(d)) if len(d) > 1 else eval_se
+    se = _se(_sd(d), len(d)) if len(d) > 1 else eval_se
     mean = _mean(d)
     lo, hi = mean - 2 * se, mean + 2 * se
     if not math.isfinite(se):

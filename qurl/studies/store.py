@@ -21,9 +21,10 @@ and a copy found here unfinished (e.g. edited by hand) is treated as missing and
 **Same start** (`start_record`, `starts`): the arms of one seed are meant to start from the same
 warm-started weights, and on one machine they do (the warm start is built once per seed and cached).
 Across machines it need not be bitwise the same: seed 0's warm start rebuilt on another VM scored
-a question or two differently at step 0 (docs/study/smollm2_regime.md, session 18; the likely cause,
-not checked, is bf16 matmul kernels that round differently on other CPU instruction sets). Each committed arm therefore records a SHA-256 of its starting weights and
-the warm start's losses, and the tables say which arms of a seed share a start.
+a question or two differently at step 0 (docs/study/smollm2_regime.md, session 18; the likely
+cause, not checked, is bf16 matmul kernels that round differently on other CPU instruction sets).
+Each committed arm therefore records a SHA-256 of its starting weights and the warm start's
+losses, and the tables say which arms of a seed share a start.
 
 **Same study** (`check_same`): every committed arm must have been run with the training config the
 study would give it now (qurl.config.tree's training sections; where it ran, `deploy`, may differ).
@@ -153,7 +154,7 @@ def starts(out: Path) -> dict[int, dict[str | None, list[str]]]:
     found: dict[int, dict[str | None, list[str]]] = {}
     for seed_dir in sorted(Path(out).glob("*/seed*")):
         m = _SEED_DIR.match(seed_dir.name)
-        if not (m and (seed_dir / FILES[1]).exists()):
+        if not (m and all((seed_dir / f).exists() for f in FILES)):
             continue
         f = seed_dir / START
         sha = json.loads(f.read_text())["sha256"] if f.exists() else None

@@ -380,7 +380,7 @@ def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseli
     if pairs:
         _csv(pairs, out / "ablation_pairs.csv")
     path = out / "ablation.md"
+    eval_ses = {r["arm"]: r["acc_vs_base_eval_se"] for r in summary}
     path.write_text("# qurl study ablation\n\n" + markdown(summary, pairs, list(records))
-                    + claims_markdown(rows, baseline, {r["arm"]: r["acc_vs_base_eval_se"] for r in summary})
-                    + starts_markdown(starts(out)))
+                    + claims_markdown(rows, baseline, eval_ses) + starts_markdown(starts(out)))
     return path
