@@ -14,8 +14,9 @@ from qurl.studies.tables import (collapse_step, learned_interval, pair_rows, run
 
 
 def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: float = 0.05,
-             clip: float = 0.01) -> list[dict]:
-    """A run: an eval at step 0, one train record per reward, evals spread over the run."""
+             clip: float = 0.01, capped: list[float] | None = None) -> list[dict]:
+    """A run: an eval at step 0, one train record per reward, evals spread over the run;
+    capped: each step's share of rollouts cut at the token cap (`truncated_frac`), else none."""
     n = len(rewards)
     recs = [{"kind": "eval", "step": 0, "accuracy": accs[0]}]
     for i, r in enumerate(rewards, start=1):
@@ -23,6 +24,8 @@ def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: fl
                      "flip_frac": flip, "clip_frac_low": clip, "clip_frac_high": clip / 2,
                      "tis_trunc_frac": 0.0, "acr_widened_frac": 0.0, "is_ratio_max": 1.5,
                      "cut/icepop": 0.01 * i, "cut/geomask": 0.5})
+        if capped is not None:
+            recs[-1]["truncated_frac"] = capped[i - 1]
     for j, a in enumerate(accs[1:], start=1):
         recs.append({"kind": "eval", "step": n * j // (len(accs) - 1), "accuracy": a})
     return recs
@@ -87,6 +90,19 @@ def test_run_row_means_and_ends():
     assert row["collapse_step"] is None
     assert row["learned_step"] == 20  # evals at 0 / 20 / 40: 0.3, 0.5, 0.7; 0.5 reaches 50%
     assert run_row(_records([0.2] * 40, [0.3, 0.45, 0.49]))["learned_step"] is None
+    assert math.isnan(row["capped_last"])  # no truncated_frac recorded: not 0
+
+
+def test_capped_last_is_the_last_window_of_cut_rollouts():
+    # 30 steps with 1 in 10 rollouts cut, then 10 with 8 in 10: the last window's mean is 0.8
+    row = run_row(_records([0.5] * 40, [0.3, 0.6], capped=[0.1] * 30 + [0.8] * 10))
+    assert row["capped_last"] == pytest.approx(0.8)
+    row = run_row(_records([0.5] * 40, [0.3, 0.6], capped=[0.1] * 35 + [0.8] * 5))
+    assert row["capped_last"] == pytest.approx((5 * 0.1 + 5 * 0.8) / 10)
+    other = run_row(_records([0.5] * 40, [0.3, 0.6], capped=[0.0] * 40))
+    summary = summarize([{"seed": 0, "arm": "bf16-ppo", **other},
+                         {"seed": 1, "arm": "bf16-ppo", **row}], "bf16-ppo")
+    assert summary[0]["capped_last"] == pytest.approx(0.45 / 2)  # mean over the two seeds
     with pytest.raises(ValueError, match="no train or no eval"):
         run_row([{"kind": "eval", "step": 0, "accuracy": 0.5}])
 

@@ -21,7 +21,11 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
   the paired difference, from the same counts: per seed sd over questions of the two arms' score
   difference / sqrt(n) (both arms of a seed answer the same questions), sqrt(Σ se_s²)/m over m
   seeds (`paired_eval_se`). Δ's se over seeds holds this noise and the trajectories' spread.
-- **reward_last**: mean training reward over the last `WINDOW` steps. **kl_first / kl_last**:
+- **reward_last**: mean training reward over the last `WINDOW` steps. **capped_last**: mean
+  `truncated_frac` over the same steps, the share of rollouts cut at rollout.max_new_tokens (no
+  end token): a policy that keeps writing after its answer shows here, not in the reward, which
+  reads the last complete boxed answer (qurl/data/rewards.py), so a run-on cut before a second
+  box scores as its first. **kl_first / kl_last**:
   mean `kl_behav_prox` over the first / last `WINDOW` steps (the paper's sign of TIS failing is
   its growth). `_curve`: the training evaluations' (step, headline accuracy), for
   qurl/studies/claims.py.
@@ -205,6 +209,7 @@ def run_row(records: list[dict], *, use_final: bool = False) -> dict[str, Any]:
         "eval_se_measured": measured_se(last.get("eval_counts", {}), head),
         "_scores": question_scores(last.get("eval_counts", {}), head),
         "reward_first": _mean(rewards[:WINDOW]), "reward_last": _mean(rewards[-WINDOW:]),
+        "capped_last": _mean([r.get("truncated_frac") for r in train[-WINDOW:]]),
         "collapse_step": collapse_step([r["step"] for r in train], rewards),
         "learned_step": learned_step(evals),
         "kl_first": _mean(kl[:WINDOW]), "kl_last": _mean(kl[-WINDOW:]),
@@ -255,6 +260,7 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
             "acc_vs_base_eval_se": paired_eval_se(rows, arm, baseline)
             if arm != baseline else float("nan"),
             "reward_last": _mean([r["reward_last"] for r in mine]),
+            "capped_last": _mean([r["capped_last"] for r in mine]),
             "collapsed": f"{len(collapsed)}/{len(mine)}",
             "collapse_step": _mean([float(c) for c in collapsed]),
             "learned": f"{len(learned)}/{len(mine)}",
@@ -312,7 +318,8 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
               "eval se": _fmt(100 * r["eval_se"]) if not math.isfinite(r["eval_se_measured"])
               else f"{_fmt(100 * r['eval_se_measured'])} (≤ {_fmt(100 * r['eval_se'])})",
               f"greedy ≥ {_fmt(100 * LEARNED_ACC)} at": _learned_cell(r),
-              "reward last": _fmt(r["reward_last"]), "collapsed": r["collapsed"],
+              "reward last": _fmt(r["reward_last"]), "capped last": _fmt(r["capped_last"]),
+              "collapsed": r["collapsed"],
               "collapse step": _fmt(r["collapse_step"]), "KL(b‖p)": _fmt(r["kl"]),
               "flip": _fmt(r["flip"]), "clip lo/hi": f"{_fmt(r['clip_low'])} / {_fmt(r['clip_high'])}",
               "trunc": _fmt(r["trunc"]),
@@ -330,13 +337,15 @@ def markdown(summary: list[dict[str, Any]], pairs: list[dict[str, Any]], seeds: 
              "for Avg@k; where the right answers per question were kept, the one they measure, "
              "sd(c/k)/sqrt(n), root mean square over seeds, with that bound after it); Δ eval se: "
              "the part of Δ's uncertainty the evaluations add, paired by question (both arms of "
-             "a seed answer the same questions), over the seeds' mean. Trunc / masked: share of tokens whose IS weight the correction "
-             "truncated / zeroed. Greedy ≥ 50 at: how many seeds' greedy held-out accuracy "
-             "reached 50 by the end (in brackets the exact 95% interval for the share of runs "
-             "that would), and their mean first step. Flip: share of the engine's linear "
-             "weights whose code changed at a sync (8-bit codes; a bf16 arm's bf16 values, "
-             "nearly all of which change every step). Collapse, KL and fractions as "
-             "defined in qurl/studies/tables.py.",
+             "a seed answer the same questions), over the seeds' mean. Trunc / masked: share of "
+             "tokens whose IS weight the correction truncated / zeroed. Greedy ≥ 50 at: how "
+             "many seeds' greedy held-out accuracy reached 50 by the end (in brackets the "
+             "exact 95% interval for the share of runs that would), and their mean first step. "
+             "Reward / capped last: mean training reward and "
+             f"share of rollouts cut at the token cap, over the last {WINDOW} "
+             "steps. Flip: share of the engine's linear weights whose code changed at a sync "
+             "(8-bit codes; a bf16 arm's bf16 values, nearly all of which change every step). "
+             "Collapse, KL and fractions as defined in qurl/studies/tables.py.",
              "", *_md_table(table, list(table[0]))]
     cuts = [{"arm": r["arm"], **{c: _fmt(r[f"cut_{c}"]) for c in CUT_PRESETS},
              "mean IS weight": _fmt(r["w_mean"])} for r in summary
