@@ -3,7 +3,8 @@
     qurl train [--preset cpu-tiny] [--config run.toml] [--set section.field=value ...]
     qurl train --resume runs/<run> [--set run.steps=80]
     qurl eval runs/<run> [--set eval.samples=32]  greedy / Avg@k / pass@k of the latest
-                                    checkpoint on every eval set, 8-bit engine and fp policy
+                                    checkpoint (or --step N's) on every eval set, 8-bit engine and
+                                    fp policy; --answers keeps the greedy answers' text
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--final-eval K] [--set ...] --out DIR [--runs DIR]
@@ -92,7 +93,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qurl.evaluation.suite import summary
 
     rec = eval_run(Path(args.run_dir), max_examples=args.n, sets=args.set,
-                   per_question=args.per_question)
+                   per_question=args.per_question, step=args.step, answers=args.answers)
     if args.out:
         Path(args.out).write_text(json.dumps(rec) + "\n")
     print(f"{args.run_dir}: {summary(rec)}")
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the evaluation record here (JSON)")
     p.add_argument("--per-question", action="store_true", help="the record also holds the right "
                    "answers per question (eval_counts), for a measured standard error")
+    p.add_argument("--step", type=int, default=None, help="evaluate this step's checkpoint "
+                   "(default: the latest)")
+    p.add_argument("--answers", action="store_true", help="the record also holds the greedy "
+                   "answers' text (eval_answers), for `python -m qurl.studies.misses`")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from qurl.config import ConfigError, load_config
+from qurl.data.rewards import extract_answer
 from qurl.evaluation.metrics import mean_over_sets, pass_at_k, set_metrics
 from qurl.evaluation.suite import score_engine, summary
 from qurl.rollout.requests import PromptCodec
@@ -58,6 +59,19 @@ def test_score_engine_on_two_sets() -> None:
     assert engine.calls == [3 + 4, (3 + 4) * 4]  # one greedy call, one sampled call
     rec = {"step": 3, "n": 7.0, **{f"eval/{k}": v for k, v in out.items()}}
     assert summary(rec).startswith("[eval] step 3: avg@4 0.750") and "2 set(s)" in summary(rec)
+
+
+def test_score_engine_keeps_the_greedy_answers_text_in_set_order() -> None:
+    engine = ScriptedEngine()  # greedy is sample 0: `\boxed{i}` for prompt q<i>
+    sets = {"even": DATA[0:6:2], "odd": DATA[1:9:2]}
+    answers: dict[str, list[str]] = {}
+    score_engine(engine, sets, PromptCodec(engine.tokenizer, "plain"),
+                 load_config(sets=["eval.samples=2"]).eval, max_new_tokens=8, run_seed=0,
+                 reward_timeout_s=5.0, answers=answers)
+    assert sorted(answers) == ["even/greedy", "odd/greedy"]  # no texts of sampled answers
+    for name, exs in sets.items():
+        got = [extract_answer(t) for t in answers[f"{name}/greedy"]]
+        assert got == [ex.uid[1:] for ex in exs]
 
 
 def test_eval_config_is_validated() -> None:

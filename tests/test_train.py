@@ -5,8 +5,12 @@ import math
 import pytest
 
 from qurl.cli import main
-from qurl.config import ConfigError, load_config
+from qurl.config import ConfigError, load_config, validate
+from qurl.data.splits import load_eval_sets
+from qurl.errors import CheckpointError
 from qurl.evaluation.run_eval import eval_run
+from qurl.studies.misses import classify
+from qurl.studies.misses import report as misses_report
 from qurl.train.inline import train
 from qurl.train.metrics_log import read_metrics
 from qurl.train.report import report
@@ -104,6 +108,20 @@ def test_resume_refuses_immutable_change_and_fresh_overwrite(runs_root):
     # `qurl eval` rebuilds the 8-bit actor from the checkpoint and scores what training's last eval did
     assert eval_run(tmp_path / "r")["accuracy"] == recs[-1]["accuracy"]
     json.dumps(recs)  # strictly JSON (no NaN literals)
+    # --step names the checkpoint; --answers keeps the greedy answers, whose kinds
+    # (qurl/studies/misses.py) agree with the right answers the evaluation counted
+    got = eval_run(tmp_path / "r", step=1, answers=True, per_question=True)
+    texts, counts = got["eval_answers"]["synthetic/greedy"], got["eval_counts"]["synthetic/greedy"]
+    exs = load_eval_sets(validate(cfg))["synthetic"]
+    assert len(texts) == len(exs) == got["n"]
+    assert [int(classify(t, ex.answer, ex.answer_kind).kind == "right")
+            for t, ex in zip(texts, exs)] == counts
+    (tmp_path / "ans.json").write_text(json.dumps(got))
+    line, = misses_report(tmp_path / "r", [tmp_path / "ans.json"])
+    assert line.startswith("step 1 synthetic/greedy: right ")
+    assert line.endswith(f"accuracy {got['eval/synthetic/greedy']:.3f} of {len(exs)}")
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 7 \(there are: 1\)"):
+        eval_run(tmp_path / "r", step=7)
 
 
 def test_eval_records_hold_every_set_both_policies_and_their_gap(runs_root):

@@ -46,6 +46,7 @@ __all__ = [
     "RewardResult",
     "RewardFn",
     "extract_answer",
+    "first_box_close",
     "math_equal",
     "score",
     "score_batch",
@@ -103,6 +104,18 @@ def extract_answer(text: str) -> str | None:
             return content or None
     if "####" in text:
         return gsm8k_final_answer(text) or None
+    return None
+
+
+def first_box_close(text: str) -> int | None:
+    """The index of the `}` that closes the first braced `\\boxed{...}` / `\\fbox{...}` of a
+    response, None when none closes: where its first answer ends and any run-on begins."""
+    for m in _BOX.finditer(text):
+        i = m.end()
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            return _brace_partners(text, i).get(i)
     return None
 
 

@@ -1,4 +1,4 @@
-"""`qurl eval`: the paper's evaluation of a run's latest checkpoint (qurl/evaluation/suite.py).
+"""`qurl eval`: the paper's evaluation of a run's latest checkpoint (or `--step N`'s) (qurl/evaluation/suite.py).
 
 The checkpoint's learner weights (UAQ-scaled master weights) are loaded into a learner, quantized to
 the run's rollout precision and loaded into a fresh engine — the same path a training step takes —
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from qurl.config import Config, override, parse_sets, validate
+from qurl.config import Config, ConfigError, override, parse_sets, validate
 from qurl.deploy.placement import learner_threads, set_threads
 from qurl.deploy.ranks import run_ranks
 from qurl.engines.factory import engine_wire_dtype, make_engine
@@ -27,7 +27,7 @@ from qurl.train.rundir import CheckpointDir, read_config, run_dir_for
 
 
 def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_question: bool,
-                rank: int, world_size: int) -> dict:
+                answers: bool, rank: int, world_size: int) -> dict:
     set_threads(learner_threads(cfg, workers=False))
     init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
     model_dir = str(run_dir_for(cfg) / "base_model") if builds_base(cfg) \
@@ -45,7 +45,7 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_questio
         if main and state.is_file():  # the policy version trained into these weights
             version = int(torch.load(state, weights_only=False).get("version", step))
         evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples,
-                              per_question=per_question)
+                              per_question=per_question, answers=answers)
         return evaluator.run(step, version, engine, learner) or {}
     finally:
         if engine is not None:  # SGLang servers launched for this evaluation stop with it
@@ -53,13 +53,17 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_questio
 
 
 def eval_run(run_dir: Path, max_examples: int | None = None, sets: list[str] | None = None,
-             per_question: bool = False) -> dict:
-    """Evaluate `run_dir`'s latest checkpoint; `sets`: `--set` overrides (e.g. eval.samples=8);
-    per_question: also the right answers per question (`eval_counts`)."""
+             per_question: bool = False, step: int | None = None, answers: bool = False) -> dict:
+    """Evaluate `run_dir`'s latest checkpoint, or that of `step`; `sets`: `--set` overrides (e.g.
+    eval.samples=8); per_question: also the right answers per question (`eval_counts`); answers:
+    also the greedy answers' text (`eval_answers`, needs eval.greedy)."""
     cfg = override(read_config(run_dir), {"deploy.dir": str(run_dir.parent), "run.name": run_dir.name})
     cfg = validate(override(cfg, parse_sets(sets or [])))
-    latest = CheckpointDir(run_dir).latest()
-    if latest is None:
+    if answers and not cfg.eval.greedy:
+        raise ConfigError("qurl eval --answers: the answers kept are the greedy ones; "
+                          "eval.greedy is false")
+    ckpt = CheckpointDir(run_dir).latest() if step is None else CheckpointDir(run_dir).at(step)
+    if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
-    return run_ranks(_eval_entry, cfg, ckpt=str(latest), max_examples=max_examples,
-                     per_question=per_question)
+    return run_ranks(_eval_entry, cfg, ckpt=str(ckpt), max_examples=max_examples,
+                     per_question=per_question, answers=answers)

@@ -12,7 +12,9 @@ the keys `WHO/<set>/greedy`, `WHO/<set>/avg@k`, `WHO/<set>/pass@j` (set = file s
 `n` (problems over all sets) and `time/eval`; with `per_question` (`qurl eval --per-question`),
 `eval_counts`: the rollout engine's right answers per question ({"<set>/greedy" | "<set>/avg@k":
 [count per question]}), from which an evaluation's standard error is measured
-(qurl/studies/tables.py).
+(qurl/studies/tables.py); with `answers` (`qurl eval --answers`), `eval_answers`: the rollout
+engine's greedy answers as text ({"<set>/greedy": [text per question]}), to read why the misses
+miss (qurl/studies/misses.py).
 
 Sampled answers use seeds derived from (run seed, uid, sample index) only, so both engines, and every
 evaluation of a run, see the same random numbers: differences between them and over steps are not
@@ -42,9 +44,10 @@ def needs_fp_policy(cfg: Config) -> bool:
 
 
 def _correct(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
-             params: SamplingParams, n: int, *, run_seed: int,
-             reward_timeout_s: float) -> dict[str, list[int]]:
-    """{set: right answers among n samples, per problem}; n=1 with temperature 0 is greedy."""
+             params: SamplingParams, n: int, *, run_seed: int, reward_timeout_s: float,
+             texts: dict[str, list[str]] | None = None) -> dict[str, list[int]]:
+    """{set: right answers among n samples, per problem}; n=1 with temperature 0 is greedy. A dict
+    passed as `texts` receives, per set, each problem's first answer as text."""
     examples = [ex for exs in sets.values() for ex in exs]
     reqs = []
     for ex in examples:
@@ -56,25 +59,32 @@ def _correct(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
     groups = to_trajectories(engine.generate(reqs), examples, codec,
                              reward_timeout_s=reward_timeout_s)
     right = {g[0].prompt_uid: sum(t.reward > 0 for t in g) for g in groups}
+    if texts is not None:
+        first = {g[0].prompt_uid: codec.decode(g[0].response_ids) for g in groups}
+        texts.update({name: [first[ex.uid] for ex in exs] for name, exs in sets.items()})
     return {name: [right[ex.uid] for ex in exs] for name, exs in sets.items()}
 
 
 def score_engine(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
                  ecfg: EvalConfig, *, max_new_tokens: int, run_seed: int,
-                 reward_timeout_s: float,
-                 counts: dict[str, list[int]] | None = None) -> dict[str, float]:
+                 reward_timeout_s: float, counts: dict[str, list[int]] | None = None,
+                 answers: dict[str, list[str]] | None = None) -> dict[str, float]:
     """One engine's metrics: {"<set>/greedy", "<set>/avg@k", "<set>/pass@j", "mean/..."}. A dict
     passed as `counts` receives the right answers per question, in set order, under the key of
-    the accuracy they make ("<set>/greedy": 0 or 1; "<set>/avg@k": 0..k)."""
+    the accuracy they make ("<set>/greedy": 0 or 1; "<set>/avg@k": 0..k); one passed as
+    `answers`, the greedy answers' text ("<set>/greedy": [text per question])."""
     counts = {} if counts is None else counts
     stop = (engine.tokenizer.eos_token_id,) if engine.tokenizer.eos_token_id is not None else ()
     per_set: dict[str, dict[str, float]] = {name: {} for name in sets}
     kw: dict[str, Any] = dict(run_seed=run_seed, reward_timeout_s=reward_timeout_s)
     if ecfg.greedy:
         greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
-        for name, right in _correct(engine, sets, codec, greedy, 1, **kw).items():
+        texts: dict[str, list[str]] = {}
+        for name, right in _correct(engine, sets, codec, greedy, 1, texts=texts, **kw).items():
             per_set[name]["greedy"] = sum(right) / len(right)
             counts[f"{name}/greedy"] = right
+            if answers is not None:
+                answers[f"{name}/greedy"] = texts[name]
     if ecfg.samples:
         sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=ecfg.temperature,
                                  top_p=ecfg.top_p, stop_token_ids=stop)
@@ -104,12 +114,14 @@ class Evaluator:
     """Scores the rollout engine and, side by side, the full-precision policy on data.eval."""
 
     def __init__(self, cfg: Config, model_dir: str, *, main: bool,
-                 max_examples: int | None = None, per_question: bool = False) -> None:
+                 max_examples: int | None = None, per_question: bool = False,
+                 answers: bool = False) -> None:
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
         from qurl.sync.publish import WeightSync
 
-        self.cfg, self.fp, self.per_question = cfg, needs_fp_policy(cfg), per_question
+        self.cfg, self.fp, self.per_question, self.answers = \
+            cfg, needs_fp_policy(cfg), per_question, answers
         self.sets: dict[str, list[Example]] = {}
         self.fp_engine: Engine | None = None
         if main:
@@ -134,10 +146,13 @@ class Evaluator:
         codec = PromptCodec(engine.tokenizer, self.cfg.data.template)
         rec: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
         counts: dict[str, list[int]] = {}
-        quant = score_engine(engine, self.sets, codec, ecfg, counts=counts, **kw)
+        texts: dict[str, list[str]] = {}
+        quant = score_engine(engine, self.sets, codec, ecfg, counts=counts, answers=texts, **kw)
         rec.update({f"eval/{k}": v for k, v in quant.items()})
         if self.per_question:
             rec["eval_counts"] = counts
+        if self.answers:
+            rec["eval_answers"] = texts
         if self.fp_engine is not None:
             fp = score_engine(self.fp_engine, self.sets, codec, ecfg, **kw)
             rec.update({f"eval_fp/{k}": v for k, v in fp.items()})

@@ -28,22 +28,15 @@ from typing import Callable, Sequence
 
 import torch
 
-BOX = "boxed{"
+from qurl.data.rewards import first_box_close
 
 
 def box_end(decode: Callable[[list[int]], str], ids: Sequence[int]) -> int | None:
     """The number of tokens up to and including the one that closes the first `\\boxed{...}`
     (braces balanced), or None when no box closes within ids. decode: token ids -> text."""
     for j in range(1, len(ids) + 1):
-        text = decode(list(ids[:j]))
-        start = text.find(BOX)
-        if start < 0:
-            continue
-        depth = 1
-        for ch in text[start + len(BOX):]:
-            depth += {"{": 1, "}": -1}.get(ch, 0)
-            if depth == 0:
-                return j
+        if first_box_close(decode(list(ids[:j]))) is not None:
+            return j
     return None
 
 

@@ -114,6 +114,19 @@ class CheckpointDir:
         found = [p for p in self.root.glob("step_*") if p.is_dir()] if self.root.is_dir() else []
         return sorted(found, key=lambda p: (len(p.name), p.name))
 
+    def at(self, step: int) -> Path:
+        """The checkpoint of `step`, checked against its manifest; CheckpointError naming the steps
+        there are when it is absent or damaged."""
+        path = self.root / f"step_{step:06d}"
+        if not path.is_dir():
+            have = [p.name.removeprefix("step_").lstrip("0") or "0" for p in self.checkpoints()]
+            raise CheckpointError(f"{self.root}: no checkpoint of step {step} (there are: "
+                                  f"{', '.join(have) or 'none'})")
+        problem = damage(path) if has_manifest(path) else None
+        if problem is not None:
+            raise CheckpointError(f"{path}: damaged: {problem}")
+        return path
+
     def latest(self) -> Path | None:
         """The newest intact checkpoint, None if none was ever committed. Damaged ones are skipped
         with a warning naming the damaged file; CheckpointError (one line naming each damaged
