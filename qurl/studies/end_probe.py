@@ -19,6 +19,12 @@ among them are then rewarded, with all of their tokens, by GRPO.
 RUN_DIR: a run whose config names the eval set and template; --base: the checkpoint (default: the
 run's base_model, its warm-started start). Prints, for each engine's greedy answers, the mean and
 median of p_f and p_q, the share of questions with p_q < p_f and the mean log(p_f / p_q).
+
+It also prints how much of the first run-on token IcePop masks there (`masked_run_on`, at the
+run's algo.icepop_bounds). At that position the two engines disagree in one direction, so one
+might expect ρ = p_f / p_q < 1 on the run-on tokens and fear that IcePop masks exactly the tokens
+whose gradient would teach the policy to stop. The share says how often that happens at the
+start of a run, where the learner's policy is the fp32 one.
 """
 from __future__ import annotations
 
@@ -45,6 +51,25 @@ def end_prob(logits: torch.Tensor, end_ids: Sequence[int]) -> float:
     return torch.softmax(logits.float(), dim=-1)[list(end_ids)].sum().item()
 
 
+def masked_run_on(logits_f: torch.Tensor, logits_q: torch.Tensor, end_ids: Sequence[int],
+                  low: float, high: float) -> float:
+    """Of the first run-on token as the quantized engine samples it (T = 1, any token but an end
+    token), the share whose ratio ρ = p_f(t) / p_q(t) lies outside [low, high]: what IcePop masks
+    at that position, so that no gradient teaches the policy to stop or go on there.
+
+        Σ_{t ∉ end, ρ_t ∉ [low, high]} p_q(t)  /  Σ_{t ∉ end} p_q(t)
+
+    logits_f, logits_q: [V], one position of the full-precision policy and of the 8-bit engine."""
+    p_f = torch.softmax(logits_f.double(), dim=-1)
+    p_q = torch.softmax(logits_q.double(), dim=-1)
+    on = torch.ones_like(p_q, dtype=torch.bool)
+    on[list(end_ids)] = False
+    on &= p_q > 0  # a token the engine never samples has no ratio
+    rho = p_f[on] / p_q[on]
+    out = (rho < low) | (rho > high)
+    return (p_q[on][out].sum() / p_q[on].sum()).item()
+
+
 def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> list[str]:
     """Lines of the report (module docstring) for run_dir's held-out set."""
     from qurl.config import validate
@@ -56,6 +81,7 @@ def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> l
 
     cfg = validate(read_config(run_dir))
     model_dir = str(base or run_dir / "base_model")
+    icepop = tuple(cfg.algo.icepop_bounds)
     engines = {p: make_engine(cfg, model_dir, local=True, precision=p) for p in ("bf16", precision)}
     tok = engines[precision].tokenizer
     end_ids = sorted(engines[precision].eos_token_ids)
@@ -66,14 +92,17 @@ def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> l
     for by in engines:
         reqs = [GenRequest(rid=str(i), prompt_ids=p, params=params) for i, p in enumerate(prompts)]
         p_of: dict[str, list[float]] = {k: [] for k in engines}
+        masked: list[float] = []
         for prompt, res in zip(prompts, engines[by].generate(reqs)):
             out = res.output_ids.tolist()
             cut = box_end(tok.decode, out)
             if cut is None:
                 continue
-            for name, engine in engines.items():  # logits after the answer: the last row
-                p_of[name].append(end_prob(engine.token_logits(prompt, out[:cut] + [end_ids[0]])[-1],
-                                           end_ids))
+            after = {name: engine.token_logits(prompt, out[:cut] + [end_ids[0]])[-1]
+                     for name, engine in engines.items()}  # logits after the answer: the last row
+            for name, logits in after.items():
+                p_of[name].append(end_prob(logits, end_ids))
+            masked.append(masked_run_on(after["bf16"], after[precision], end_ids, *icepop))
         f, q = torch.tensor(p_of["bf16"]), torch.tensor(p_of[precision])
         if not len(f):
             lines.append(f"greedy answers of {by}: none closes a box")
@@ -82,7 +111,9 @@ def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> l
             f"greedy answers of {by} ({len(f)} with a box): P(end | answer) fp32 mean {f.mean():.4f}"
             f" median {f.median():.4f}; {precision} mean {q.mean():.4f} median {q.median():.4f};"
             f" {precision} lower on {(q < f).float().mean():.3f} of them;"
-            f" mean log(p_fp32/p_{precision}) {(f.log() - q.log()).mean():.4f}")
+            f" mean log(p_fp32/p_{precision}) {(f.log() - q.log()).mean():.4f};"
+            f" IcePop {list(icepop)} masks {sum(masked) / len(masked):.4f} of the first run-on"
+            f" token (mean over questions; > 0.5 on {sum(m > 0.5 for m in masked)})")
     return lines
 
 
