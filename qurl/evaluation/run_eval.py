@@ -1,4 +1,4 @@
-"""`qurl eval`: the paper's evaluation of a run's latest checkpoint (or `--step N`'s) (qurl/evaluation/suite.py).
+"""`qurl eval`: the paper's evaluation of a run's latest checkpoint, or `--step N`'s (suite.py).
 
 The checkpoint's learner weights (UAQ-scaled master weights) are loaded into a learner, quantized to
 the run's rollout precision and loaded into a fresh engine — the same path a training step takes —

@@ -79,11 +79,11 @@ def score_engine(engine: Engine, sets: dict[str, list[Example]], codec: PromptCo
     kw: dict[str, Any] = dict(run_seed=run_seed, reward_timeout_s=reward_timeout_s)
     if ecfg.greedy:
         greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
-        texts: dict[str, list[str]] = {}
+        texts: dict[str, list[str]] | None = {} if answers is not None else None
         for name, right in _correct(engine, sets, codec, greedy, 1, texts=texts, **kw).items():
             per_set[name]["greedy"] = sum(right) / len(right)
             counts[f"{name}/greedy"] = right
-            if answers is not None:
+            if answers is not None and texts is not None:
                 answers[f"{name}/greedy"] = texts[name]
     if ecfg.samples:
         sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=ecfg.temperature,
@@ -146,7 +146,7 @@ class Evaluator:
         codec = PromptCodec(engine.tokenizer, self.cfg.data.template)
         rec: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
         counts: dict[str, list[int]] = {}
-        texts: dict[str, list[str]] = {}
+        texts: dict[str, list[str]] | None = {} if self.answers else None
         quant = score_engine(engine, self.sets, codec, ecfg, counts=counts, answers=texts, **kw)
         rec.update({f"eval/{k}": v for k, v in quant.items()})
         if self.per_question:

@@ -13,6 +13,11 @@ QuRL (arXiv 2602.13953) makes three claims that an ablation of 8-bit rollout can
    Verdict: *holds* when the interval lies inside ±2, *does not hold* when it lies wholly outside,
    else *not resolved* (the interval is wider than the claim); with one seed the verdict is said
    of that seed only: runs of one recipe differ by more than their evaluations do.
+   The same test is applied to the ACR arm without UAQ (`<q>-acr`): the paper's recipe where the
+   learning rate is already large (its PPO/GSM8K setting, lr 1e-5, turns UAQ off: "updates already
+   large"; its DAPO ablation's "QuRL w/o UAQ" is 1.0 point below bf16). UAQ under Adam grows the
+   norm-fed linears' steps relative to their weights ≈ s-fold, and the paper measured lr ×1.5 as
+   worse than s = 1.5, so at lr ≥ 1e-5 this row, not ACR + UAQ's, is the paper's own setting.
 3. **TIS degrades over the run.** The paper sees TIS hold for ~500 steps, then KL(behav‖prox) grow
    ~12× and training collapse. Checked per seed: the run collapsed, or its last training evaluation
    is below its best earlier one by more than 2 standard errors of an evaluation at that best
@@ -96,12 +101,13 @@ def claims_markdown(rows: list[dict[str, Any]], baseline: str,
                           "arm": f"{q}-naive", "seeds": naive["seeds"],
                           "measured": "Δ " + ", ".join(_fmt(100 * d) for d in naive["deltas"]),
                           "verdict": f"holds in {naive['holds']} of {naive['seeds']} seeds"})
-        match = match_claim(rows, f"{q}-acr-uaq", baseline,
-                            (eval_ses or {}).get(f"{q}-acr-uaq", float("nan")))
-        if match:
+        for arm, name in ((f"{q}-acr-uaq", "ACR + UAQ"), (f"{q}-acr", "ACR (UAQ off)")):
+            match = match_claim(rows, arm, baseline, (eval_ses or {}).get(arm, float("nan")))
+            if not match:
+                continue
             se_of = "over seeds" if match["seeds"] > 1 else "evaluation only, one seed"
-            table.append({"claim (paper)": f"{q} ACR + UAQ within 2 points of bf16",
-                          "arm": f"{q}-acr-uaq", "seeds": match["seeds"],
+            table.append({"claim (paper)": f"{q} {name} within 2 points of bf16",
+                          "arm": arm, "seeds": match["seeds"],
                           "measured": f"Δ {_fmt(100 * match['mean'])} ± {_fmt(100 * match['se'])} "
                                       f"({se_of}); ±2 se: [{_fmt(100 * match['lo'])}, "
                                       f"{_fmt(100 * match['hi'])}]",
