@@ -158,3 +158,26 @@ def test_uaq_flips_more_codes_in_scaled_layers() -> None:
     # unscaled layers: same function, same gradients, same flips
     assert base["unscaled"] > 0
     assert uaq["unscaled"] == pytest.approx(base["unscaled"], rel=0.03)
+
+
+def test_code_shift_of_uaq_on_a_real_qwen2(tmp_path, capsys) -> None:
+    """qurl.studies.uaq_codes: s = 2 divides exactly, so not one code may move; s = 1.5 rounds, and
+    only weights within fp32 rounding of a code boundary may move; o/down are never touched."""
+    import json
+
+    from qurl.studies.uaq_codes import code_shift, main
+
+    model = _model(_config(hidden=128, inter=256), seed=3)
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    exact = code_shift(state, 2.0)
+    assert exact["all"] == 0.0 and exact["uaq_scaled"] == 0.0
+    for fmt in ("int8", "fp8"):
+        rounded = code_shift(state, 1.5, fmt)
+        assert rounded["unscaled"] == 0.0
+        assert rounded["uaq_scaled"] < 1e-3, (fmt, rounded)
+    model.save_pretrained(tmp_path)  # the CLI reads a checkpoint directory: same numbers
+    assert main([str(tmp_path), "--scales", "2", "1.5"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["s"] for r in lines] == [2.0, 1.5]
+    assert lines[0]["all"] == 0.0
+    assert lines[1]["uaq_scaled"] == pytest.approx(code_shift(state, 1.5)["uaq_scaled"])
