@@ -38,7 +38,8 @@ def code_shift(state: Mapping[str, torch.Tensor], s: float, fmt: str = "int8") -
 def main(argv: list[str] | None = None) -> int:
     from qurl.models.hf import read_state_dict
 
-    p = argparse.ArgumentParser(prog="python -m qurl.studies.uaq_codes", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qurl.studies.uaq_codes",
+                                description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a HF checkpoint directory (Llama/Qwen2 layout)")
     p.add_argument("--scales", type=float, nargs="+", default=[1.5])
     p.add_argument("--fmt", default="int8", choices=["int8", "fp8"])
