@@ -26,13 +26,16 @@ from qurl.quant.named import quantize_named
 from qurl.quant.uaq import apply_uaq
 
 
+def code_changes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], fmt: str = "int8"
+                 ) -> dict[str, float]:
+    """Share of `fmt` codes of the quantized linears that differ between state dicts `a` and `b`:
+    {"all", "uaq_scaled", "unscaled", "<proj>_proj": share} (flip_fractions' groups)."""
+    return flip_fractions(dict(quantize_named(a, fmt)), dict(quantize_named(b, fmt)))
+
+
 def code_shift(state: Mapping[str, torch.Tensor], s: float, fmt: str = "int8") -> dict[str, float]:
-    """Share of `fmt` codes of the quantized linears that differ between `state` and
-    `apply_uaq(state, s)`: {"all", "uaq_scaled", "unscaled", "<proj>_proj": share} (flip_fractions'
-    groups; the unscaled layers must give 0)."""
-    plain = dict(quantize_named(state, fmt))
-    scaled = dict(quantize_named(apply_uaq(state, s), fmt))
-    return flip_fractions(plain, scaled)
+    """code_changes between `state` and `apply_uaq(state, s)` (the unscaled layers must give 0)."""
+    return code_changes(state, apply_uaq(state, s), fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
