@@ -39,7 +39,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -51,7 +51,7 @@ from qurl.studies.uaq_codes import code_changes
 State = Mapping[str, torch.Tensor]
 
 
-def _jittered(state: State, eps: float, which, seed: int) -> dict[str, torch.Tensor]:
+def _jittered(state: State, eps: float, which: Callable[[str], bool], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: v * (1 + eps * torch.randn(v.shape, generator=g, dtype=v.dtype)) if which(k) else v
             for k, v in state.items()}
