@@ -90,7 +90,7 @@ def compare_engines(base: str | Path, variants: Mapping[str, State],
         e = LocalEngine(base, precision=precision)
         e.load_weights(((k, v) for k, v in state.items() if k in names), 1)
         engines[name] = e
-    kl = {(r, n): [0.0, 0] for r in ("reference", "fp32") for n in engines}
+    kl = {(r, n): 0.0 for r in ("reference", "fp32") for n in engines}  # summed over answer tokens
     seq_logp: dict[str, list[float]] = {n: [] for n in engines}
     for prompt, answer in pairs:
         target = torch.tensor(answer).unsqueeze(1)  # [T, 1]
@@ -99,15 +99,13 @@ def compare_engines(base: str | Path, variants: Mapping[str, State],
         for n, lp in logp.items():
             seq_logp[n].append(float(lp.gather(1, target).sum()))
             for r in ("reference", "fp32"):
-                acc = kl[(r, n)]
-                acc[0] += float((logp[r].exp() * (logp[r] - lp)).sum())
-                acc[1] += len(answer)
+                kl[(r, n)] += float((logp[r].exp() * (logp[r] - lp)).sum())
+    tokens = sum(len(answer) for _, answer in pairs)
     out: dict[str, dict[str, float]] = {}
     ref_lp = torch.tensor(seq_logp["reference"], dtype=torch.float64)
     for n in engines:
         d = torch.tensor(seq_logp[n], dtype=torch.float64) - ref_lp
-        out[n] = {"kl_vs_ref": kl[("reference", n)][0] / kl[("reference", n)][1],
-                  "kl_vs_fp32": kl[("fp32", n)][0] / kl[("fp32", n)][1],
+        out[n] = {"kl_vs_ref": kl[("reference", n)] / tokens, "kl_vs_fp32": kl[("fp32", n)] / tokens,
                   "dlogp": float(d.mean()),
                   "dlogp_se": float(d.std() / math.sqrt(len(d))) if len(d) > 1 else float("nan")}
     return out
