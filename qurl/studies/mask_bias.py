@@ -100,11 +100,12 @@ def sample_batch(cfg, checkpoint: str | Path, n_prompts: int, precision: str):
     batch, _ = build_batch(groups, version=0, pad_id=behav.tokenizer.pad_token_id,
                            advantage=cfg.algo.advantage)
     prox = LocalEngine(checkpoint, precision="bf16")  # unquantized, computes in fp32
+    temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0  # as the engine scores
     rows = []
     with torch.no_grad():
         for i in range(0, batch.tokens.shape[0], 16):
             logits = prox.model(input_ids=batch.tokens[i:i + 16], use_cache=False).logits.float()
-            logp = torch.log_softmax(logits[:, :-1] / max(cfg.rollout.temperature, 1e-6), -1)
+            logp = torch.log_softmax(logits[:, :-1] / temp, -1)
             got = logp.gather(2, batch.tokens[i:i + 16, 1:].unsqueeze(2)).squeeze(2)
             rows.append(torch.cat([torch.zeros_like(got[:, :1]), got], 1))  # column j: token j
     mask = batch.loss_mask.bool()
