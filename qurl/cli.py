@@ -26,7 +26,10 @@ from pathlib import Path
 from qurl.config import LOCAL_BASES, PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
 from qurl.errors import InputError
 
-_TORCHRUN_QUIET_S = 10.0  # how long a rank > 0 under torchrun leaves rank 0 to report a shared error
+# How long a rank > 0 under torchrun leaves rank 0 to report a shared error. torchrun stops the
+# other ranks within seconds of rank 0's exit; the wait only has to outlast rank 0 reaching the same
+# error, which on a loaded 2-core machine took more than 10 s (the rank-1 line then came first).
+_TORCHRUN_QUIET_S = 60.0
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
