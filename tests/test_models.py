@@ -234,6 +234,24 @@ def test_a_checkpoint_is_warm_started_on_the_synthetic_recipe(micro_dir, tmp_pat
     assert (again / weights).stat().st_ino == (cached[0] / weights).stat().st_ino == (got / weights).stat().st_ino
 
 
+def test_a_base_built_apart_is_the_cache_build_base_reads(micro_dir, tmp_path):
+    """A study builds its warm start in a child process (its freed memory then goes back to the
+    system): the child writes the cache build_base would, and its errors reach the caller."""
+    from qurl.models.base import build_base, build_base_apart
+
+    cfg = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
+                          "model.warmstart_steps=1", "run.seed=2")
+    got = build_base_apart(cfg)
+    assert got.parent == tmp_path / "runs" / "_base" and (got / "warmstart.json").is_file()
+    check_checkpoint(got)
+    mtime = (got / "model.safetensors").stat().st_mtime_ns
+    assert build_base(cfg) == got  # found in the cache, not built again
+    assert (got / "model.safetensors").stat().st_mtime_ns == mtime
+    assert not any(micro_dir.name in p.name and p.name.endswith(".tmp") for p in got.parent.iterdir())
+    with pytest.raises(ValueError, match="no base to build"):
+        build_base_apart(_checkpoint_cfg(micro_dir, tmp_path))
+
+
 def test_the_warm_start_cache_key_follows_the_checkpoint(micro_dir, tmp_path):
     from qurl.models.base import _base_key
 

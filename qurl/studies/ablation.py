@@ -148,7 +148,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     evaluation with Avg@k where it has none (qurl/studies/final_eval.py); train_code: the qurl
     checkout whose `qurl train` runs the arms (qurl/studies/runner.py). Returns
     {seed: {arm: records}} of every finished arm in out_dir."""
-    from qurl.models.base import build_base, builds_base
+    from qurl.models.base import build_base_apart, builds_base
     from qurl.studies import final_eval as fe
     from qurl.studies.runner import run_to_end
 
@@ -194,7 +194,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     def one(c: Config) -> None:
         if builds_base(c):
             with base_locks[c.deploy.dir]:
-                build_base(c)
+                build_base_apart(c)
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {c.run.steps} steps", flush=True)
         how = run_to_end(c, Path(train_code) if train_code else None)
         commit(Path(c.deploy.dir) / c.run.name, arm_dir(out, c.run.name, c.run.seed))
