@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from qurl.studies.claims import claims_markdown, degrades, match_claim, naive_claim
+from qurl.studies.claims import claims_markdown, degrades, match_claim, naive_claim, seeds_needed
 
 
 def row(seed: int, arm: str, acc: float, *, collapse: int | None = None,
@@ -41,6 +41,25 @@ def test_match_verdict_from_the_paired_interval(accs, verdict, mean, se):
     assert got["verdict"] == verdict and got["seeds"] == 2
     assert got["mean"] == pytest.approx(mean, abs=1e-12) and got["se"] == pytest.approx(se)
     assert (got["lo"], got["hi"]) == pytest.approx((mean - 2 * se, mean + 2 * se))
+
+
+def test_not_resolved_projects_the_seeds_today_s_spread_would_need():
+    # Δ = 0, −10 points: mean −5, sd 7.071, margin |5 − 2| = 3 -> n > (2·7.071/3)² = 22.2: 23 seeds
+    rows = [row(0, "bf16-ppo", 0.70), row(1, "bf16-ppo", 0.70),
+            row(0, "int8-acr-uaq", 0.70), row(1, "int8-acr-uaq", 0.60)]
+    got = match_claim(rows, "int8-acr-uaq", "bf16-ppo")
+    assert got["verdict"] == "not resolved" and got["seeds_needed"] == 23
+    # at 23 seeds se = 7.071/√23 = 1.474 and the interval's top −5 + 2.95 = −2.05 clears −2;
+    # at 22 it is −5 + 3.015 = −1.985, still inside
+    assert -0.05 + 2 * 0.07071 / math.sqrt(23) < -0.02 < -0.05 + 2 * 0.07071 / math.sqrt(22)
+    md = claims_markdown(rows, "bf16-ppo")
+    assert "not resolved (at this mean and sd, ~23 seeds would read 'does not hold') |" in md
+    # |mean| below the gap projects toward "holds": mean −1, margin 1, sd 2 -> n > 16: 17
+    assert seeds_needed(-0.01, 0.02) == 17
+    assert seeds_needed(0.02, 0.05) is None  # on the boundary no seed count separates it
+    # resolved verdicts carry no projection
+    assert match_claim(rows[:2] + [row(0, "int8-acr-uaq", 0.60), row(1, "int8-acr-uaq", 0.62)],
+                       "int8-acr-uaq", "bf16-ppo")["seeds_needed"] is None
 
 
 def test_match_with_one_seed_uses_the_evaluation_se():

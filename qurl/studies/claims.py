@@ -12,7 +12,11 @@ QuRL (arXiv 2602.13953) makes three claims that an ablation of 8-bit rollout can
    the same questions; only the measurement noise, so one seed understates the uncertainty).
    Verdict: *holds* when the interval lies inside ±2, *does not hold* when it lies wholly outside,
    else *not resolved* (the interval is wider than the claim); with one seed the verdict is said
-   of that seed only: runs of one recipe differ by more than their evaluations do.
+   of that seed only: runs of one recipe differ by more than their evaluations do. A verdict of
+   *not resolved* over several seeds comes with a projection, `seeds_needed`: the fewest seeds n
+   with 2·sd/√n < | |d̄| − 2 |, i.e. how many seeds would settle it if more seeds kept today's mean
+   and spread (toward *does not hold* when |d̄| > 2, *holds* when |d̄| < 2). It is a planning
+   number, not a result: the next seeds move the mean and sd.
    The same test is applied to the ACR arm without UAQ (`<q>-acr`): the paper's recipe where the
    learning rate is already large (its PPO/GSM8K setting, lr 1e-5, turns UAQ off: "updates already
    large"; its DAPO ablation's "QuRL w/o UAQ" is 1.0 point below bf16). UAQ under Adam grows the
@@ -55,8 +59,9 @@ def naive_claim(rows: list[dict[str, Any]], arm: str, baseline: str) -> dict[str
 
 def match_claim(rows: list[dict[str, Any]], arm: str, baseline: str,
                 eval_se: float = float("nan")) -> dict[str, Any] | None:
-    """Claim 2 for `arm`: {"seeds", "mean", "se", "lo", "hi", "verdict"}; eval_se (the paired
-    evaluation se, tables.paired_eval_se) stands in for se with one seed. None without a pair."""
+    """Claim 2 for `arm`: {"seeds", "mean", "se", "lo", "hi", "verdict", "seeds_needed"}; eval_se
+    (the paired evaluation se, tables.paired_eval_se) stands in for se with one seed. seeds_needed
+    is set only for *not resolved* over several seeds (module docstring). None without a pair."""
     d = _paired(rows, arm, baseline, "acc_final")
     if not d:
         return None
@@ -71,9 +76,22 @@ def match_claim(rows: list[dict[str, Any]], arm: str, baseline: str,
         verdict = "does not hold"
     else:
         verdict = "not resolved"
+    needed = None
+    if verdict == "not resolved" and len(d) > 1:
+        needed = seeds_needed(mean, _sd(d))
     if len(d) == 1 and math.isfinite(se):
         verdict += " in this seed (its trajectory's spread unmeasured)"
-    return {"seeds": len(d), "mean": mean, "se": se, "lo": lo, "hi": hi, "verdict": verdict}
+    return {"seeds": len(d), "mean": mean, "se": se, "lo": lo, "hi": hi, "verdict": verdict,
+            "seeds_needed": needed}
+
+
+def seeds_needed(mean: float, sd: float, gap: float = MATCH_GAP) -> int | None:
+    """The fewest seeds n with 2·sd/√n < ||mean| − gap| (module docstring); None when |mean| is
+    exactly the gap (no number of seeds separates it)."""
+    margin = abs(abs(mean) - gap)
+    if margin == 0:
+        return None
+    return math.floor((2 * sd / margin) ** 2) + 1
 
 
 def degrades(row: dict[str, Any]) -> bool:
@@ -86,6 +104,15 @@ def degrades(row: dict[str, Any]) -> bool:
         return False
     best = max(acc for _, acc in curve[:-1])
     return curve[-1][1] < best - 2 * math.sqrt(best * (1 - best) / n)
+
+
+def _projection(match: dict[str, Any]) -> str:
+    """The verdict's tail for a not-resolved claim: the seeds that today's mean and sd would need."""
+    n = match["seeds_needed"]
+    if n is None:
+        return ""
+    toward = "does not hold" if abs(match["mean"]) > MATCH_GAP else "holds"
+    return f" (at this mean and sd, ~{n} seeds would read '{toward}')"
 
 
 def claims_markdown(rows: list[dict[str, Any]], baseline: str,
@@ -111,7 +138,7 @@ def claims_markdown(rows: list[dict[str, Any]], baseline: str,
                           "measured": f"Δ {_fmt(100 * match['mean'])} ± {_fmt(100 * match['se'])} "
                                       f"({se_of}); ±2 se: [{_fmt(100 * match['lo'])}, "
                                       f"{_fmt(100 * match['hi'])}]",
-                          "verdict": match["verdict"]})
+                          "verdict": match["verdict"] + _projection(match)})
         tis = [r for r in rows if r["arm"] == f"{q}-tis"]
         if f"{q}-tis" in arms:
             growth = [r["kl_last"] / r["kl_first"] for r in tis if r["kl_first"] > 0]
