@@ -171,8 +171,9 @@ def _worker(rank: int, ws: int) -> dict:
         # The head on the loss columns only (qurl/learner/head.py): from column 5 on the same
         # log-probs as the whole head's, before it zeros; gradients equal through the cut
         cut_l = _learner("qwen2", ws)
-        full = cut_l._forward_logp(cut_l.model, batch["tokens"], 1.0)
-        part = cut_l._forward_logp(cut_l.model, batch["tokens"], 1.0, start=5)
+        toks = batch["tokens"].to(cut_l.device)  # the private forward takes them where the model is
+        full = cut_l._forward_logp(cut_l.model, toks, 1.0)
+        part = cut_l._forward_logp(cut_l.model, toks, 1.0, start=5)
         out["head_cut"] = (float((part[:, 5:] - full[:, 5:]).abs().max()),
                            float(part[:, :5].abs().max()), float(full[:, 1:5].abs().min()))
         grads = []
