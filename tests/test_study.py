@@ -52,6 +52,8 @@ def test_arm_configs_differ_only_in_precision_loss_and_uaq(tmp_path):
     assert (naive.rollout.precision, naive.algo.loss, naive.algo.uaq_scale) == ("int8", "naive", 1.0)
     assert arms["fp8-acr"].algo.uaq_scale == 1.0
     assert arms["fp8-acr-uaq"].algo.uaq_scale == 1.5  # config had UAQ off: the study's default s
+    uaq = arms["bf16-ppo-uaq"]  # the control: the baseline with UAQ's scaling
+    assert (uaq.rollout.precision, uaq.algo.loss, uaq.algo.uaq_scale) == ("bf16", "ppo", 1.5)
     assert {a.run.steps for a in arms.values()} == {7}
     assert {a.algo.tis_cap for a in arms.values()} == {1.3}
     assert {a.deploy.dir for a in arms.values()} == {str(tmp_path)}
@@ -113,7 +115,8 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
         0: {"bf16-ppo": _records(ok, [0.5, 0.60]), "int8-naive": _records(dead, [0.5, 0.20]),
             "int8-tis": _records(ok, [0.5, 0.55]), "int8-acr": _records(ok, [0.5, 0.58])},
         1: {"bf16-ppo": _records(ok, [0.5, 0.70]), "int8-naive": _records(ok, [0.5, 0.60]),
-            "int8-tis": _records(ok, [0.5, 0.61]), "int8-acr": _records(ok, [0.5, 0.66])},
+            "int8-tis": _records(ok, [0.5, 0.61]), "int8-acr": _records(ok, [0.5, 0.66]),
+            "bf16-ppo-uaq": _records(ok, [0.5, 0.64])},
     }
     rows = seed_rows(records)
     by = {r["arm"]: r for r in summarize(rows, "bf16-ppo")}
@@ -128,15 +131,19 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
     # every run starts at 50%: greedy ≥ 50% from step 0
     assert (by["bf16-ppo"]["learned"], by["bf16-ppo"]["learned_step"]) == ("2/2", 0.0)
     pairs = {p["difference"]: p for p in pair_rows(rows, "bf16-ppo")}
-    assert set(pairs) == {"int8-naive − bf16-ppo", "int8-acr − int8-tis"}  # no acr-uaq arm here
+    assert set(pairs) == {"int8-naive − bf16-ppo", "int8-acr − int8-tis",  # no acr-uaq arm here
+                          "bf16-ppo-uaq − bf16-ppo"}
     assert pairs["int8-acr − int8-tis"]["acc_mean"] == pytest.approx(0.04)  # (0.03, 0.05)
+    # the UAQ control on seed 1 only: one pair, -0.06, no sd
+    assert (pairs["bf16-ppo-uaq − bf16-ppo"]["seeds"], pairs["bf16-ppo-uaq − bf16-ppo"]["acc_mean"]
+            ) == (1, pytest.approx(-0.06))
     md = write_tables(records, tmp_path, baseline="bf16-ppo").read_text()
     # Δ vs bf16: mean −25 points, se = sd/√2 = 21.2/√2 = 15
     assert "| int8-naive | 2 | 40 | 50 | 40 ± 28.3 | -25 ± 15 |" in md
     assert by["int8-naive"]["acc_vs_base_se"] == pytest.approx(math.sqrt(0.045) / math.sqrt(2))
     with (tmp_path / "ablation_seeds.csv").open() as f:
         seeds_csv = list(csv.DictReader(f))
-    assert len(seeds_csv) == 8
+    assert len(seeds_csv) == 9  # 4 arms on 2 seeds + the UAQ control on one
     assert [r["collapse_step"] for r in seeds_csv if r["arm"] == "int8-naive"] == ["26", ""]
 
 

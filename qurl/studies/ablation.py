@@ -4,6 +4,11 @@ training as good as a full-precision rollout — with the field's other correcti
 Arms (every other config field is the caller's, so all arms share data, model, seeds and steps):
 
     bf16-ppo           full-precision rollout, PPO ratio, UAQ off     (the baseline)
+    bf16-ppo-uaq       the baseline with UAQ's scaling s: a control, not one of the paper's arms.
+                       UAQ leaves the function unchanged but not the optimizer's steps: Adam moves
+                       every weight by ~lr, so on the layers stored divided by s the step is ~s
+                       times larger relative to the weight. This arm shows what that costs or
+                       gains with no quantization at all.
     <q>-naive          8-bit rollout, PPO ratio over the 8-bit engine's logprobs, UAQ off
     <q>-tis            8-bit rollout, decoupled PPO with truncated IS weight min(ρ, C), UAQ off
     <q>-acr            8-bit rollout, TIS + Adaptive Clipping Range, UAQ off
@@ -74,6 +79,7 @@ _FIELD_ARMS: tuple[tuple[str, dict[str, Any]], ...] = tuple(
 QUANT_FORMATS = ("int8", "fp8", "w4a16")
 ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     (BASELINE, {"rollout.precision": "bf16", "algo.loss": "ppo", "algo.uaq_scale": 1.0}),
+    (f"{BASELINE}-uaq", {"rollout.precision": "bf16", "algo.loss": "ppo"}),  # uaq: as acr-uaq's
     *((f"{q}-{name}", {"rollout.precision": q, **sets}) for q in QUANT_FORMATS
       for name, sets in _QUANT_ARMS + _FIELD_ARMS),
 )

@@ -273,21 +273,23 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
 
 def pair_rows(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Paired differences (mean, sd, se over seeds) of final accuracy and last-window reward:
-    each 8-bit format's naive and acr+uaq vs the baseline, acr vs tis, acr+uaq vs acr, and each
-    field correction (icepop, mis, seqtis, geomask) vs acr: both UAQ off, only the weight differs."""
+    the baseline with UAQ vs without; each 8-bit format's naive and acr+uaq vs the baseline, acr
+    vs tis, acr+uaq vs acr, and each field correction (icepop, mis, seqtis, geomask) vs acr: both
+    UAQ off, only the weight differs."""
     arms = set(r["arm"] for r in rows)
-    out = []
+    wanted = [(f"{baseline}-uaq", baseline)]
     for q in ("int8", "fp8", "w4a16"):
-        for arm, ref in ((f"{q}-naive", baseline), (f"{q}-acr-uaq", baseline),
-                         (f"{q}-acr", f"{q}-tis"), (f"{q}-acr-uaq", f"{q}-acr"),
-                         *((f"{q}-{c}", f"{q}-acr") for c in FIELD_CORRECTIONS)):
-            if arm in arms and ref in arms:
-                acc, rew = _paired(rows, arm, ref, "acc_final"), _paired(rows, arm, ref, "reward_last")
-                out.append({"difference": f"{arm} − {ref}", "seeds": len(acc),
-                            "acc_mean": _mean(acc), "acc_sd": _sd(acc),
-                            "acc_se": _se(_sd(acc), len(acc)),
-                            "reward_mean": _mean(rew), "reward_sd": _sd(rew),
-                            "reward_se": _se(_sd(rew), len(rew))})
+        wanted += [(f"{q}-naive", baseline), (f"{q}-acr-uaq", baseline), (f"{q}-acr", f"{q}-tis"),
+                   (f"{q}-acr-uaq", f"{q}-acr"),
+                   *((f"{q}-{c}", f"{q}-acr") for c in FIELD_CORRECTIONS)]
+    out = []
+    for arm, ref in wanted:
+        if arm in arms and ref in arms:
+            acc, rew = _paired(rows, arm, ref, "acc_final"), _paired(rows, arm, ref, "reward_last")
+            out.append({"difference": f"{arm} − {ref}", "seeds": len(acc),
+                        "acc_mean": _mean(acc), "acc_sd": _sd(acc), "acc_se": _se(_sd(acc), len(acc)),
+                        "reward_mean": _mean(rew), "reward_sd": _sd(rew),
+                        "reward_se": _se(_sd(rew), len(rew))})
     return out
 
 
