@@ -274,3 +274,27 @@ def test_warm_starting_a_checkpoint_needs_the_synthetic_task(micro_dir, tmp_path
     with pytest.raises(ConfigError, match="model.warmstart_checkpoint.*data.train='x.jsonl'"):
         _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true", "data.train=x.jsonl")
     _checkpoint_cfg(micro_dir, tmp_path, "data.train=x.jsonl")  # used as given: nothing to check
+
+
+def test_a_child_killed_outright_is_an_error_not_a_wait():
+    """A warm-start child killed by the kernel (out of memory) must fail the study that started it:
+    multiprocessing.Pool would wait for it forever. os.abort kills the child by SIGABRT."""
+    import os
+    import threading
+
+    from qurl.models.base import run_apart
+
+    got: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            run_apart(os.abort)
+        except BaseException as e:  # noqa: BLE001 - the test inspects what came back
+            got.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "run_apart still waiting for a child that was killed"
+    assert len(got) == 1 and isinstance(got[0], RuntimeError) and "abort died" in str(got[0])
+    assert run_apart(divmod, 7, 2) == (3, 1)  # a child that returns: its result comes back

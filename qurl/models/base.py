@@ -18,11 +18,16 @@ import json
 import multiprocessing
 import os
 import shutil
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 from qurl.config import LOCAL_BASES, Config
 from qurl.data.synthetic import arithmetic_task, worked_solution
 from qurl.data.templates import render_prompt
+
+T = TypeVar("T")
 
 
 # The warm start fine-tunes on its own fixed set of synthetic training questions (as many as the
@@ -133,6 +138,20 @@ def build_base_apart(cfg: Config) -> Path:
     it (a study): the warm start's optimizer state and activations (~7 GB on SmolLM2-135M) stay in
     the heap of the process that ran it even when freed, and would sit in the caller's memory for
     hours next to the runs it trains. A child's goes back to the system when it exits. Errors are
-    the child's, raised here."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(build_base, (cfg,))
+    the child's, raised here; a child killed outright (the kernel's out-of-memory killer: one
+    SmolLM2-135M warm start peaked at 12.7 GB on a 24-GB machine, so two at once may not fit) is a
+    RuntimeError, not a wait without end."""
+    return run_apart(build_base, cfg)
+
+
+def run_apart(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a spawned child process; its result or its exception here. multiprocessing.Pool
+    would wait forever for a child killed by a signal (it starts a new worker and loses the task);
+    a ProcessPoolExecutor marks itself broken, which is raised as a RuntimeError."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)} died in its child process before it "
+                               "returned (killed by a signal, most often the out-of-memory killer): "
+                               "run it again with more memory free") from e
