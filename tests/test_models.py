@@ -226,10 +226,10 @@ def test_a_checkpoint_is_warm_started_on_the_synthetic_recipe(micro_dir, tmp_pat
     assert all(torch.equal(tuned[k], ref[k]) for k in ref)
     assert any(not torch.equal(tuned[k], start[k]) for k in start)
 
-    cached = [p for p in (tmp_path / "runs" / "_base").iterdir()]
+    cached = [p for p in (tmp_path / "runs" / "_base").iterdir() if p.is_dir()]  # beside: its .lock
     assert len(cached) == 1 and cached[0].name.startswith(micro_dir.name + "-")
     again = Path(prepare_base_model(cfg, tmp_path / "run_b"))  # a second run: the cache, linked
-    assert [p.name for p in (tmp_path / "runs" / "_base").iterdir()] == [cached[0].name]
+    assert [p.name for p in (tmp_path / "runs" / "_base").iterdir() if p.is_dir()] == [cached[0].name]
     weights = "model.safetensors"
     assert (again / weights).stat().st_ino == (cached[0] / weights).stat().st_ino == (got / weights).stat().st_ino
 
@@ -298,3 +298,27 @@ def test_a_child_killed_outright_is_an_error_not_a_wait():
     assert not t.is_alive(), "run_apart still waiting for a child that was killed"
     assert len(got) == 1 and isinstance(got[0], RuntimeError) and "abort died" in str(got[0])
     assert run_apart(divmod, 7, 2) == (3, 1)  # a child that returns: its result comes back
+
+
+def test_a_second_builder_of_the_same_base_waits_for_the_first(micro_dir, tmp_path):
+    """Two studies (or two arms of one seed) asking for the same warm start at once would share its
+    .tmp dir: build_base holds a file lock beside the cache while it looks and builds, so a second
+    caller waits for the first and then finds the cache."""
+    import fcntl
+    import threading
+
+    from qurl.models.base import build_base
+
+    cfg = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
+                          "model.warmstart_steps=1", "run.seed=3")
+    first = build_base(cfg)
+    (lock,) = (tmp_path / "runs" / "_base").glob("*.lock")
+    got: list[Path] = []
+    with open(lock, "w") as held:  # as a builder in another process would
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t = threading.Thread(target=lambda: got.append(build_base(cfg)), daemon=True)
+        t.start()
+        t.join(3)
+        assert t.is_alive() and not got, "build_base went past a lock another builder holds"
+    t.join(60)  # closing the file released the lock
+    assert got == [first] and (first / "warmstart.json").is_file()

@@ -13,6 +13,7 @@ always be resumed from its own files.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -88,9 +89,8 @@ def prepare_base_model(cfg: Config, run_dir: Path) -> str:
 
 def build_base(cfg: Config) -> Path:
     """The cached base model (`<deploy.dir>/_base/<name>-<key>/`) of a run that builds_base: built
-    (tiny/small) or read (a checkpoint) and warm-started first if missing. Two processes must not
-    build the same key at once (they share its .tmp dir): callers that start runs side by side
-    build it once beforehand."""
+    (tiny/small) or read (a checkpoint) and warm-started first if missing. A caller asking for a
+    key another thread or process is building waits for it (a file lock beside the cache)."""
     from qurl.models.hf import build_model, check_checkpoint
     from qurl.models.registry import resolve_base
     from qurl.models.warmstart import sft_warmstart
@@ -104,19 +104,24 @@ def build_base(cfg: Config) -> Path:
         check_checkpoint(checkpoint)
     name = m.base if checkpoint is None else checkpoint.name
     cache = Path(cfg.deploy.dir) / "_base" / f"{name}-{_base_key(cfg, checkpoint)}"
-    if not (cache / "config.json").exists():
-        tmp = cache.with_name(cache.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        init = checkpoint or build_model(tmp / "init", m.base, seed=cfg.run.seed)
-        if m.warmstart_steps > 0:
-            sft_warmstart(init, _warmstart_pairs(cfg, init), steps=m.warmstart_steps,
-                          lr=m.warmstart_lr, batch_size=32, seed=cfg.run.seed, out_dir=tmp / "sft",
-                          num_threads=cfg.deploy.torch_threads or None)
-            shutil.move(str(tmp / "sft"), str(cache))
-        else:
-            shutil.move(str(init), str(cache))
-        shutil.rmtree(tmp, ignore_errors=True)
-    return cache
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # one builder per key, across threads and processes (two studies, or two arms of one seed,
+    # started together): the others wait on the lock and then find the cache
+    with open(cache.parent / f"{cache.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / "config.json").exists():
+            tmp = cache.with_name(cache.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            init = checkpoint or build_model(tmp / "init", m.base, seed=cfg.run.seed)
+            if m.warmstart_steps > 0:
+                sft_warmstart(init, _warmstart_pairs(cfg, init), steps=m.warmstart_steps,
+                              lr=m.warmstart_lr, batch_size=32, seed=cfg.run.seed,
+                              out_dir=tmp / "sft", num_threads=cfg.deploy.torch_threads or None)
+                shutil.move(str(tmp / "sft"), str(cache))
+            else:
+                shutil.move(str(init), str(cache))
+            shutil.rmtree(tmp, ignore_errors=True)
+        return cache
 
 
 def _warmstart_pairs(cfg: Config, model_dir: Path) -> list[tuple[str, str]]:

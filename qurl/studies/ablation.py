@@ -58,7 +58,6 @@ seed and arm), `ablation_pairs.csv` (paired differences with their standard erro
 """
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -187,9 +186,6 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     for a, s in ((a, s) for s in seeds for a in arms if (a, s) in found):
         print(f"[ablation] seed {s} {a}: committed in {arm_dir(out, a, s)}", flush=True)
 
-    # one warm start per seed, built by the first of its arms to start (the others wait for it)
-    base_locks = {c.deploy.dir: threading.Lock() for c in todo}
-
     def evaluate(arm: str, seed: int) -> None:
         where = arm_dir(out, arm, seed)
         if final_eval and fe.read_final(where, final_eval, step=cfg.run.steps) is None:
@@ -198,9 +194,8 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
                   flush=True)
 
     def one(c: Config) -> None:
-        if builds_base(c):
-            with base_locks[c.deploy.dir]:
-                build_base_apart(c)
+        if builds_base(c):  # one warm start per seed: its first arm builds it, the others wait
+            build_base_apart(c)
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {c.run.steps} steps", flush=True)
         how = run_to_end(c, Path(train_code) if train_code else None)
         commit(Path(c.deploy.dir) / c.run.name, arm_dir(out, c.run.name, c.run.seed))
