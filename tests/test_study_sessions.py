@@ -15,7 +15,8 @@ from pipeline_helpers import TIMING, tiny_cfg
 from qurl.config import ConfigError, override
 from qurl.studies.ablation import ablation, arm_configs
 from qurl.studies.runner import run_to_end, train_command
-from qurl.studies.store import FILES, START, arm_dir, extends, finished, start_record, starts
+from qurl.studies.store import (FILES, START, arm_dir, check_start, extends, finished, start_record,
+                                starts)
 from qurl.studies.tables import starts_markdown
 from qurl.train.metrics_log import read_metrics
 
@@ -63,6 +64,32 @@ def test_start_record_hashes_the_starting_weights(tmp_path):
     assert rec == {"sha256": hashlib.sha256(b"first" * 10_000_000 + b"second").hexdigest(),
                    "warmstart": {"steps": 20, "losses": [1.8, 0.06]}}
     assert start_record(tmp_path / "other") is None
+
+
+def test_a_warm_start_at_another_precision_is_refused_before_training(tmp_path):
+    """The seed's committed arms recorded their start (base.json); a base built on a CPU without
+    native bf16 (warm-started in fp32) is another model and is refused before any step, naming
+    the precision; the same precision with other bits (another CPU's kernels) is a warning."""
+    import hashlib
+
+    def base(name: str, weights: bytes, bf16: bool) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(weights)
+        (d / "warmstart.json").write_text(json.dumps({"steps": 20, "bf16_autocast": bf16}))
+        return d
+
+    out = tmp_path / "study"
+    assert check_start(out, 4, base("first", b"w0", True)) is None  # nothing committed yet
+    (out / "bf16-ppo" / "seed4").mkdir(parents=True)
+    (out / "bf16-ppo" / "seed4" / START).write_text(json.dumps(
+        {"sha256": hashlib.sha256(b"w0").hexdigest(), "warmstart": {"bf16_autocast": True}}))
+    assert check_start(out, 4, base("same", b"w0", True)) is None
+    assert check_start(out, 5, base("other_seed", b"w1", False)) is None  # seed 5: no record
+    warning = check_start(out, 4, base("rounded", b"w2", True))
+    assert "is not the committed arms'" in warning and hashlib.sha256(b"w2").hexdigest()[:12] in warning
+    with pytest.raises(ConfigError, match="bf16_autocast=False.*bf16-ppo.*with True"):
+        check_start(out, 4, base("fp32", b"w3", False))
 
 
 def test_starts_markdown_groups_arms_by_start():

@@ -63,7 +63,8 @@ from pathlib import Path
 from typing import Any
 
 from qurl.config import Config, ConfigError, override
-from qurl.studies.store import arm_dir, check_same, commit, committed, extends, training_diff
+from qurl.studies.store import (arm_dir, check_same, check_start, commit, committed, extends,
+                                training_diff)
 
 BASELINE = "bf16-ppo"
 _QUANT_ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -195,7 +196,9 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
 
     def one(c: Config) -> None:
         if builds_base(c):  # one warm start per seed: its first arm builds it, the others wait
-            build_base_apart(c)
+            warning = check_start(out, c.run.seed, build_base_apart(c))
+            if warning:
+                print(f"[ablation] {warning}", flush=True)
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {c.run.steps} steps", flush=True)
         how = run_to_end(c, Path(train_code) if train_code else None)
         commit(Path(c.deploy.dir) / c.run.name, arm_dir(out, c.run.name, c.run.seed))

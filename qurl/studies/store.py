@@ -24,7 +24,10 @@ Across machines it need not be bitwise the same: seed 0's warm start rebuilt on 
 a question or two differently at step 0 (docs/study/smollm2_regime.md, session 18; the likely
 cause, not checked, is bf16 matmul kernels that round differently on other CPU instruction sets).
 Each committed arm therefore records a SHA-256 of its starting weights and the warm start's
-losses, and the tables say which arms of a seed share a start.
+losses, and the tables say which arms of a seed share a start. A CPU without native bf16 matmul
+warm-starts in fp32 instead (qurl/models/warmstart.py): another model altogether (SmolLM2 seed 4:
+88.2 Avg@4 at step 0 against 47.1, session 35), so `check_start` refuses to train an arm from it
+beside arms warm-started in bf16, before its first step.
 
 **Same study** (`check_same`): every committed arm must have been run with the training config the
 study would give it now (qurl.config.tree's training sections; where it ran, `deploy`, may differ).
@@ -114,10 +117,14 @@ def check_same(where: Path, committed: Config, wanted: Config) -> None:
 
 def start_record(run_dir: Path) -> dict[str, Any] | None:
     """The weights a run started from, when it built them (its `base_model/`, qurl.models.base):
-    {"sha256": over its *.safetensors files in name order, "warmstart": the warm start's record
-    (steps, lr, per-step losses) or None}. None for a run that read a checkpoint as given."""
-    base = Path(run_dir) / "base_model"
-    weights = sorted(base.glob("*.safetensors"))
+    `base_record` of that directory, or None for a run that read a checkpoint as given."""
+    return base_record(Path(run_dir) / "base_model")
+
+
+def base_record(base: Path) -> dict[str, Any] | None:
+    """{"sha256": over base's *.safetensors files in name order, "warmstart": the warm start's
+    record (steps, lr, bf16_autocast, per-step losses) or None}; None where base holds no weights."""
+    weights = sorted(Path(base).glob("*.safetensors"))
     if not weights:
         return None
     h = hashlib.sha256()
@@ -125,8 +132,37 @@ def start_record(run_dir: Path) -> dict[str, Any] | None:
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 24):
                 h.update(chunk)
-    ws = base / "warmstart.json"
+    ws = Path(base) / "warmstart.json"
     return {"sha256": h.hexdigest(), "warmstart": json.loads(ws.read_text()) if ws.exists() else None}
+
+
+def check_start(out: Path, seed: int, base: Path) -> str | None:
+    """Before an arm of `seed` trains from the warm start `base`: a ConfigError if its committed
+    arms were warm-started at another precision (warmstart.json's bf16_autocast; a CPU without
+    native bf16 matmul warm-starts in fp32, qurl/models/warmstart.py), whose weights are another
+    model (SmolLM2 seed 4: 88.2 vs 47.1 Avg@4 at step 0, docs/study/smollm2_regime.md), so the
+    new arm could not be paired with them. Another SHA-256 at the same precision (another CPU's
+    kernels rounding differently) is allowed, as the tables already flag it: returned as a warning.
+    None where the start matches, or no committed arm of the seed recorded one."""
+    here = base_record(base)
+    there = [(f.parent.parent.name, json.loads(f.read_text()))
+             for f in sorted(Path(out).glob(f"*/seed{seed}/{START}"))]
+    if here is None or not there or any(r["sha256"] == here["sha256"] for _, r in there):
+        return None
+
+    def bf16(record: dict[str, Any]) -> Any:
+        return (record.get("warmstart") or {}).get("bf16_autocast")
+
+    arm, record = there[0]
+    if bf16(record) != bf16(here):
+        raise ConfigError(
+            f"seed {seed}: the warm start built here ({base}) ran with bf16_autocast="
+            f"{bf16(here)}, the committed arms' ({arm} and others in {out}) with {bf16(record)}: "
+            "another start, so an arm trained from it could not be paired with them. Run this seed "
+            "on a CPU like theirs (native bf16 matmul: AVX512-BF16 or AMX), or use another --out")
+    return (f"seed {seed}: the warm start built here (sha256 {here['sha256'][:12]}) is not the "
+            f"committed arms' ({record['sha256'][:12]}, {arm}), at the same precision: the table "
+            "will list it as another start")
 
 
 def _write(dest: Path, name: str, text: str) -> None:
