@@ -323,20 +323,3 @@ def test_a_second_builder_of_the_same_base_waits_for_the_first(micro_dir, tmp_pa
     t.join(60)  # closing the file released the lock
     assert got == [first] and (first / "warmstart.json").is_file()
 
-
-def test_the_warm_start_cache_key_follows_the_cpus_precision(micro_dir, tmp_path, monkeypatch):
-    """The warm start runs under bf16 autocast only on a CPU with native bf16 matmul, and the two
-    precisions give other weights: a cache shared by both kinds of machine keeps them apart."""
-    import qurl.models.warmstart as ws
-    from qurl.models.base import _base_key
-
-    cfg = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true")
-    off = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
-                          "model.warmstart_steps=0")
-    keys, keys_off = set(), set()
-    for native in (True, False):
-        monkeypatch.setattr(ws, "cpu_has_native_bf16", lambda native=native: native)
-        keys.add(_base_key(cfg, micro_dir))
-        keys_off.add(_base_key(off, micro_dir))
-    assert len(keys) == 2
-    assert len(keys_off) == 1  # no warm start: the CPU does not matter

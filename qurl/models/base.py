@@ -57,10 +57,10 @@ def _base_key(cfg: Config, checkpoint: Path | None = None) -> str:
     ident = {"preset": m.base, "seed": cfg.run.seed, "steps": m.warmstart_steps,
              "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template,
              "questions": WARMSTART_QUESTIONS, "v": 3}
-    if m.warmstart_steps > 0:  # the CPU picks the warm start's precision: another model (warmstart.py)
-        from qurl.models.warmstart import cpu_has_native_bf16
-
-        ident["bf16_autocast"] = cpu_has_native_bf16()
+    # Not in the key: the CPU's choice of warm-start precision (warmstart.py). A study's runs
+    # (`--train-code`, an older checkout) look the base up by this key too, and a new field would
+    # make each of them build it again; a study refuses a start of the other precision
+    # (qurl/studies/store.py, check_start), and a cache is one machine's (deploy.dir).
     if checkpoint is not None:
         ident["checkpoint"] = _checkpoint_identity(checkpoint)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
@@ -97,7 +97,7 @@ def build_base(cfg: Config) -> Path:
     key another thread or process is building waits for it (a file lock beside the cache)."""
     from qurl.models.hf import build_model, check_checkpoint
     from qurl.models.registry import resolve_base
-    from qurl.models.warmstart import cpu_has_native_bf16, sft_warmstart
+    from qurl.models.warmstart import sft_warmstart
 
     m = cfg.model
     if not builds_base(cfg):
@@ -120,8 +120,7 @@ def build_base(cfg: Config) -> Path:
             if m.warmstart_steps > 0:
                 sft_warmstart(init, _warmstart_pairs(cfg, init), steps=m.warmstart_steps,
                               lr=m.warmstart_lr, batch_size=32, seed=cfg.run.seed,
-                              out_dir=tmp / "sft", num_threads=cfg.deploy.torch_threads or None,
-                              bf16_autocast=cpu_has_native_bf16())
+                              out_dir=tmp / "sft", num_threads=cfg.deploy.torch_threads or None)
                 shutil.move(str(tmp / "sft"), str(cache))
             else:
                 shutil.move(str(init), str(cache))
