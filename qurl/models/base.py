@@ -148,7 +148,7 @@ def build_base_apart(cfg: Config) -> Path:
     the heap of the process that ran it even when freed, and would sit in the caller's memory for
     hours next to the runs it trains. A child's goes back to the system when it exits. Errors are
     the child's, raised here; a child killed outright (the kernel's out-of-memory killer: one
-    SmolLM2-135M warm start peaked at 12.7 GB on a 24-GB machine, so two at once may not fit) is a
+    SmolLM2-135M warm start peaked at 12.7-12.8 GB on a 24-GB machine, so two at once may not fit) is a
     RuntimeError, not a wait without end."""
     return run_apart(build_base, cfg)
 

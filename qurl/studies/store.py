@@ -157,7 +157,7 @@ def check_start(out: Path, seed: int, base: Path) -> str | None:
     if bf16(record) != bf16(here):
         raise ConfigError(
             f"seed {seed}: the warm start built here ({base}) ran with bf16_autocast="
-            f"{bf16(here)}, the committed arms' ({arm} and others in {out}) with {bf16(record)}: "
+            f"{bf16(here)}, the seed's committed arms' ({arm}, in {out}) with {bf16(record)}: "
             "another start, so an arm trained from it could not be paired with them. Run this seed "
             "on a CPU like theirs (native bf16 matmul: AVX512-BF16 or AMX), or use another --out")
     return (f"seed {seed}: the warm start built here (sha256 {here['sha256'][:12]}) is not the "
