@@ -382,6 +382,7 @@ def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseli
     """ablation.md / .csv, ablation_seeds.csv, ablation_pairs.csv into out; returns ablation.md."""
     from qurl.studies.claims import claims_markdown
     from qurl.studies.store import starts
+    from qurl.studies.trajectories import trajectories_markdown
 
     rows = seed_rows(records)
     summary, pairs = summarize(rows, baseline), pair_rows(rows, baseline)
@@ -393,5 +394,6 @@ def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseli
     path = out / "ablation.md"
     eval_ses = {r["arm"]: r["acc_vs_base_eval_se"] for r in summary}
     path.write_text("# qurl study ablation\n\n" + markdown(summary, pairs, list(records))
-                    + claims_markdown(rows, baseline, eval_ses) + starts_markdown(starts(out)))
+                    + claims_markdown(rows, baseline, eval_ses) + trajectories_markdown(records)
+                    + starts_markdown(starts(out)))
     return path
