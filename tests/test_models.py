@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qurl.models import warmstart as ws
 from qurl.models.hf import (
     build_model, check_checkpoint, load_checkpoint, param_count, read_state_dict, write_state_dict,
 )
@@ -323,3 +324,22 @@ def test_a_second_builder_of_the_same_base_waits_for_the_first(micro_dir, tmp_pa
     t.join(60)  # closing the file released the lock
     assert got == [first] and (first / "warmstart.json").is_file()
 
+
+def test_warm_start_uses_bf16_matmuls_on_every_cpu(micro_dir, tmp_path, monkeypatch):
+    """By default the warm start rounds like bf16 autocast: natively where the CPU can, emulated
+    elsewhere (forced here), never silently in fp32; the record says which."""
+    pairs = [(f"{a}+{b}=", f"{a + b} \\boxed{{{a + b}}}") for a in range(10, 40, 3) for b in (7, 21)]
+    kw = dict(steps=4, lr=3e-3, batch_size=8, seed=5, num_threads=1)
+    native = ws.cpu_has_native_bf16()
+    default = json.loads((ws.sft_warmstart(micro_dir, pairs, out_dir=tmp_path / "d", **kw)
+                          / "warmstart.json").read_text())
+    assert (default["bf16_autocast"], default["bf16_matmul"]) == (True, "native" if native else "emulated")
+    monkeypatch.setattr(ws, "cpu_has_native_bf16", lambda: False)
+    emu = ws.sft_warmstart(micro_dir, pairs, out_dir=tmp_path / "e", **kw)
+    again = ws.sft_warmstart(micro_dir, pairs, out_dir=tmp_path / "e2", **kw)
+    fp32 = ws.sft_warmstart(micro_dir, pairs, out_dir=tmp_path / "f", bf16_autocast=False, **kw)
+    assert json.loads((emu / "warmstart.json").read_text())["bf16_matmul"] == "emulated"
+    assert json.loads((fp32 / "warmstart.json").read_text())["bf16_matmul"] is None
+    a, b, c = read_state_dict(emu), read_state_dict(again), read_state_dict(fp32)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # deterministic
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # and not the fp32 run

@@ -88,6 +88,7 @@ def test_a_warm_start_at_another_precision_is_refused_before_training(tmp_path):
     assert check_start(out, 5, base("other_seed", b"w1", False)) is None  # seed 5: no record
     warning = check_start(out, 4, base("rounded", b"w2", True))
     assert "is not the committed arms'" in warning and hashlib.sha256(b"w2").hexdigest()[:12] in warning
+    assert "bf16 matmuls native" in warning  # a record from before the emulation: native
     with pytest.raises(ConfigError, match="bf16_autocast=False.*bf16-ppo.*with True"):
         check_start(out, 4, base("fp32", b"w3", False))
 

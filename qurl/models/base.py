@@ -57,9 +57,10 @@ def _base_key(cfg: Config, checkpoint: Path | None = None) -> str:
     ident = {"preset": m.base, "seed": cfg.run.seed, "steps": m.warmstart_steps,
              "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template,
              "questions": WARMSTART_QUESTIONS, "v": 3}
-    # Not in the key: the CPU's choice of warm-start precision (warmstart.py). A study's runs
-    # (`--train-code`, an older checkout) look the base up by this key too, and a new field would
-    # make each of them build it again; a study refuses a start of the other precision
+    # Not in the key: how the warm start got its bf16 matmuls (native or emulated, warmstart.py),
+    # nor that qurl before the emulation warm-started in fp32 on CPUs without native bf16. A
+    # study's runs (`--train-code`, an older checkout) look the base up by this key too, and a new
+    # field would make each of them build it again; a study refuses a start of the other precision
     # (qurl/studies/store.py, check_start), and a cache is one machine's (deploy.dir).
     if checkpoint is not None:
         ident["checkpoint"] = _checkpoint_identity(checkpoint)

@@ -15,10 +15,15 @@ the model has no dropout, so the same inputs, seed and thread count give bitwise
 The run uses `num_threads` torch threads (2 by default, what the CPU machines give one job) and
 restores the caller's setting afterwards.
 
-Speed: on CPUs with native bf16 matmul (AVX512-BF16 / AMX, detected through oneDNN) the forward runs
-under `torch.autocast(bfloat16)` by default, about 2x faster than fp32 matmuls on 2 cores; master
-weights, optimizer state, loss and the saved checkpoint stay fp32. Pass `bf16_autocast=False` for a
-pure fp32 run.
+Precision: by default the forward runs with bf16 matmuls (autocast); master weights, optimizer
+state, loss and the saved checkpoint stay fp32. On CPUs with native bf16 matmul (AVX512-BF16 / AMX,
+detected through oneDNN) that is `torch.autocast(bfloat16)`, about 2x faster than fp32 on 2 cores.
+Elsewhere the same rounding is computed with fp32 kernels (qurl/models/bf16_emulated.py), because
+autocast's own fallback there is ~9x slower than fp32. The rounding is not a detail: SmolLM2's warm
+start trained in fp32 instead is another model (seed 4: loss 0.0097 vs 0.072 after 20 steps, 88% vs
+47% held-out Avg@4 before RL; docs/study/smollm2_regime.md), so every CPU builds the bf16 kind.
+`warmstart.json` records which ("bf16_matmul": native / emulated). Pass `bf16_autocast=False` for
+a pure fp32 run.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from qurl.models.bf16_emulated import EmulatedBf16Autocast
 from qurl.models.hf import load_checkpoint
 
 
@@ -112,7 +118,7 @@ def sft_warmstart(
 ) -> Path:
     """Fine-tune the checkpoint at `model_dir` on `pairs` for `steps` AdamW steps; save model and
     tokenizer (HF format) plus `warmstart.json` (per-step losses) to `out_dir`. Returns `out_dir`.
-    `bf16_autocast`: None = on where the CPU has native bf16 matmul (see module docstring)."""
+    `bf16_autocast`: None or True = bf16 matmuls, native or emulated (module docstring); False = fp32."""
     if steps < 1 or batch_size < 1 or not lr > 0:
         raise ValueError(f"need steps >= 1, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}")
     if not pairs:
@@ -126,9 +132,11 @@ def sft_warmstart(
         gen = torch.Generator().manual_seed(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         if bf16_autocast is None:
-            bf16_autocast = cpu_has_native_bf16()
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast
-                    else contextlib.nullcontext())
+            bf16_autocast = True
+        bf16_matmul = ("native" if cpu_has_native_bf16() else "emulated") if bf16_autocast else None
+        autocast = (contextlib.nullcontext() if bf16_matmul is None
+                    else torch.autocast("cpu", dtype=torch.bfloat16) if bf16_matmul == "native"
+                    else EmulatedBf16Autocast())
         model.train()
         order: list[int] = []
         losses: list[float] = []
@@ -154,7 +162,7 @@ def sft_warmstart(
         tok.save_pretrained(out)
         (out / "warmstart.json").write_text(json.dumps(
             {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "pairs": len(pairs),
-             "bf16_autocast": bool(bf16_autocast), "loss_first": losses[0], "loss_last": losses[-1],
+             "bf16_autocast": bool(bf16_autocast), "bf16_matmul": bf16_matmul, "loss_first": losses[0], "loss_last": losses[-1],
              "losses": losses}, indent=1))
         return out
     finally:

@@ -24,10 +24,10 @@ Across machines it need not be bitwise the same: seed 0's warm start rebuilt on 
 a question or two differently at step 0 (docs/study/smollm2_regime.md, session 18; the likely
 cause, not checked, is bf16 matmul kernels that round differently on other CPU instruction sets).
 Each committed arm therefore records a SHA-256 of its starting weights and the warm start's
-losses, and the tables say which arms of a seed share a start. A CPU without native bf16 matmul
-warm-starts in fp32 instead (qurl/models/warmstart.py): another model altogether (SmolLM2 seed 4:
-88.2 Avg@4 at step 0 against 47.1, session 35), so `check_start` refuses to train an arm from it
-beside arms warm-started in bf16, before its first step.
+losses, and the tables say which arms of a seed share a start. Before the bf16 emulation
+(qurl/models/bf16_emulated.py) a CPU without native bf16 matmul warm-started in fp32: another model
+altogether (SmolLM2 seed 4: 88.2 Avg@4 at step 0 against 47.1, session 35), so `check_start`
+refuses to train an arm from such a start beside arms warm-started in bf16, before its first step.
 
 **Same study** (`check_same`): every committed arm must have been run with the training config the
 study would give it now (qurl.config.tree's training sections; where it ran, `deploy`, may differ).
@@ -138,8 +138,8 @@ def base_record(base: Path) -> dict[str, Any] | None:
 
 def check_start(out: Path, seed: int, base: Path) -> str | None:
     """Before an arm of `seed` trains from the warm start `base`: a ConfigError if its committed
-    arms were warm-started at another precision (warmstart.json's bf16_autocast; a CPU without
-    native bf16 matmul warm-starts in fp32, qurl/models/warmstart.py), whose weights are another
+    arms were warm-started at another precision (warmstart.json's bf16_autocast; qurl before the
+    bf16 emulation warm-started in fp32 on a CPU without native bf16 matmul), whose weights are another
     model (SmolLM2 seed 4: 88.2 vs 47.1 Avg@4 at step 0, docs/study/smollm2_regime.md), so the
     new arm could not be paired with them. Another SHA-256 at the same precision (another CPU's
     kernels rounding differently) is allowed, as the tables already flag it: returned as a warning.
@@ -160,9 +160,10 @@ def check_start(out: Path, seed: int, base: Path) -> str | None:
             f"{bf16(here)}, the seed's committed arms' ({arm}, in {out}) with {bf16(record)}: "
             "another start, so an arm trained from it could not be paired with them. Run this seed "
             "on a CPU like theirs (native bf16 matmul: AVX512-BF16 or AMX), or use another --out")
-    return (f"seed {seed}: the warm start built here (sha256 {here['sha256'][:12]}) is not the "
-            f"committed arms' ({record['sha256'][:12]}, {arm}), at the same precision: the table "
-            "will list it as another start")
+    matmul = (here.get("warmstart") or {}).get("bf16_matmul") or "native"
+    return (f"seed {seed}: the warm start built here (sha256 {here['sha256'][:12]}, bf16 matmuls "
+            f"{matmul}) is not the committed arms' ({record['sha256'][:12]}, {arm}), at the same "
+            "precision: the table will list it as another start")
 
 
 def _write(dest: Path, name: str, text: str) -> None:
