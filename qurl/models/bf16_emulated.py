@@ -15,24 +15,26 @@ module computes exactly that with fp32 kernels:
     sdpa(q, k, v, M)  ->  bf16( r(P) r(v) / rowsum(P) ),  P = exp(S - rowmax S),
                           S = scale · r(q) r(k)ᵀ + M   (M: 0 / −inf for a bool mask, r(M) added)
 
+Autograd differentiates through the two casts the way autocast's casts are differentiated: the
+gradient reaching x and W is rounded to bf16 (the backward of r), the one leaving the output is
+the bf16 gradient of a bf16 tensor. For a linear, what differs from the hardware kernel is only
+the order in which each dot product's fp32 terms are summed (a last-bit difference), so a run
+reproduces an autocast run's numbers to bf16 precision, not bit for bit (tests/test_bf16_emulated.py compares
+linear, its gradients, SDPA and a Llama forward against real autocast).
+
 The attention line follows PyTorch's CPU flash-attention kernel for bf16 (one key block at these
 lengths): scores and the softmax in fp32, the unnormalised probabilities rounded to bf16 for the
 product with v, the division by the row sum last. A row with every key masked gives 0, as there.
 Checked against real bf16 SDPA: ~90-97% of outputs bitwise equal, relative error 5-8e-4 (an fp32
 SDPA rounded once: 2.8e-3).
 
-and autograd differentiates through the two casts the way autocast's casts are differentiated: the
-gradient reaching x and W is rounded to bf16 (the backward of r), the one leaving the output is
-the bf16 gradient of a bf16 tensor. What differs from the hardware kernels is only the order in
-which each dot product's fp32 terms are summed (a last-bit difference), so a run reproduces an
-autocast run's numbers to bf16 precision, not bit for bit (tests/test_bf16_emulated.py compares a
-Llama forward and backward against real autocast).
-
 Why it matters here: the SmolLM2 warm start (qurl/models/warmstart.py) trains fp32 master weights
-at lr 3e-5, while the forward under autocast sees them rounded to bf16. A weight of size 0.05 has
-a bf16 spacing of ~2e-4, so most of AdamW's ~1e-5 steps do not change the rounded weight the
-forward uses, and the fine-tune moves much less than the same run in fp32 (seed 4 after 20 steps:
-loss 0.072 under autocast, 0.0097 in fp32; docs/study/smollm2_regime.md). A CPU without native
+at lr 3e-5, while the forward under autocast sees them rounded to bf16. AdamW moves each weight
+by about the learning rate, far below the bf16 spacing of SmolLM2's weights (median |w| 0.11,
+spacing ~5e-4): a step of 1.5e-5 (the first, in warm-up) changes the bf16 value of 6.4% of the
+weights, one of 3e-5 11%. Most steps never reach the forward, and the fine-tune moves much less
+than the same run in fp32 (seed 4 after 20 steps: loss 0.072 under autocast, 0.0097 in fp32;
+docs/study/smollm2_regime.md). A CPU without native
 bf16 therefore has to emulate the rounding, not skip it, to build the same kind of model.
 
 Scope: `torch.nn.functional.linear` and `scaled_dot_product_attention` only, the two ops through
