@@ -19,8 +19,9 @@ Autograd differentiates through the two casts the way autocast's casts are diffe
 gradient reaching x and W is rounded to bf16 (the backward of r), the one leaving the output is
 the bf16 gradient of a bf16 tensor. For a linear, what differs from the hardware kernel is only
 the order in which each dot product's fp32 terms are summed (a last-bit difference), so a run
-reproduces an autocast run's numbers to bf16 precision, not bit for bit (tests/test_bf16_emulated.py compares
-linear, its gradients, SDPA and a Llama forward against real autocast).
+reproduces an autocast run's numbers to bf16 precision, not bit for bit
+(tests/test_bf16_emulated.py compares linear, its gradients, SDPA and a Llama forward against
+real autocast).
 
 The attention line follows PyTorch's CPU flash-attention kernel for bf16 (one key block at these
 lengths): scores and the softmax in fp32, the unnormalised probabilities rounded to bf16 for the
@@ -34,8 +35,8 @@ by about the learning rate, far below the bf16 spacing of SmolLM2's weights (med
 spacing ~5e-4): a step of 1.5e-5 (the first, in warm-up) changes the bf16 value of 6.4% of the
 weights, one of 3e-5 11%. Most steps never reach the forward, and the fine-tune moves much less
 than the same run in fp32 (seed 4 after 20 steps: loss 0.072 under autocast, 0.0097 in fp32;
-docs/study/smollm2_regime.md). A CPU without native
-bf16 therefore has to emulate the rounding, not skip it, to build the same kind of model.
+docs/study/smollm2_regime.md). A CPU without native bf16 therefore has to emulate the rounding,
+not skip it, to build the same kind of model.
 
 Scope: `torch.nn.functional.linear` and `scaled_dot_product_attention` only, the two ops through
 which a transformers Llama/Qwen2 forward (sdpa attention) reaches autocast's bf16 list. Plain

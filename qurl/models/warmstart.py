@@ -131,12 +131,12 @@ def sft_warmstart(
         encoded = _encode(tok, pairs, model.config.max_position_embeddings)
         gen = torch.Generator().manual_seed(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-        if bf16_autocast is None:
-            bf16_autocast = True
-        bf16_matmul = ("native" if cpu_has_native_bf16() else "emulated") if bf16_autocast else None
-        autocast = (contextlib.nullcontext() if bf16_matmul is None
-                    else torch.autocast("cpu", dtype=torch.bfloat16) if bf16_matmul == "native"
-                    else EmulatedBf16Autocast())
+        bf16_matmul = (None if bf16_autocast is False
+                       else "native" if cpu_has_native_bf16() else "emulated")
+        if bf16_matmul == "native":
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        else:
+            autocast = EmulatedBf16Autocast() if bf16_matmul else contextlib.nullcontext()
         model.train()
         order: list[int] = []
         losses: list[float] = []
@@ -162,8 +162,8 @@ def sft_warmstart(
         tok.save_pretrained(out)
         (out / "warmstart.json").write_text(json.dumps(
             {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "pairs": len(pairs),
-             "bf16_autocast": bool(bf16_autocast), "bf16_matmul": bf16_matmul, "loss_first": losses[0], "loss_last": losses[-1],
-             "losses": losses}, indent=1))
+             "bf16_autocast": bf16_matmul is not None, "bf16_matmul": bf16_matmul,
+             "loss_first": losses[0], "loss_last": losses[-1], "losses": losses}, indent=1))
         return out
     finally:
         torch.set_num_threads(prev_threads)

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qurl.studies.compare import _fmt, _mean
+from qurl.studies.compare import _fmt, _md_table, _mean
 from qurl.studies.tables import WINDOW, acc_key
 from qurl.train.metrics_log import read_metrics
 
@@ -79,8 +79,7 @@ def _row(seed: Any, arm: str, t: dict[str, Any]) -> dict[str, Any]:
 def trajectories_markdown(records: dict[Any, dict[str, list[dict]]]) -> str:
     """{seed: {arm: records}} -> a markdown section, one row per (seed, arm)."""
     rows = [_row(s, a, trajectory(recs)) for s, arms in records.items() for a, recs in arms.items()]
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines = _md_table(rows, COLUMNS)
     return ("\nEach run's course (qurl/studies/trajectories.py): accuracy in points at each "
             f"training evaluation, greedy at the last, mean reward per {WINDOW}-step block, mean "
             "KL(behav‖prox), and the share of 8-bit codes changed per sync in the UAQ-scaled "
