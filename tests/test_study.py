@@ -147,6 +147,26 @@ def test_summary_pairs_seeds_and_flags_collapse(tmp_path):
     assert [r["collapse_step"] for r in seeds_csv if r["arm"] == "int8-naive"] == ["26", ""]
 
 
+def test_the_uaq_control_pairs_with_the_8bit_uaq_arm():
+    """fp8-acr-uaq is paired with bf16-ppo-uaq (the same scaled weights, rolled out in bf16) as
+    well as with bf16-ppo: the first difference is what 8-bit rollout adds once UAQ is in."""
+    ok = [0.6] * 10
+    finals = {4: {"bf16-ppo": 0.75, "bf16-ppo-uaq": 0.69, "fp8-acr-uaq": 0.68},
+              5: {"bf16-ppo": 0.79, "bf16-ppo-uaq": 0.70, "fp8-acr-uaq": 0.52},
+              6: {"bf16-ppo": 0.84, "fp8-acr-uaq": 0.74}}  # no control on seed 6: not paired
+    rows = seed_rows({s: {a: _records(ok, [0.5, f]) for a, f in arms.items()}
+                      for s, arms in finals.items()})
+    pairs = {p["difference"]: p for p in pair_rows(rows, "bf16-ppo")}
+    ctl = pairs["fp8-acr-uaq − bf16-ppo-uaq"]
+    # per seed: 0.68 - 0.69 = -0.01, 0.52 - 0.70 = -0.18: mean -0.095, sd 0.17/√2, se 0.17/2
+    assert ctl["seeds"] == 2 and ctl["acc_mean"] == pytest.approx(-0.095)
+    assert ctl["acc_sd"] == pytest.approx(0.17 / math.sqrt(2))
+    assert ctl["acc_se"] == pytest.approx(0.085)
+    # vs bf16-ppo all three seeds pair: -0.07, -0.27, -0.10
+    assert (pairs["fp8-acr-uaq − bf16-ppo"]["seeds"], pairs["fp8-acr-uaq − bf16-ppo"]["acc_mean"]
+            ) == (3, pytest.approx(-0.44 / 3))
+    assert "int8-acr-uaq − bf16-ppo-uaq" not in pairs  # no such arm
+
 def test_learned_counts_the_seeds_that_reached_half_and_when(tmp_path):
     """Greedy ≥ 50% first at step 20 (seed 0) and 40 (seed 1) for bf16; naive in seed 1 only."""
     flat = [0.3] * 40

@@ -274,13 +274,14 @@ def summarize(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
 def pair_rows(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Paired differences (mean, sd, se over seeds) of final accuracy and last-window reward:
     the baseline with UAQ vs without; each 8-bit format's naive and acr+uaq vs the baseline, acr
-    vs tis, acr+uaq vs acr, and each field correction (icepop, mis, seqtis, geomask) vs acr: both
-    UAQ off, only the weight differs."""
+    vs tis, acr+uaq vs acr, acr+uaq vs the baseline with UAQ (the same scaled weights, rolled out
+    8-bit or not: what quantization adds once UAQ's scaling is in), and each field correction
+    (icepop, mis, seqtis, geomask) vs acr: both UAQ off, only the weight differs."""
     arms = set(r["arm"] for r in rows)
     wanted = [(f"{baseline}-uaq", baseline)]
     for q in ("int8", "fp8", "w4a16"):
         wanted += [(f"{q}-naive", baseline), (f"{q}-acr-uaq", baseline), (f"{q}-acr", f"{q}-tis"),
-                   (f"{q}-acr-uaq", f"{q}-acr"),
+                   (f"{q}-acr-uaq", f"{q}-acr"), (f"{q}-acr-uaq", f"{baseline}-uaq"),
                    *((f"{q}-{c}", f"{q}-acr") for c in FIELD_CORRECTIONS)]
     out = []
     for arm, ref in wanted:
