@@ -167,6 +167,7 @@ def test_the_uaq_control_pairs_with_the_8bit_uaq_arm():
             ) == (3, pytest.approx(-0.44 / 3))
     assert "int8-acr-uaq − bf16-ppo-uaq" not in pairs  # no such arm
 
+
 def test_learned_counts_the_seeds_that_reached_half_and_when(tmp_path):
     """Greedy ≥ 50% first at step 20 (seed 0) and 40 (seed 1) for bf16; naive in seed 1 only."""
     flat = [0.3] * 40
