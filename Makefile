@@ -23,8 +23,11 @@ run: setup
 	$(BIN)/qurl report runs/$(RUN)
 
 # The real-server tests (marker sglang) are `make test-sglang`'s: ~25 minutes on 2 cores.
+# TEST_WORKERS pytest-xdist workers, each pinned to its share of the cores (tests/conftest.py); a
+# test file's tests stay on one worker, so its module fixtures are built once. 0 runs serially.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -m "not real_model and not sglang" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not real_model and not sglang" tests
 
 # The real pretrained model through every layer (tests/test_real_model.py; tens of minutes on 2
 # cores, so not part of `make test`): fetches SmolLM2-135M first (a no-op when already there).

@@ -1,11 +1,34 @@
 """Test-wide settings: offline Hugging Face (no hub here), GPU tests skipped without CUDA, the
-`one_thread` fixture for modules of tiny in-process models, and `runs_dir`: run directories that
-share one cache of warm-started base models for the whole session."""
+`one_thread` fixture for modules of tiny in-process models, `runs_dir`: run directories that
+share one cache of warm-started base models for the whole session, and the CPU share of each
+pytest-xdist worker (`make test` runs the suite on two)."""
 import os
 from pathlib import Path
 
-import pytest
-import torch
+
+def _pin_xdist_worker() -> int:
+    """Give each xdist worker its own slice of this machine's cores, before torch starts its thread
+    pool. qurl divides a process's cores among the processes computing at once
+    (qurl/deploy/placement.py) but cannot see the other worker; two workers each spinning OpenMP
+    threads on every core would run many times slower than one. Pinned, each worker's in-process
+    runs and the subprocesses it starts (they inherit the affinity) see only their slice."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or int(count) < 2 or not hasattr(os, "sched_setaffinity"):
+        return 0
+    cores = sorted(os.sched_getaffinity(0))
+    i, n = int(worker.removeprefix("gw")), int(count)
+    mine = cores[i::n] or [cores[i % len(cores)]]
+    os.sched_setaffinity(0, mine)
+    return len(mine)
+
+
+_WORKER_CORES = _pin_xdist_worker()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _WORKER_CORES:
+    torch.set_num_threads(_WORKER_CORES)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,7 +59,10 @@ def runs_dir(tmp_path_factory):
     by the whole session: qurl/models/base.py keys each warm-started base model by everything that
     determines it, so every module (and every `qurl` subprocess) asking for the same one builds
     it once, not once per module."""
-    shared = tmp_path_factory.mktemp("base-cache")
+    # xdist workers share one cache too: qurl/models/base.py builds each base under a file lock
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent / "base-cache" if os.environ.get("PYTEST_XDIST_WORKER") else base / "base-cache"
+    shared.mkdir(exist_ok=True)
 
     def make(name: str) -> Path:
         root = tmp_path_factory.mktemp(name)
