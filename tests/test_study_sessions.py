@@ -118,6 +118,27 @@ def test_train_command_imports_the_pinned_checkout(tmp_path, monkeypatch):
         train_command([], tmp_path)
 
 
+def test_an_arm_does_not_inherit_the_launchers_rendezvous(tmp_path, monkeypatch):
+    """Launched from inside a torchrun world (or a shell exporting MASTER_PORT), an arm must not
+    join it as a rank nor listen on its port: the arm's process sees none of those variables, and
+    keeps the rest of the environment."""
+    pinned = tmp_path / "pinned"
+    (pinned / "qurl").mkdir(parents=True)
+    (pinned / "qurl" / "__init__.py").write_text("")
+    (pinned / "qurl" / "cli.py").write_text(
+        "import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+        "('MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'QURL_KEEP', "
+        "'HF_HUB_OFFLINE')}))\n")
+    for k, v in {"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29500", "RANK": "1",
+                 "WORLD_SIZE": "2", "LOCAL_RANK": "1", "QURL_KEEP": "yes"}.items():
+        monkeypatch.setenv(k, v)
+    cmd, env = train_command([], pinned)
+    seen = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                     check=True).stdout)
+    assert seen == {"MASTER_ADDR": None, "MASTER_PORT": None, "RANK": None, "WORLD_SIZE": None,
+                    "LOCAL_RANK": None, "QURL_KEEP": "yes", "HF_HUB_OFFLINE": "1"}
+
+
 def _strip(rec: dict) -> dict:
     """A record without its timings and wall-clock rates (which differ between any two runs)."""
     return {k: v for k, v in rec.items() if not any(t in k for t in TIMING)}

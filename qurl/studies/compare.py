@@ -43,12 +43,12 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from qurl.config import Config, override, to_toml
+from qurl.studies.runner import train_command
 from qurl.train.metrics_log import read_metrics
 
 ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -130,12 +130,11 @@ def run_arm(cfg: Config, out_dir: Path) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     toml.write_text(to_toml(cfg))
     log = out_dir / f"{cfg.run.name}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd, env = train_command(["--config", str(toml)], None)
     t0 = time.monotonic()
     stamper = _Stamper(run_dir / "metrics.jsonl", t0)
     with log.open("ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qurl.cli", "train", "--config", str(toml)],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
             stamper.poll()
             time.sleep(0.05)
