@@ -12,11 +12,12 @@ def _pin_xdist_worker() -> int:
     (qurl/deploy/placement.py) but cannot see the other worker; two workers each spinning OpenMP
     threads on every core would run many times slower than one. Pinned, each worker's in-process
     runs and the subprocesses it starts (they inherit the affinity) see only their slice."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if not worker or not count or int(count) < 2 or not hasattr(os, "sched_setaffinity"):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not worker or n < 2 or not hasattr(os, "sched_setaffinity"):
         return 0
     cores = sorted(os.sched_getaffinity(0))
-    i, n = int(worker.removeprefix("gw")), int(count)
+    i = int(worker.removeprefix("gw"))
     mine = cores[i::n] or [cores[i % len(cores)]]
     os.sched_setaffinity(0, mine)
     return len(mine)
@@ -59,9 +60,10 @@ def runs_dir(tmp_path_factory):
     by the whole session: qurl/models/base.py keys each warm-started base model by everything that
     determines it, so every module (and every `qurl` subprocess) asking for the same one builds
     it once, not once per module."""
-    # xdist workers share one cache too: qurl/models/base.py builds each base under a file lock
     base = tmp_path_factory.getbasetemp()
-    shared = base.parent / "base-cache" if os.environ.get("PYTEST_XDIST_WORKER") else base / "base-cache"
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one cache for all workers too: the builds lock
+        base = base.parent  # the run's directory, above each worker's own
+    shared = base / "base-cache"
     shared.mkdir(exist_ok=True)
 
     def make(name: str) -> Path:
