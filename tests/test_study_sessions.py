@@ -138,6 +138,18 @@ def test_an_arm_does_not_inherit_the_launchers_rendezvous(tmp_path, monkeypatch)
     assert seen == {"MASTER_ADDR": None, "MASTER_PORT": None, "RANK": None, "WORLD_SIZE": None,
                     "LOCAL_RANK": None, "QURL_KEEP": "yes", "HF_HUB_OFFLINE": "1"}
 
+    # the study's final evaluation of an arm is such a process too
+    from qurl.studies import final_eval
+
+    run_dir = tmp_path / "runs" / "arm"
+    (run_dir / "ckpt" / "step_3").mkdir(parents=True)
+    envs = []
+    monkeypatch.setattr(final_eval.subprocess, "call",
+                        lambda cmd, **kw: envs.append(kw["env"]) or 1)  # exit 1: no record
+    with pytest.raises(RuntimeError, match="final evaluation of"):
+        final_eval.evaluate(run_dir, tmp_path / "arm", k=2, steps=3)
+    assert [{k: e.get(k) for k in seen} for e in envs] == [seen]
+
 
 def _strip(rec: dict) -> dict:
     """A record without its timings and wall-clock rates (which differ between any two runs)."""

@@ -26,11 +26,12 @@ it is listed, and the table keeps the training evaluations until it is.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from qurl.studies.runner import arm_env
 
 FINAL = "final_eval.json"
 
@@ -74,7 +75,7 @@ def evaluate(run_dir: Path, arm_dir: Path, k: int, steps: int) -> str:
                               str(tmp), "--per-question",
                               *(a for s in eval_sets(k) for a in ("--set", s))],
                              stdout=f, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                             env=arm_env())
     if rc != 0 or not tmp.exists():
         raise RuntimeError(f"final evaluation of {run_dir} failed (exit {rc}); see {log}")
     record = json.loads(tmp.read_text())

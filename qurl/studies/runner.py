@@ -15,12 +15,13 @@ model and checkpoints). What happens depends on what is already there:
 
 The process's output is appended to `<deploy.dir>/<run.name>.log`.
 
-Its environment is this process's, offline, less torch.distributed's rendezvous variables
-(`RENDEZVOUS_VARS`). An arm is a run of its own on this machine, while this process may sit inside
-one: launched by torchrun, under a job script that exports MASTER_PORT, or holding a group itself.
-Inherited, RANK and WORLD_SIZE would make the arm join that world as one of its ranks
-(qurl/deploy/ranks.py), and MASTER_PORT would make it listen on a port that the live group, or the
-arm running beside it (`--jobs N`), already holds. Without them each arm picks a free port.
+An arm's processes (its training here, its final evaluation in qurl/studies/final_eval.py) get
+this process's environment, offline, less torch.distributed's rendezvous variables (`arm_env`).
+An arm is a run of its own on this machine, while this process may sit inside one: launched by
+torchrun, under a job script that exports MASTER_PORT, or holding a group itself. Inherited, RANK
+and WORLD_SIZE would make the arm join that world as one of its ranks (qurl/deploy/ranks.py), and
+MASTER_PORT would make it listen on a port that the live group, or the arm running beside it
+(`--jobs N`), already holds. Without them each arm picks a free port.
 
 Which code trains. By default the `qurl` this process imports. A study that spans sessions can pin
 its arms to one checkout instead (`code`, a directory holding `qurl/`, e.g. a git worktree at a
@@ -57,12 +58,19 @@ RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RA
                    "LOCAL_WORLD_SIZE")
 
 
-def train_command(argv: list[str], code: Path | None) -> tuple[list[str], dict[str, str]]:
-    """(command, environment) of a `qurl train <argv>` process of its own (module docstring),
-    offline, importing qurl from `code` if given: PYTHONPATH names it and -P keeps the working
-    directory's qurl (a checkout's root) from coming first."""
+def arm_env() -> dict[str, str]:
+    """The environment of an arm's own process (module docstring): offline, and without
+    RENDEZVOUS_VARS."""
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
     env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def train_command(argv: list[str], code: Path | None) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of a `qurl train <argv>` process of its own (`arm_env`), importing
+    qurl from `code` if given: PYTHONPATH names it and -P keeps the working directory's qurl (a
+    checkout's root) from coming first."""
+    env = arm_env()
     if code is None:
         return [sys.executable, "-m", "qurl.cli", "train", *argv], env
     if not (Path(code) / "qurl" / "cli.py").is_file():
