@@ -101,13 +101,19 @@ def test_starts_markdown_groups_arms_by_start():
     assert starts_markdown({0: {None: ["bf16-ppo"]}}) == ""  # nothing recorded: no section
 
 
-def test_train_command_imports_the_pinned_checkout(tmp_path, monkeypatch):
-    """`--train-code DIR`: the arm's process imports qurl from DIR, even run from another
-    checkout's root (where `python -m` would otherwise put that checkout's qurl first)."""
+def _checkout(tmp_path: Path, cli_source: str) -> Path:
+    """A stand-in qurl checkout whose `qurl/cli.py` is cli_source."""
     pinned = tmp_path / "pinned"
     (pinned / "qurl").mkdir(parents=True)
     (pinned / "qurl" / "__init__.py").write_text("")
-    (pinned / "qurl" / "cli.py").write_text("import sys; print('pinned', sys.argv[1:])\n")
+    (pinned / "qurl" / "cli.py").write_text(cli_source)
+    return pinned
+
+
+def test_train_command_imports_the_pinned_checkout(tmp_path, monkeypatch):
+    """`--train-code DIR`: the arm's process imports qurl from DIR, even run from another
+    checkout's root (where `python -m` would otherwise put that checkout's qurl first)."""
+    pinned = _checkout(tmp_path, "import sys; print('pinned', sys.argv[1:])\n")
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # this checkout's root holds qurl/
     cmd, env = train_command(["--resume", "r"], pinned)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
@@ -122,13 +128,9 @@ def test_an_arm_does_not_inherit_the_launchers_rendezvous(tmp_path, monkeypatch)
     """Launched from inside a torchrun world (or a shell exporting MASTER_PORT), an arm must not
     join it as a rank nor listen on its port: the arm's process sees none of those variables, and
     keeps the rest of the environment."""
-    pinned = tmp_path / "pinned"
-    (pinned / "qurl").mkdir(parents=True)
-    (pinned / "qurl" / "__init__.py").write_text("")
-    (pinned / "qurl" / "cli.py").write_text(
-        "import json, os; print(json.dumps({k: os.environ.get(k) for k in "
-        "('MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'QURL_KEEP', "
-        "'HF_HUB_OFFLINE')}))\n")
+    pinned = _checkout(tmp_path, "import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+                       "('MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+                       "'QURL_KEEP', 'HF_HUB_OFFLINE')}))\n")
     for k, v in {"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29500", "RANK": "1",
                  "WORLD_SIZE": "2", "LOCAL_RANK": "1", "QURL_KEEP": "yes"}.items():
         monkeypatch.setenv(k, v)
