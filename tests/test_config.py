@@ -122,8 +122,9 @@ def test_every_field_is_documented_and_training_fields_are_few():
     assert set(TRAINING_SECTIONS) | set(DEPLOYMENT_SECTIONS) == {f.name for f in dataclasses.fields(cfg)}
     # 55 before issue 22's five correction fields (algo.icepop_bounds, ...); 61 with
     # model.warmstart_checkpoint (opt-in, or the tiny model's 250 default steps would fine-tune
-    # every checkpoint given as model.base)
-    assert n_training <= 61
+    # every checkpoint given as model.base); 62 with learner.recompute (issue 56; the attention
+    # kernel is deploy.attention: it changes no number)
+    assert n_training <= 62
 
 
 @pytest.mark.parametrize("old,new", [("rollout.num_workers=2", "deploy.engines"),

@@ -168,7 +168,7 @@ def _worker(rank: int, ws: int) -> dict:
         out["bf16_logp_diff"] = float((bf.logprobs(batch["tokens"]).cpu() - ref_lp).abs().max())
         out["bf16_stats"] = _step(bf, batch)
         out["bf16_master_dtypes"] = {str(t.dtype) for _, t in bf.named_weights()}
-        # The head on the loss columns only (qurl/learner/head.py): from column 5 on the same
+        # The head on the loss columns only (qurl/learner/logits.py): from column 5 on the same
         # log-probs as the whole head's, before it zeros; gradients equal through the cut
         cut_l = _learner("qwen2", ws)
         toks = batch["tokens"].to(cut_l.device)  # the private forward takes them where the model is

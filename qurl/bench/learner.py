@@ -6,7 +6,7 @@ shaped like an RL step: `rows` sequences of a `prompt`-token prompt and a `respo
 (the loss mask covers the answer), two mini-batches, random advantages. Each round runs two
 `train_step`s, one per arm, in alternating order:
 
-- `cut`: what the learner does (qurl/learner/head.py): the head from each micro-batch's first
+- `cut`: what the learner does (qurl/learner/logits.py): the head from each micro-batch's first
   loss column on;
 - `whole`: the head on every position, as before head.py (the learner's first-loss-column
   function replaced by zeros for that step).

@@ -217,6 +217,11 @@ class LearnerConfig:
     """Tensor-parallel size of the Megatron learner."""
     dp: Positive = 1
     """Data-parallel size; the learner has tp x dp ranks."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute (megatron-core's own): none = keep every layer's activations for the
+    backward; selective = recompute each layer's core attention and MLP; full = keep only each
+    layer's input and rerun the layer in the backward (~1/3 more compute, the least memory). Same
+    gradients either way; `qurl launch --dry-run` prints what each choice needs."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,10 @@ class DeployConfig:
     """Shard fp32 master weights and AdamW moments over data-parallel ranks (ZeRO-1)."""
     transformer_engine: Literal["auto", "on", "off"] = "auto"
     """Transformer Engine layers (CUDA only): auto = when it imports and CUDA is present."""
+    attention: Literal["sdpa", "unfused"] = "sdpa"
+    """The learner's core attention without Transformer Engine: sdpa = torch's fused
+    scaled-dot-product attention (flash / memory-efficient kernels; memory linear in the length);
+    unfused = megatron's DotProductAttention, which keeps [heads, L, L] scores (the reference)."""
     wait_timeout_min: PositiveFloat = 1440.0
     """Minutes a learner rank waits for rank 0 at a control point (the next batch while rank 0
     generates and evaluates, the base model it prepares, checkpoints). These waits go through a

@@ -5,7 +5,19 @@ GPTModel from the converted shard (qurl/models/convert.py) with one of megatron'
 
 - the **Transformer Engine** spec (`get_gpt_layer_with_transformer_engine_spec`: TE linears with the
   RMSNorm fused into the linear that follows it, TE attention) — CUDA only;
-- the **local** spec (`get_gpt_layer_local_spec`: plain torch modules) — what runs on CPU.
+- the **local** spec (`get_gpt_layer_local_spec`: plain torch modules) — what runs on CPU, and
+  on GPUs without TE. Its core attention is qurl's `SDPAttention` (attention.py: torch SDPA, causal,
+  no [heads, L, L] scores kept) unless `attention="unfused"` asks for megatron's own
+  `DotProductAttention` (kept as the reference the SDPA path is tested and benchmarked against).
+
+Activation recompute is megatron-core's own (`recompute`, the learner.recompute field):
+- "none": every layer keeps its activations for the backward;
+- "selective": the core attention and the MLP of every layer are recomputed in the backward
+  (`recompute_granularity="selective"`, `recompute_modules=["core_attn", "mlp"]`): a layer keeps
+  its norm outputs, Q/K/V and projections, not the MLP's [L, 3·ffn/TP] intermediates;
+- "full": each layer keeps only its input and is run again in the backward
+  (`recompute_granularity="full"`, `recompute_method="uniform"`, `recompute_num_layers=1`).
+Recompute changes what is stored, never the values: gradients are equal (tests/test_long_seq.py).
 
 `use_transformer_engine(deploy.transformer_engine)` picks: "auto" = TE when it imports and CUDA
 is present, "on" = TE or a clear error, "off" = local. Either way no weight is initialized (every
@@ -57,10 +69,25 @@ def use_transformer_engine(choice: str) -> bool:
     return importable
 
 
+ATTENTION = ("sdpa", "unfused")
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1},
+}
+
+
 def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype: torch.dtype,
-              device: torch.device, te: bool) -> torch.nn.Module:
+              device: torch.device, te: bool, attention: str = "sdpa",
+              recompute: str = "none") -> torch.nn.Module:
     """This TP rank's GPTModel holding `shard` (local-spec names, as convert.hf_to_megatron
-    makes them), parameters in `dtype` on `device`."""
+    makes them), parameters in `dtype` on `device`; `attention` (local spec only) and `recompute`
+    as in the module docstring."""
+    if attention not in ATTENTION:
+        raise ValueError(f"learner.attention={attention!r}: must be one of {', '.join(ATTENTION)}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"learner.recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)}")
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -69,12 +96,17 @@ def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype:
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     flags = dict(_RUNTIME_FLAGS, use_cpu_initialization=device.type == "cpu")
     kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
+    kwargs.update(RECOMPUTE[recompute])
     config = TransformerConfig(**kwargs)
     if te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
         shard = convert.to_te_names(shard)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+        if attention == "sdpa":
+            from qurl.learner.attention import SDPAttention
+
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
     with torch.random.fork_rng(devices=[]):  # megatron may draw from the global RNG
         model = GPTModel(config, spec, pre_process=True, post_process=True,
                          **convert.gpt_model_kwargs_from_hf(hf_config, tp=tp))

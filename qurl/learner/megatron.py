@@ -5,7 +5,8 @@
 One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
 see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel (qurl/learner/build.py:
-megatron's Transformer Engine layer spec on CUDA when installed, its local spec otherwise). Those
+megatron's Transformer Engine layer spec on CUDA when installed, its local spec with SDPA attention
+otherwise; megatron's activation recompute per learner.recompute). Those
 weights are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the
 weight sync.
 
@@ -16,14 +17,14 @@ A step (`train_step`) on a batch of B right-padded sequences:
    logp with grad -> `policy_loss(preset=algo.loss, …)` -> backward -> TP-correct global grad
    norm -> clip -> AdamW step (skipped, and counted, if the norm is not finite);
 3. the LR schedule advances once.
-Mini-batches are split further into micro-batches (a memory budget, measured on GPU:
-membudget.py; rows sorted by length, each row computed only up to its last loss token, the
-vocabulary head only from the micro-batch's first loss column: head.py) whose losses use the
-mini-batch's denominator, so their gradients sum to the mini-batch gradient.
+Mini-batches are split further into micro-batches (a memory budget, measured on GPU and agreed by
+every rank: membudget.py; rows sorted by length, each row computed only up to its last loss token)
+whose losses use the mini-batch's denominator, so their gradients sum to the mini-batch gradient.
 
 Log-probs: out[:, j] = log softmax(logits(tokens[:, :j]) / T)[tokens[:, j]], out[:, 0] = 0, from
-megatron's vocab-parallel cross entropy (logits never gathered). Padded vocab rows (the vocab is
-padded to a multiple of 128·TP) are masked to -inf so the distribution is exactly HF's.
+megatron's vocab-parallel cross entropy (logits never gathered), the head run only from the
+micro-batch's first loss column and in chunks of positions (logits.py). Padded vocab rows (the
+vocab is padded to a multiple of 128·TP) are masked to -inf so the distribution is exactly HF's.
 The optimizer (qurl/learner/distopt.py) keeps fp32 master weights and AdamW moments, sharded over
 the data-parallel ranks with deploy.distributed_optimizer (ZeRO-1); in bfloat16 mode the model runs
 in bf16 and receives the masters after every update. With DP > 1 each DP rank computes its rows of
@@ -48,8 +49,8 @@ from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, Op
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
-from qurl.learner.head import first_loss_columns, head_from
-from qurl.learner.membudget import TokenCost, free_bytes, rows_per_micro
+from qurl.learner.logits import first_loss_columns, head_logp, head_weight, hidden_states_out
+from qurl.learner.membudget import TokenCost, agreed_free, free_bytes, rows_per_micro
 from qurl.learner.shards import ShardCheckpoint
 from qurl.models import convert
 
@@ -107,9 +108,11 @@ class MegatronLearner(ShardCheckpoint):
         self.dtype = _DTYPES[model.dtype]
         model_parallel_cuda_manual_seed(seed)  # attention forks megatron's RNG tracker every call
         self.te = use_transformer_engine(deploy.transformer_engine)
+        self.sdpa = not self.te and deploy.attention == "sdpa"
 
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
-        spec = dict(tp=self.tp_size, dtype=self.dtype, device=self.device, te=self.te)
+        spec = dict(tp=self.tp_size, dtype=self.dtype, device=self.device, te=self.te,
+                    attention=deploy.attention, recompute=learner.recompute)
         self.model = build_gpt(shard, hf_config, **spec)
         self.ref_model = None
         if algo.kl_coef > 0:  # frozen initial policy for the k3 KL term
@@ -135,38 +138,34 @@ class MegatronLearner(ShardCheckpoint):
         pad = cols >= int(hf_config.vocab_size)
         self._vocab_pad = pad if bool(pad.any()) else None
         self._local_vocab = local
-        self._token_cost = TokenCost(
-            local, layers=int(hf_config.num_hidden_layers), hidden=int(hf_config.hidden_size),
-            heads=int(hf_config.num_attention_heads), tp=self.tp_size,
-            elem=torch.finfo(self.dtype).bits // 8, fused_attention=self.te)
+        self._token_cost = token_cost(hf_config, tp=self.tp_size, dtype=self.dtype,
+                                      attention="unfused" if not (self.te or self.sdpa) else "flash",
+                                      recompute=learner.recompute)
 
     # ------------------------------------------------------------------ model
 
     def _causal_mask(self, L: int) -> torch.Tensor | None:
-        """[1, 1, L, L] bool, True = hidden. The local spec needs it explicitly (megatron's default
-        mask is allocated on "cuda"); TE attention builds its own causal mask and wants None."""
-        if self.te:
+        """[1, 1, L, L] bool, True = hidden. megatron's unfused attention needs it explicitly (its
+        default mask is allocated on "cuda"); TE attention and SDPA (attention.py) are causal by
+        themselves and take None — an explicit mask would send SDPA to its L x L math kernel."""
+        if self.te or self.sdpa:
             return None
         return torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
 
     def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
                       start: int = 1) -> torch.Tensor:
         """tokens: [b, L] -> [b, L] fp32 log-probs, differentiable; columns before `start` (>= 1)
-        are 0 and their logits are never computed (head.py: the head runs on positions
-        start-1 .. L-2 only)."""
-        from megatron.core import tensor_parallel
-
+        are 0 and their logits are never computed (logits.py: the head runs on positions
+        start-1 .. L-2 only, in chunks)."""
         b, L = tokens.shape
         start = min(max(1, start), L - 1)
         pos = torch.arange(L, device=self.device).unsqueeze(0).expand(b, L)
-        with head_from(model, start - 1):
-            logits = model(tokens, pos, self._causal_mask(L))  # [b, L - start + 1, V_local]
-        # A fresh fp32 tensor: vocab_parallel_cross_entropy overwrites its input in place.
-        logits = logits[:, :-1].float().div(temperature)
-        if self._vocab_pad is not None:
-            logits = logits.masked_fill(self._vocab_pad, float("-inf"))
-        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, tokens[:, start:].contiguous())
-        return torch.cat([nll.new_zeros(b, start), -nll], dim=1)
+        with hidden_states_out(model):
+            hidden = model(tokens, pos, self._causal_mask(L))  # [b, L, h]
+        lp = head_logp(hidden[:, start - 1:-1], head_weight(model), tokens[:, start:],
+                       temperature=temperature, vocab_pad=self._vocab_pad,
+                       local_vocab=self._local_vocab)
+        return torch.cat([lp.new_zeros(b, start), lp], dim=1)
 
     def _rows_per_micro(self, L: int, free: int | None) -> int:
         """Rows of width L per micro-batch: the fixed logits budget on CPU, GPU memory free now."""
@@ -181,7 +180,8 @@ class MegatronLearner(ShardCheckpoint):
         `starts` (first loss columns; 1 when not given): the head skips the columns before it."""
         order = torch.sort(ends[rows], descending=True, stable=True).indices
         rows = rows[order]
-        free = free_bytes(self.device)  # measured once per split, before its micro-batches
+        # measured once per split, the minimum over every rank: one plan, the same pass count
+        free = agreed_free(free_bytes(self.device), self.device)
         i = 0
         while i < len(rows):
             width = int(ends[rows[i]])
@@ -362,6 +362,20 @@ class MegatronLearner(ShardCheckpoint):
                 shards = [t]
             if self.tp_rank == 0 and self.dp_rank == 0:
                 yield from convert.megatron_param_to_hf(name, shards, self.hf_config)
+
+
+def token_cost(hf_config: Any, *, tp: int, dtype: torch.dtype, attention: str,
+               recompute: str) -> TokenCost:
+    """The cost model (membudget.py) of one TP rank of this HF architecture."""
+    heads = int(hf_config.num_attention_heads)
+    hidden = int(hf_config.hidden_size)
+    return TokenCost(
+        convert.padded_vocab_size(int(hf_config.vocab_size), tp) // tp,
+        layers=int(hf_config.num_hidden_layers), hidden=hidden, heads=heads,
+        groups=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(hf_config, "head_dim", None) or hidden // heads),
+        ffn=int(hf_config.intermediate_size), tp=tp, elem=torch.finfo(dtype).bits // 8,
+        attention=attention, recompute=recompute)
 
 
 def _combine(per_mb: list[dict[str, float]]) -> dict[str, float]:

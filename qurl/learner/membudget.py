@@ -1,49 +1,132 @@
-"""How many sequences one learner micro-batch holds: a memory budget, measured on GPU.
+"""What a learner rank holds: a cost model of its memory, and the micro-batch split it implies.
 
-A micro-batch of `rows` sequences cut at width L costs, on one learner rank, per token:
-- logits: the local vocabulary slice (vocab / TP) in the model's dtype, its fp32 copy divided by
-  the temperature, and the cross entropy's fp32 temporaries (softmax, gradient): about
-  `local_vocab x (elem + 12)` bytes;
-- activations kept for the backward (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-  Large Transformer Models", per layer and token with tensor parallelism): `hidden x (10 + 24/TP)`
-  bytes at 2-byte activations (scaled by elem / 2), plus `5 x heads x L / TP` for the attention
-  scores when attention is not fused (megatron's local layer spec; Transformer Engine's flash
-  attention keeps none).
+A learner rank holds two kinds of memory:
 
-CPU keeps a fixed logits budget (`LOGITS_BUDGET` fp32 logits elements per micro-batch in
-qurl/learner/megatron.py: 256 MiB). On a GPU the budget is a share (`GPU_FRACTION`) of the memory
-free at the moment the batch is split — what the driver reports free plus what torch's caching
-allocator holds unused — so a 141 GB GPU packs many 8k-token sequences per pass where the fixed
-budget gave one, and a nearly full one falls back to one row per micro-batch (never zero).
+- **fixed** (`fixed_bytes`), per parameter on this rank (P = the rank's TP shard): the model's
+  weights (elem bytes), their gradients (elem), fp32 master weights (4) and AdamW's two fp32 moments
+  (8; both divided by DP with deploy.distributed_optimizer), and the optimizer step's flat fp32
+  gradient (4);
+- **per micro-batch** (`TokenCost.forward_bytes`, `micro_bytes`): what the forward keeps for the
+  backward, plus the largest transient. With megatron's local spec and `e` bytes per activation
+  (h hidden, d head_dim, q = heads·d, kv = groups·d, f ffn, t TP), one layer keeps per token (read
+  off autograd's saved tensors, fp32, Qwen2.5-1.5B shapes):
+    - the two RMSNorms' inputs and outputs: `4h·e` (and one fp32 rstd each);
+    - RoPE's cos and sin for q and k: `4d·e`;
+    - attention, `"flash"` (torch SDPA, qurl/learner/attention.py, or TE): the RoPE'd Q, K and V
+      repeated to every head, the output and its reshaped copy for the output projection
+      (`5q/t·e`) and one fp32 log-sum-exp per head (`4·heads/t`) — nothing that grows with L;
+      `"unfused"` (megatron's DotProductAttention): Q, K, V, output and copy (`5q/t·e`) plus the
+      softmax probabilities, `heads/t × L` per token, in fp32 and again in the model's dtype when
+      that is bf16; and one layer's scores in megatron's reused matmul buffer (a transient);
+    - the MLP: FC1's output (`2f`), SiLU's input half, its output and the product (`3f`): `5f/t·e`.
+  With recompute (learner.recompute; megatron-core's own) less is kept and one layer's worth is
+  rebuilt during the backward:
+    - "full": each layer keeps only its input (`h·e`); one layer's activations live at a time;
+    - "selective" (core attention + MLP recomputed): a layer keeps its norms, RoPE, the pre-repeat
+      Q, K, V and the projection input (`(4h + 4d)·e + (2q + 2kv)/t·e`).
+  Outside the layers the final norm keeps `2h·e`. The head runs in chunks of positions
+  (qurl/learner/logits.py) and holds one chunk of logits at a time: in the forward its product and
+  fp32 scaled copy (8 bytes per logit), in the backward also the softmax and its gradient
+  (`e + 12`).
+
+The model was checked against measured peaks (`qurl bench learner --memory`, a fresh process per
+point, on CPU in fp32 with Qwen2.5-1.5B's layer shapes and vocabulary cut to two layers): see
+docs/long_sequences.md for the table and its reading.
+
+The split (`rows_per_micro`): on CPU a fixed logits budget (LOGITS_BUDGET fp32 logits per
+micro-batch in qurl/learner/megatron.py); on a GPU a share (`GPU_FRACTION`) of the memory free when
+the batch is split — what the driver reports free plus what torch's caching allocator holds unused.
+Every learner rank must run the same number of micro-batches (the TP all-reduces inside a forward
+pair up rank by rank), so the free figure is agreed before the split: the minimum over all learner
+ranks (`agreed_free`, one all-reduce), never one rank's own reading.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 GPU_FRACTION = 0.8  # of the free memory: the rest absorbs allocator fragmentation and estimate error
 
 
 @dataclass(frozen=True)
 class TokenCost:
-    """What one token of a micro-batch costs on one learner rank (module docstring)."""
+    """What a micro-batch costs on one learner rank (module docstring)."""
 
     local_vocab: int  # vocab rows on this rank (padded vocab / TP)
     layers: int
     hidden: int
     heads: int
+    groups: int  # key/value heads
+    head_dim: int
+    ffn: int
     tp: int
     elem: int  # bytes of the model's compute dtype (2 for bf16, 4 for fp32)
-    fused_attention: bool  # Transformer Engine: no [heads, L, L] scores kept
+    attention: str = "flash"  # "flash" (SDPA / TE: nothing L x L kept) or "unfused"
+    recompute: str = "none"  # learner.recompute: none | selective | full
+    chunk_logits: int = 2**26  # logits per head chunk (qurl/learner/logits.py LOGITS_CHUNK)
 
-    def bytes(self, L: int) -> float:
-        """Bytes per token of a training micro-batch of width L (forward kept for backward)."""
-        logits = self.local_vocab * (self.elem + 12)
-        act = self.layers * self.hidden * (10 + 24 / self.tp) * self.elem / 2
-        scores = 0.0 if self.fused_attention else \
-            self.layers * 5 * self.heads * L / self.tp * self.elem / 2
-        return logits + act + scores
+    def _layer(self, L: int) -> float:
+        """Bytes per token one layer keeps without recompute."""
+        e, t = self.elem, self.tp
+        q = self.heads * self.head_dim
+        common = (4 * self.hidden + 4 * self.head_dim + 5 * q / t + 5 * self.ffn / t) * e
+        if self.attention == "flash":
+            return common + 4 * self.heads / t
+        return common + self.heads / t * L * self._probs_bytes()
+
+    def _probs_bytes(self) -> int:
+        """Bytes per unfused attention probability kept: fp32 softmax, and its cast when bf16."""
+        return 4 + (self.elem if self.elem != 4 else 0)
+
+    def token_bytes(self, L: int) -> float:
+        """Bytes per token of a micro-batch of width L kept for the backward (all layers)."""
+        e, t = self.elem, self.tp
+        if self.recompute == "full":
+            kept = self.hidden * e
+        elif self.recompute == "selective":
+            kv = self.groups * self.head_dim
+            kept = (4 * self.hidden + 4 * self.head_dim) * e + \
+                (2 * self.heads * self.head_dim + 2 * kv) / t * e
+        else:
+            kept = self._layer(L)
+        return self.layers * kept + 2 * self.hidden * e
+
+    def _scores_buffer(self, tokens: int, L: int) -> float:
+        """megatron's unfused attention computes one layer's scores into a reused buffer."""
+        return 0.0 if self.attention == "flash" else self.heads / self.tp * L * tokens * self.elem
+
+    def forward_bytes(self, rows: int, L: int) -> float:
+        """Peak bytes of a training micro-batch's forward (`rows` rows of width L): what it keeps
+        for the backward and one chunk of logits (its model-dtype product and fp32 scaled copy:
+        at most 8 bytes per logit)."""
+        tokens = rows * L
+        return tokens * self.token_bytes(L) + self._scores_buffer(tokens, L) + \
+            min(tokens * self.local_vocab, self.chunk_logits) * 8
+
+    def micro_bytes(self, rows: int, L: int) -> float:
+        """Bytes to plan for a training micro-batch of `rows` rows of width L (its backward's
+        bound): what the forward keeps, one layer rebuilt under recompute, one chunk of logits in
+        the backward (product, fp32 copies, softmax and its gradient: `elem + 12` bytes per
+        logit)."""
+        tokens = rows * L
+        recomputed = 0.0 if self.recompute == "none" else self._layer(L) * tokens
+        chunk = min(tokens * self.local_vocab, self.chunk_logits) * (self.elem + 12)
+        return tokens * self.token_bytes(L) + self._scores_buffer(tokens, L) + recomputed + chunk
+
+
+def grad_bytes(params: int, elem: int, tied_head: int = 0) -> float:
+    """Bytes of the gradients a backward makes: one per parameter of this rank in the model's dtype,
+    and for a tied head (`tied_head` = V_local x h elements) a second one for the head's use of the
+    embedding, summed into the first only at the end of the backward."""
+    return (params + tied_head) * elem
+
+
+def fixed_bytes(params: int, elem: int, dp: int, distributed: bool) -> float:
+    """Bytes a rank holds whatever the batch: weights and gradients (elem each), fp32 masters,
+    AdamW moments (DP-sharded when `distributed`) and the step's flat fp32 gradient."""
+    return params * (2 * elem + 4 + 8 / (dp if distributed else 1) + 4)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -56,10 +139,25 @@ def free_bytes(device: torch.device) -> int | None:
     return int(free) + max(0, int(cached))
 
 
+def agreed_free(free: int | None, device: torch.device) -> int | None:
+    """The minimum of `free` over every learner rank (an all-reduce on the default group when
+    torch.distributed is up; None stays None only when every rank has None)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return free
+    t = torch.tensor([-1 if free is None else free], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return None if int(t) < 0 else int(t)
+
+
 def rows_per_micro(L: int, cost: TokenCost, free: int | None, cpu_budget: int) -> int:
     """Sequences of width L per micro-batch (>= 1): on CPU (free None) `cpu_budget` fp32 logits
-    elements; on GPU GPU_FRACTION of `free` bytes over L x cost.bytes(L)."""
+    elements; on GPU the most rows whose `micro_bytes` fit GPU_FRACTION of `free`."""
     L = max(1, L)
     if free is None:
         return max(1, cpu_budget // (L * max(1, cost.local_vocab)))
-    return max(1, int(free * GPU_FRACTION // (L * cost.bytes(L))))
+    budget = free * GPU_FRACTION
+    lo, hi = 1, max(1, int(budget // (L * cost.token_bytes(L))) + 1)  # micro_bytes grows with rows
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost.micro_bytes(mid, L) <= budget else (lo, mid - 1)
+    return lo

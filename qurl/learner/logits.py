@@ -1,0 +1,111 @@
+"""Log-probs from the LM head in chunks of positions: no [tokens, vocab/TP] logits held at once.
+
+A policy-gradient step needs, at each loss position j, log p(token_j | tokens_<j) =
+log softmax(h_{j-1} Wᵀ / T)[token_j], where h is the final hidden state and W the (vocab-parallel)
+head. Computed in one piece, a micro-batch of n positions holds n × vocab/TP logits in the model's
+dtype, their fp32 copy and the cross entropy's fp32 softmax for the backward: ~(elem + 12) bytes
+per logit. With Qwen's 151,936-row vocabulary at TP 2 and 8,704 positions that is ~9 GB per row,
+growing with both the vocabulary and the length.
+
+Here the positions are cut into chunks of `chunk_positions(local_vocab)` (LOGITS_CHUNK logits
+each, 256 MiB in fp32): each chunk's head, scaling, padding mask and megatron's vocab-parallel cross
+entropy run under `torch.utils.checkpoint`, which keeps only the chunk's hidden states and targets
+and recomputes the rest in the backward. At any moment one chunk's logits exist. The values are the
+same as the one-piece computation (the same ops on the same rows; only the weight gradient's sum
+over positions is split at chunk borders, fp32 rounding). When everything fits in one chunk (the
+tiny and SmolLM2 recipes on CPU) nothing is checkpointed: no recompute cost.
+
+Only the loss columns. A response token attends to the whole prompt, so every position runs
+through the transformer body, but the head is per position: the learner runs it only from a
+micro-batch's first loss column on (`first_loss_columns`; the hidden states are sliced before the
+head). On the SmolLM2 recipe (~94-token prompts, 24-token answers, 49,152-row tied head) ~80% of
+the positions are prompt.
+
+Getting h: `hidden_states_out(model)` makes megatron's GPTModel return its final (normed) hidden
+states instead of logits by standing in for the output layer's forward within the block; the head
+weight is the output layer's own, or the embedding's when they are tied (`head_weight`). The
+tensor-parallel input copy of megatron's ColumnParallelLinear (identity forward, all-reduce of the
+gradient backward) is applied once to the whole hidden tensor, as the output layer would.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+LOGITS_CHUNK = 2**26  # logits per chunk (vocab/TP x positions): 256 MiB in fp32
+
+
+@contextmanager
+def hidden_states_out(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block `model(tokens, pos, mask)` returns [b, s, h] final hidden states (after
+    the final norm) instead of [b, s, V_local] logits."""
+    layer = model.output_layer
+    if getattr(layer, "sequence_parallel", False):
+        raise ValueError("hidden_states_out: the output layer is sequence parallel (hidden states "
+                         "sharded along the sequence); not supported")
+
+    def identity(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden, None
+
+    layer.forward = identity  # instance attribute: nn.Module.__call__ finds it first
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def first_loss_columns(mask: torch.Tensor) -> torch.Tensor:
+    """mask: [B, L] bool -> [B] int64, each row's first True column (L for a row with none)."""
+    L = mask.shape[1]
+    pos = torch.arange(L, device=mask.device)
+    return torch.where(mask, pos, L).min(dim=1).values
+
+
+def head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """[V_local, h]: the head's weight on this TP rank (the embedding's when tied)."""
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def chunk_positions(local_vocab: int) -> int:
+    """Positions per chunk so that one chunk holds at most LOGITS_CHUNK logits (>= 1)."""
+    return max(1, LOGITS_CHUNK // max(1, local_vocab))
+
+
+def _chunk_nll(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+               temperature: float, vocab_pad: torch.Tensor | None) -> torch.Tensor:
+    """hidden: [n, h], weight: [V_local, h], targets: [n] -> [n] fp32 negative log-likelihoods."""
+    from megatron.core import tensor_parallel
+
+    # A fresh fp32 tensor: vocab_parallel_cross_entropy overwrites its input in place.
+    logits = torch.matmul(hidden, weight.t()).float().div(temperature)
+    if vocab_pad is not None:
+        logits = logits.masked_fill(vocab_pad, float("-inf"))
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
+
+
+def head_logp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+              temperature: float, vocab_pad: torch.Tensor | None, local_vocab: int) -> torch.Tensor:
+    """hidden: [b, s, h] states at positions j-1; targets: [b, s] tokens at j -> [b, s] fp32
+    log p(target | prefix) under softmax(logits / temperature), differentiable, vocab-parallel
+    (a collective over the TP group), in chunks of positions (module docstring)."""
+    from megatron.core import tensor_parallel
+
+    b, s, h = hidden.shape
+    flat = tensor_parallel.copy_to_tensor_model_parallel_region(hidden).reshape(b * s, h)
+    tgt = targets.reshape(b * s)
+    step = chunk_positions(local_vocab)
+    if b * s <= step:
+        return -_chunk_nll(flat, weight, tgt, temperature, vocab_pad).view(b, s)
+    grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
+    parts = []
+    for i in range(0, b * s, step):
+        args = (flat[i:i + step], weight, tgt[i:i + step], temperature, vocab_pad)
+        parts.append(checkpoint(_chunk_nll, *args, use_reentrant=False) if grad
+                     else _chunk_nll(*args))
+    return -torch.cat(parts).view(b, s)
