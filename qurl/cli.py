@@ -65,12 +65,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     # a model the layout cannot split (TP over its heads, SGLang's block FP8): one line, not ranks
     check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
+    _print_memory_plan(cfg)
     result = run_ranks(_train_entry, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary
 
         print(f"final {summary(result)}")
     return 0
+
+
+def _print_memory_plan(cfg: Config) -> None:
+    """The learner ranks' memory plan (qurl/learner/plan.py); on a GPU a plan that cannot hold
+    one row is refused here, in one line, before any rank starts. On CPU it is printed against
+    each rank's share of the host's memory, and only printed (micro-batches there follow the
+    fixed logits budget)."""
+    import torch
+
+    from qurl.learner.build import use_transformer_engine
+    from qurl.learner.plan import plan_text
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        text, refused = plan_text(cfg, total, f"GPU {torch.cuda.get_device_name(0)}",
+                                  te=use_transformer_engine(cfg.deploy.transformer_engine))
+        if refused:
+            raise InputError(refused)
+    else:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        text, _ = plan_text(cfg, host / (cfg.learner.tp * cfg.learner.dp),
+                            "CPU, each rank's share of the host memory", gpu=False)
+    print(text, flush=True)
 
 
 def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> dict:

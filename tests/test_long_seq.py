@@ -110,6 +110,16 @@ def _worker(rank: int, ws: int) -> dict:
         out[f"{kind}/chunked"] = (float((lp_c - lp_s).abs().max()), _rel(g_c, g_s),
                                   float((lp_nc - sdpa.logprobs(tokens)).abs().max()))
 
+    # The plan's parameter count (qurl/learner/plan.py) vs the built model's, on this TP rank
+    from qurl.learner.plan import _params
+    from qurl.models.convert import padded_vocab_size
+
+    for kind in ("qwen2", "llama"):
+        cfg = build(kind).config.to_dict()
+        built = _learner(kind, ws).model
+        out[f"{kind}/params"] = (sum(p.numel() for p in built.parameters()),
+                                 _params(cfg, ws, padded_vocab_size(cfg["vocab_size"], ws))[0])
+
     # Which SDPA kernel runs: the fused flash kernel, never the math fallback.
     learner = _learner("qwen2", ws)
     learner.model.train()
@@ -139,6 +149,15 @@ def test_sdpa_equals_unfused_attention(runs, ws: int, kind: str) -> None:
         assert lp < TOL and grad < TOL and logits < TOL, (lp, grad, logits)
         bf_sdpa, bf_unfused = r[f"{kind}/bf16"]
         assert 0 < bf_sdpa <= 1.5 * bf_unfused, (bf_sdpa, bf_unfused)  # bf16 really ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", [1, 2])
+def test_the_plan_counts_the_parameters_megatron_builds(runs, ws: int) -> None:
+    for r in runs[ws]:
+        for kind in ("qwen2", "llama"):  # tied with q/k/v biases; untied without
+            built, planned = r[f"{kind}/params"]
+            assert built == planned, (kind, built, planned)
 
 
 @pytest.mark.slow

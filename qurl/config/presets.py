@@ -77,7 +77,8 @@ def paper_dapo_7b() -> Config:
         "algo.loss": "acr", "algo.eps_low": 0.2, "algo.eps_high": 0.28, "algo.agg": "token-mean",
         "algo.dynamic_sampling": True, "algo.overlong_buffer": 4096, "algo.mini_batches": 16,
         "algo.uaq_scale": 1.5, "optim.lr": 1e-6, "optim.weight_decay": 0.1, "optim.warmup_steps": 10,
-        "learner.tp": 4,
+        # 21k-token rows: without recompute one row needs ~52 GB per rank (qurl launch --dry-run)
+        "learner.tp": 4, "learner.recompute": "full",
     })
 
 

@@ -343,6 +343,8 @@ def main_launch(argv: list[str] | None = None) -> int:
     p.add_argument("--server-port", type=int, default=BASE_PORT,
                    help="port of each node's first planned SGLang server (the next ones follow)")
     p.add_argument("--dry-run", action="store_true", help="print every node's commands and exit")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                   help="memory of each learner GPU, for the learner memory plan (default 80)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `qurl launch -- --preset ...` (argparse REMAINDER keeps the "--")
         argv = argv[1:]
@@ -356,8 +358,15 @@ def main_launch(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"qurl launch: error: {e}", file=sys.stderr)
         return 2
+    from qurl.learner.plan import plan_text
+
+    text, refused = plan_text(cfg, args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU")
+    if refused:
+        print(f"qurl launch: error: {refused}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(render(plans))
+        print(text)
         return 0
     if args.node_rank is None or not 0 <= args.node_rank < len(plans):
         print(f"qurl launch: error: --node-rank must be in 0..{len(plans) - 1} (or use --dry-run)",

@@ -367,15 +367,10 @@ class MegatronLearner(ShardCheckpoint):
 def token_cost(hf_config: Any, *, tp: int, dtype: torch.dtype, attention: str,
                recompute: str) -> TokenCost:
     """The cost model (membudget.py) of one TP rank of this HF architecture."""
-    heads = int(hf_config.num_attention_heads)
-    hidden = int(hf_config.hidden_size)
-    return TokenCost(
-        convert.padded_vocab_size(int(hf_config.vocab_size), tp) // tp,
-        layers=int(hf_config.num_hidden_layers), hidden=hidden, heads=heads,
-        groups=int(getattr(hf_config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(hf_config, "head_dim", None) or hidden // heads),
-        ffn=int(hf_config.intermediate_size), tp=tp, elem=torch.finfo(dtype).bits // 8,
-        attention=attention, recompute=recompute)
+    from qurl.learner.plan import token_cost_from_fields
+
+    return token_cost_from_fields(hf_config.to_dict(), tp=tp, elem=torch.finfo(dtype).bits // 8,
+                                  attention=attention, recompute=recompute)
 
 
 def _combine(per_mb: list[dict[str, float]]) -> dict[str, float]:

@@ -34,7 +34,8 @@ def read_fields(base: str) -> dict[str, Any]:
     if base in MODEL_PRESETS:  # the vocabulary is the character tokenizer's (not a preset field)
         from qurl.models.tokenizer import build_tokenizer
 
-        return dict(MODEL_PRESETS[base], vocab_size=len(build_tokenizer()))
+        return dict(MODEL_PRESETS[base], vocab_size=len(build_tokenizer()),
+                    architectures=["Qwen2ForCausalLM"])  # what qurl.models.hf builds
     try:
         return json.loads((Path(base) / "config.json").read_text())
     except (OSError, ValueError) as e:

@@ -1,0 +1,198 @@
+"""Will the learner fit? The memory plan of every learner rank, printed before launch.
+
+A run whose learner cannot hold one row of the preset's length fails only after its servers are
+up and its first rollout is done — on the paper's lengths, an hour in. This module prices each
+learner rank with the checked cost model (membudget.py) before anything starts:
+
+- weights (model dtype), gradients (plus a tied head's second gradient), fp32 master weights and
+  AdamW moments (DP-sharded with deploy.distributed_optimizer) and the step's flat fp32 gradient;
+- the frozen reference model when algo.kl_coef > 0;
+- on learner rank 0, the weight sync's 8-bit staging: two alternating arenas of the quantized
+  model and the copy a delta is taken against (qurl/sync/: ~3 bytes per parameter of the whole
+  model);
+- one micro-batch of one row at the run's length L = `prompt_tokens` + rollout.max_new_tokens,
+  at the run's attention (TE or SDPA: no L x L scores; unfused) and learner.recompute.
+
+`plan_ranks` returns the per-rank figures; `render` prints them with the rows per micro-batch the
+rest of the memory allows; `refusal` says in one line why a plan cannot fit at one row per
+micro-batch and which field to change (learner.tp, learner.recompute, the length). The model's
+shape comes from the checkpoint's config.json, or for the paper presets' hub ids, which are not
+on disk before a run, from their published config fields (`KNOWN_SHAPES`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from qurl.config import Config
+from qurl.learner.membudget import GPU_FRACTION, TokenCost, fixed_bytes, grad_bytes, rows_per_micro
+
+GB = 1e9
+RESERVE = 2 * 2**30  # CUDA context, NCCL buffers and allocator slack: never planned for tensors
+PROMPT_TOKENS = 512  # prompt tokens assumed in front of rollout.max_new_tokens
+
+# config.json fields (as published with the checkpoints) of the paper presets' bases
+KNOWN_SHAPES: dict[str, dict[str, Any]] = {
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"]),
+    "Qwen/Qwen2.5-Math-7B": dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"]),
+}
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One learner rank's planned bytes (module docstring)."""
+    rank: int
+    weights: float  # model weights, their gradients, a KL reference copy
+    optimizer: float  # fp32 masters, AdamW moments, the step's flat gradient
+    sync: float  # rank 0: the 8-bit staging of the weight sync
+    row: float  # one micro-batch of one row at width L
+    L: int
+    rows: int  # rows per micro-batch the remaining memory allows (>= 1 even when it does not fit)
+    fits: bool
+
+    @property
+    def fixed(self) -> float:
+        return self.weights + self.optimizer + self.sync
+
+
+def _params(f: dict[str, Any], tp: int, vocab_pad: int) -> tuple[int, int, int]:
+    """(parameters on one TP rank, of the whole model, tied-head elements on one rank)."""
+    from qurl.models.convert import dims, qkv_bias
+
+    d = dims(SimpleNamespace(**f))
+    h, q, kv, ffn = d["H"], d["nh"] * d["hd"], d["ng"] * d["hd"], d["I"]
+    bias = (q + 2 * kv) if qkv_bias(SimpleNamespace(**f)) else 0
+    layer = ((q + 2 * kv) * h + bias + q * h + 3 * ffn * h) // tp + 2 * h
+    tied = bool(f.get("tie_word_embeddings", False))
+    embed = vocab_pad * h // tp * (1 if tied else 2)
+    per_rank = d["L"] * layer + embed + h
+    whole = d["L"] * (layer - 2 * h) * tp + d["L"] * 2 * h + embed * tp + h
+    return per_rank, whole, (vocab_pad // tp * h if tied else 0)
+
+
+def token_cost_from_fields(f: dict[str, Any], *, tp: int, elem: int, attention: str,
+                           recompute: str) -> TokenCost:
+    """membudget.TokenCost of one TP rank of the model whose config.json fields are `f`."""
+    from qurl.models.convert import dims, padded_vocab_size
+
+    d = dims(SimpleNamespace(**f))
+    return TokenCost(padded_vocab_size(int(f["vocab_size"]), tp) // tp, layers=d["L"],
+                     hidden=d["H"], heads=d["nh"], groups=d["ng"], head_dim=d["hd"], ffn=d["I"],
+                     tp=tp, elem=elem, attention=attention, recompute=recompute)
+
+
+def attention_kind(cfg: Config, te: bool) -> str:
+    """'flash' (TE or SDPA) or 'unfused', as the learner will build it."""
+    return "flash" if te or cfg.deploy.attention == "sdpa" else "unfused"
+
+
+def plan_ranks(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: bool = False,
+               prompt_tokens: int = PROMPT_TOKENS, reserve: float = RESERVE) -> list[RankPlan]:
+    """Every learner rank's plan (TP rank order within DP replica 0; DP replicas hold the same)."""
+    from qurl.models.convert import padded_vocab_size
+
+    tp, dp = cfg.learner.tp, cfg.learner.dp
+    elem = 2 if cfg.model.dtype == "bfloat16" else 4
+    cost = token_cost_from_fields(fields, tp=tp, elem=elem, attention=attention_kind(cfg, te),
+                                  recompute=cfg.learner.recompute)
+    per_rank, whole, tied = _params(fields, tp, padded_vocab_size(int(fields["vocab_size"]), tp))
+    L = prompt_tokens + cfg.rollout.max_new_tokens
+    ref = per_rank * elem if cfg.algo.kl_coef > 0 else 0
+    weights = per_rank * elem + grad_bytes(per_rank, elem, tied) + ref
+    optimizer = fixed_bytes(per_rank, elem, dp, cfg.deploy.distributed_optimizer) - 2 * per_rank * elem
+    out = []
+    for rank in range(tp * dp):
+        sync = 3.0 * whole if rank == 0 else 0.0
+        left = gpu_bytes - reserve - weights - optimizer - sync
+        fits = cost.micro_bytes(1, L) <= GPU_FRACTION * left
+        rows = rows_per_micro(L, cost, max(left, 0), 0)
+        out.append(RankPlan(rank, weights, optimizer, sync, cost.micro_bytes(1, L), L, rows, fits))
+    return out
+
+
+def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
+    """The plan as printed by `qurl launch --dry-run` and `qurl train` (`memory`: what each rank
+    is planned against, in words)."""
+    head = (f"{RESERVE / GB:.1f} GB reserved for CUDA/NCCL, micro-batches use "
+            f"{GPU_FRACTION:.0%} of the rest; " if gpu else "")
+    lines = [f"# learner memory plan ({memory}; {head}rows of L = {plans[0].L} tokens: "
+             f"{PROMPT_TOKENS} assumed prompt + rollout.max_new_tokens)"]
+    seen: set[tuple] = set()
+    for p in plans:
+        key = (p.weights, p.optimizer, p.sync, p.row)
+        if key in seen:
+            continue  # ranks with the same figures are printed once
+        seen.add(key)
+        same = [q.rank for q in plans if (q.weights, q.optimizer, q.sync, q.row) == key]
+        who = f"rank {same[0]}" if len(same) == 1 else f"ranks {same[0]}-{same[-1]}"
+        verdict = "DOES NOT FIT at 1 row" if not p.fits else \
+            f"fits, room for {p.rows} rows" if gpu else "fits"
+        lines.append(f"#   {who:12s} weights+grads {p.weights / GB:6.1f} GB  optimizer "
+                     f"{p.optimizer / GB:6.1f} GB  sync {p.sync / GB:5.1f} GB  one row "
+                     f"{p.row / GB:6.1f} GB  = {(p.fixed + p.row) / GB:6.1f} GB: {verdict}")
+    if gpu:
+        lines.append(f"#   micro-batches: {min(p.rows for p in plans)} rows each (the minimum over "
+                     f"the ranks: every rank runs the same plan)")
+    return "\n".join(lines)
+
+
+def refusal(cfg: Config, fields: dict[str, Any], plans: list[RankPlan],
+            gpu_bytes: float) -> str | None:
+    """One line when some rank cannot hold one row, naming the fields that would change it."""
+    bad = [p for p in plans if not p.fits]
+    if not bad:
+        return None
+    p = max(bad, key=lambda q: q.fixed + q.row)
+    heads, groups = int(fields["num_attention_heads"]), int(fields.get("num_key_value_heads")
+                                                             or fields["num_attention_heads"])
+    fixes = []
+    bigger = [t for t in (2, 4, 8) if t > cfg.learner.tp and heads % t == 0 and groups % t == 0]
+    if bigger:
+        fixes.append(f"learner.tp={bigger[0]} (now {cfg.learner.tp})")
+    if cfg.learner.recompute != "full":
+        fixes.append(f"learner.recompute=full (now {cfg.learner.recompute})")
+    if cfg.deploy.attention == "unfused":
+        fixes.append("deploy.attention=sdpa (now unfused)")
+    fixes.append(f"a shorter rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})")
+    return (f"learner rank {p.rank} needs {(p.fixed + p.row) / GB:.1f} GB for one {p.L}-token row "
+            f"({p.fixed / GB:.1f} GB weights, optimizer and sync + {p.row / GB:.1f} GB the row) "
+            f"but a {gpu_bytes / GB:.0f} GB GPU leaves {GPU_FRACTION * (gpu_bytes - RESERVE - p.fixed) / GB:.1f} GB "
+            f"for it: set {' or '.join(fixes)}")
+
+
+def model_fields(base: str) -> dict[str, Any] | None:
+    """config.json fields of model.base: a checkpoint dir, a local preset, a fetched registered
+    model, or a paper preset's hub id (KNOWN_SHAPES); None when none of these is here."""
+    from qurl.errors import InputError
+    from qurl.models.fits import read_fields
+    from qurl.models.registry import MODELS, model_path
+
+    if base in KNOWN_SHAPES:
+        return dict(KNOWN_SHAPES[base])
+    for where in ((str(model_path(base)),) if base in MODELS else ()) + (base,):
+        try:
+            return read_fields(where)
+        except InputError:
+            continue
+    return None
+
+
+def plan_text(cfg: Config, memory_bytes: float, memory: str, *, gpu: bool = True,
+              te: bool = False, prompt_tokens: int = PROMPT_TOKENS) -> tuple[str, str | None]:
+    """(the printed plan, a one-line refusal or None) for this config with `memory_bytes` per
+    learner rank (a GPU's, or on CPU a share of the host's: no reserve, no refusal)."""
+    fields = model_fields(cfg.model.base)
+    if fields is None:
+        return (f"# learner memory plan: skipped: model.base={cfg.model.base!r} has no config.json "
+                f"here to read its shape from", None)
+    plans = plan_ranks(cfg, fields, memory_bytes, te=te, prompt_tokens=prompt_tokens,
+                       reserve=RESERVE if gpu else 0.0)
+    text = render(plans, f"{memory} {memory_bytes / GB:.0f} GB", gpu)
+    return text, refusal(cfg, fields, plans, memory_bytes) if gpu else None
