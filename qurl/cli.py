@@ -136,6 +136,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens,
                            arms=tuple(a for a in args.arms.split(",") if a), rounds=args.rounds,
                            num_threads=args.threads, profile=args.profile, gemms=args.gemms)
+    elif args.what == "learner" and args.memory:
+        from qurl.bench.learner_long import ARMS, bench_memory
+
+        arms = tuple(a for a in (args.learner_arms or ",".join(ARMS)).split(",") if a)
+        bench_memory(lengths=tuple(int(x) for x in args.lengths.split(",")), arms=arms,
+                     layers=args.layers or 2, threads=args.threads, max_gb=args.max_gb)
+    elif args.what == "learner" and args.mix:
+        from qurl.bench.learner_mix import bench_mix
+
+        bench_mix(rounds=args.rounds, threads=args.threads)
+    elif args.what == "learner" and args.attention:
+        from qurl.bench.learner_mix import bench_attention_step
+
+        bench_attention_step(rounds=args.rounds, threads=args.threads)
     elif args.what == "learner":
         from qurl.bench.learner import bench_learner
 
@@ -312,6 +326,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=0,
                    help="sync --delta: only the first N decoder layers of each shape (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="sync --delta: timed rounds")
+    p.add_argument("--memory", action="store_true",
+                   help="learner: peak memory per row and tokens/s vs L, attention/recompute arms "
+                        "side by side (qurl/bench/learner_long.py; --layers, default 2)")
+    p.add_argument("--lengths", default="1024,2048,4096,8192", help="learner --memory: widths L")
+    p.add_argument("--learner-arms", default="",
+                   help="learner --memory: comma-separated arms (default all: unfused, sdpa, "
+                        "sdpa+selective, sdpa+full)")
+    p.add_argument("--max-gb", type=float, default=12.0,
+                   help="learner --memory: skip points the cost model prices above this")
+    p.add_argument("--mix", action="store_true",
+                   help="learner: sorted vs arrival-order micro-batches on a heavy-tailed length "
+                        "mix (qurl/bench/learner_mix.py)")
+    p.add_argument("--attention", action="store_true",
+                   help="learner: SDPA vs unfused attention at the default run's shape")
     p.set_defaults(fn=cmd_bench)
     from qurl.data.fetch import TRAINING_SETS
     from qurl.models.registry import MODELS

@@ -15,6 +15,16 @@ scores again. qurl's rows are `prompt ++ response`, right-padded, so plain causa
 exact: a padding column comes after every real token of its row and causality never lets it reach
 one. Hence `is_causal=True` and `attention_mask` ignored (the learner passes None).
 
+Short bf16 rows on CPU. On CPUs without native bf16 (this project's AMD EPYC machines) the CPU
+flash kernel in bf16 is slow on short rows: at the default run's shape (64 rows of 44 tokens, 8
+heads of 32) a forward + backward took 31 ms against 12 ms for SDPA's math kernel; the two cross
+near 160 positions and at 512 flash is 3.5x faster (fp32: flash is faster at every length). So on
+CPU, bf16 rows shorter than `CPU_BF16_MATH_BELOW` positions are computed directly (`_short`: bf16
+scores, fp32 softmax, as megatron's unfused path does, 6 ms there), their [heads, L, L] scores at
+most 8 x 160² values a row; every other case runs a fused kernel, and a call that no fused kernel
+takes fails instead of falling back to the math kernel. (`qurl bench learner --attention`
+measures the default run's step both ways.)
+
 Grouped-query attention: K and V have `groups` heads; each is repeated `heads/groups` times (what
 megatron's unfused path does too) before the kernel — O(L) memory, and every backend accepts it.
 
@@ -35,9 +45,34 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+
+CPU_BF16_MATH_BELOW = 160  # positions (module docstring: measured crossover on a 2-core EPYC)
+
+
+def _short_cpu_bf16(q: torch.Tensor) -> bool:
+    """q: [b, heads, s, d]. True where the math kernel is the faster one (module docstring)."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[2] < CPU_BF16_MATH_BELOW
+
+
+def _backends(q: torch.Tensor) -> list[SDPBackend]:
+    """The fused kernels only (no math fallback), but for short CPU bf16 rows with dropout."""
+    if _short_cpu_bf16(q):
+        return [SDPBackend.MATH]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+def _short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention computed directly: q, k, v [b, heads, s, d] -> [b, heads, s, d]."""
+    s = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    hidden = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+    probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class SDPAttention(MegatronModule):
@@ -83,11 +118,14 @@ class SDPAttention(MegatronModule):
             value = value.repeat_interleave(rep, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         p = self.dropout if self.training else 0.0
-        if p > 0:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
+        if _short_cpu_bf16(q) and p == 0:
+            out = _short(q, k, v, self.scale)
+        elif p > 0:  # dropout draws from megatron's tracked RNG, as DotProductAttention's does
+            with tensor_parallel.get_cuda_rng_tracker().fork(), sdpa_kernel(_backends(q)):
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                      scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            with sdpa_kernel(_backends(q)):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads·d]
