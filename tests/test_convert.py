@@ -10,7 +10,7 @@ import torch
 from qurl.models import convert
 from tiny_hf import VOCAB, build, hf_state
 
-KINDS = ("qwen2", "qwen2-untied", "llama")
+KINDS = ("qwen2", "qwen2-untied", "qwen3", "llama")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -87,6 +87,20 @@ def test_config_mapping() -> None:
     gl = convert.gpt_model_kwargs_from_hf(l, tp=1)
     assert (gq["rotary_base"], gq["share_embeddings_and_output_weights"], gq["vocab_size"]) == (5000.0, True, 256)
     assert (gl["rotary_base"], gl["share_embeddings_and_output_weights"]) == (20000.0, False)
+    k3 = convert.megatron_config_from_hf(build("qwen3").config, tp=2, dtype=torch.float32)
+    assert (k3["qk_layernorm"], k3["kv_channels"], k3["add_qkv_bias"]) == (True, 32, False)
+    assert not kq["qk_layernorm"] and not kl["qk_layernorm"]
+
+
+def test_qwen3_norm_gains_are_replicated_and_their_gradients_tp_partial() -> None:
+    model = build("qwen3")
+    cfg, sd = model.config, hf_state(model)
+    shards = [convert.hf_to_megatron(sd, cfg, tp_rank=k, tp_size=2) for k in range(2)]
+    name = "decoder.layers.1.self_attention.q_layernorm.weight"
+    assert torch.equal(shards[0][name], sd["model.layers.1.self_attn.q_norm.weight"])
+    assert torch.equal(shards[1][name], shards[0][name])  # whole on every rank
+    assert convert.partition_dim(name) is None and convert.tp_partial_grad(name)
+    assert not convert.tp_partial_grad("decoder.layers.1.input_layernorm.weight")
 
 
 def test_errors_name_the_problem() -> None:

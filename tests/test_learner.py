@@ -72,7 +72,7 @@ def _worker(rank: int, ws: int) -> dict:
 
     init_learner_dist(LearnerConfig(tp=ws), rank, ws)
     out: dict = {}
-    for kind in ("qwen2", "llama"):
+    for kind in ("qwen2", "qwen3", "llama"):
         hf = build(kind)
         tokens = torch.randint(0, 100, (3, 10), generator=torch.Generator().manual_seed(1))
         learner = _learner(kind, ws)
@@ -80,6 +80,7 @@ def _worker(rank: int, ws: int) -> dict:
         weights = _weights(learner)
         batch = _batch(hf, seed=2)
         res = {"stats": _step(learner, batch), "batch": batch}
+        res["after"] = _weights(learner)  # rank 0's: the full (TP-gathered) weights
         if rank == 0:
             with torch.no_grad():
                 res["logits_diff"] = float((logits - hf(tokens).logits).abs().max())
@@ -198,7 +199,7 @@ def runs() -> dict[int, list[dict]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ws", [1, 2])
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_logits_and_logprobs_match_transformers(runs, ws: int, kind: str) -> None:
     res = runs[ws][0][kind]
     assert res["logits_diff"] <= 1e-4
@@ -207,7 +208,7 @@ def test_logits_and_logprobs_match_transformers(runs, ws: int, kind: str) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_train_step_tp2_equals_tp1(runs, kind: str) -> None:
     s1, s2 = runs[1][0][kind]["stats"], runs[2][0][kind]["stats"]
     assert runs[2][1][kind]["stats"] == s2  # both ranks report the same numbers
@@ -216,10 +217,17 @@ def test_train_step_tp2_equals_tp1(runs, kind: str) -> None:
     assert s1["tokens"] == s2["tokens"] == float(runs[1][0][kind]["batch"]["loss_mask"].sum())
     assert s1["skipped_updates"] == 0
     assert {"is_ratio_mean/s0", "acr_widened_frac"} <= set(s1) and s1["acr_widened_frac"] > 0
+    # the updated weights too: a replicated gain whose TP gradient were left partial (Qwen3's
+    # q/k norms) would move differently at TP 2 (an AdamW step moves a weight by up to ~lr; where a
+    # gradient is near AdamW's eps, summation order alone can move it a little differently)
+    w1, w2 = runs[1][0][kind]["after"], runs[2][0][kind]["after"]
+    assert sorted(w1) == sorted(w2)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=OPTIM.lr / 10, msg=name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_train_step_matches_transformers_adamw_reference(runs, kind: str) -> None:
     """Same step by hand: HF model, prox once, 2 mini-batches of policy_loss, global-norm clip, AdamW."""
     batch, stats = runs[1][0][kind]["batch"], runs[1][0][kind]["stats"]

@@ -80,7 +80,7 @@ def _worker(rank: int, ws: int) -> dict:
     init_learner_dist(LearnerConfig(tp=ws), rank, ws)
     out: dict = {}
     tokens = _tokens()
-    for kind in ("qwen2", "llama"):
+    for kind in ("qwen2", "qwen3", "llama"):
         ref = _learner(kind, ws, attention="unfused")
         sdpa = _learner(kind, ws)
         lp_u, g_u = _logp_and_grad(ref, tokens)
@@ -114,7 +114,7 @@ def _worker(rank: int, ws: int) -> dict:
     from qurl.learner.plan import _params
     from qurl.models.convert import padded_vocab_size
 
-    for kind in ("qwen2", "llama"):
+    for kind in ("qwen2", "qwen3", "llama"):
         cfg = build(kind).config.to_dict()
         built = _learner(kind, ws).model
         out[f"{kind}/params"] = (sum(p.numel() for p in built.parameters()),
@@ -142,7 +142,7 @@ TOL = 2e-5
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ws", [1, 2])
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_sdpa_equals_unfused_attention(runs, ws: int, kind: str) -> None:
     for r in runs[ws]:
         lp, grad, logits = r[f"{kind}/fp32"]
@@ -155,7 +155,7 @@ def test_sdpa_equals_unfused_attention(runs, ws: int, kind: str) -> None:
 @pytest.mark.parametrize("ws", [1, 2])
 def test_the_plan_counts_the_parameters_megatron_builds(runs, ws: int) -> None:
     for r in runs[ws]:
-        for kind in ("qwen2", "llama"):  # tied with q/k/v biases; untied without
+        for kind in ("qwen2", "qwen3", "llama"):  # biases + tied; q/k norms; untied
             built, planned = r[f"{kind}/params"]
             assert built == planned, (kind, built, planned)
 
@@ -175,7 +175,7 @@ def test_recompute_leaves_gradients_unchanged(runs, ws: int, how: str) -> None:
     # what megatron runs twice (forward, then again in the backward)
     twice = {"selective": {"core_attention", "mlp"}, "full": {"layer", "core_attention", "mlp"}}
     for r in runs[ws]:
-        for kind in ("qwen2", "llama"):
+        for kind in ("qwen2", "qwen3", "llama"):
             lp, grad, calls = r[f"{kind}/recompute/{how}"]
             assert lp < TOL and grad < TOL, (kind, lp, grad)
             assert r[f"{kind}/recompute/none"][2] == {"layer": 1, "core_attention": 1, "mlp": 1}
@@ -186,7 +186,7 @@ def test_recompute_leaves_gradients_unchanged(runs, ws: int, how: str) -> None:
 @pytest.mark.parametrize("ws", [1, 2])
 def test_chunked_head_equals_the_whole_head(runs, ws: int) -> None:
     for r in runs[ws]:
-        for kind in ("qwen2", "llama"):
+        for kind in ("qwen2", "qwen3", "llama"):
             lp, grad, nograd = r[f"{kind}/chunked"]
             assert lp < TOL and grad < TOL and nograd < TOL, (kind, lp, grad, nograd)
 

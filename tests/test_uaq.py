@@ -101,9 +101,28 @@ def test_uaq_names_and_errors() -> None:
     orphan = {k: v for k, v in w.items() if "layernorm" not in k}
     with pytest.raises(ValueError, match="no feeding norm"):
         apply_uaq(orphan)
-    with pytest.raises(ValueError, match="Qwen3"):
-        apply_uaq({**w, "model.layers.0.self_attn.q_norm.weight": torch.ones(4)})
     assert apply_uaq(w, 1.0)["model.layers.0.self_attn.q_proj.weight"].equal(torch.ones(4, 4))
+
+
+def test_uaq_preserves_the_function_of_a_real_qwen3_and_leaves_its_qk_norms() -> None:
+    """Qwen3 normalises each head of q_proj's and k_proj's outputs; UAQ scales their input and
+    weights inversely, so the outputs, their norms and the logits are unchanged (fp32 rounding)."""
+    from tiny_hf import build, hf_state
+
+    model = build("qwen3")
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    state = hf_state(model)
+    scaled = apply_uaq(state, DEFAULT_S)
+    for name in ("model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"):
+        assert scaled[name] is state[name]  # not touched
+    torch.testing.assert_close(scaled["model.layers.0.self_attn.k_proj.weight"],
+                               state["model.layers.0.self_attn.k_proj.weight"] / DEFAULT_S)
+    model.load_state_dict(scaled, strict=False)  # a tied lm_head is not in the state
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_flip_fraction_basics() -> None:

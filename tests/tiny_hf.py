@@ -1,4 +1,4 @@
-"""Tiny random HF Qwen2 / Llama models for the Megatron conversion and learner tests.
+"""Tiny random HF Qwen2 / Qwen3 / Llama models for the Megatron conversion and learner tests.
 
 Weights are drawn from a seeded generator with a wide spread (and non-trivial norm gains and q/k/v
 biases) so that logits are far from uniform and every mapped tensor matters.
@@ -6,7 +6,8 @@ biases) so that logits are far from uniform and every mapped tensor matters.
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 VOCAB = 100
 
@@ -26,12 +27,26 @@ def llama_config() -> LlamaConfig:
                        max_position_embeddings=64, architectures=["LlamaForCausalLM"])
 
 
+def qwen3_config() -> Qwen3Config:
+    # q/k norms; head_dim 32 != hidden/heads (16), as Qwen3-0.6B's 128 != 1024/16; tied.
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       max_position_embeddings=64, architectures=["Qwen3ForCausalLM"])
+
+
+_KINDS = {"qwen2": (lambda: qwen2_config(True), Qwen2ForCausalLM),
+          "qwen2-untied": (lambda: qwen2_config(False), Qwen2ForCausalLM),
+          "qwen3": (qwen3_config, Qwen3ForCausalLM), "llama": (llama_config, LlamaForCausalLM)}
+
+
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
-    """kind: 'qwen2' (qkv bias, tied) | 'qwen2-untied' | 'llama' (no bias, untied). fp32, eval mode."""
-    cfg = {"qwen2": lambda: qwen2_config(True), "qwen2-untied": lambda: qwen2_config(False),
-           "llama": llama_config}[kind]()
+    """kind: 'qwen2' (qkv bias, tied) | 'qwen2-untied' | 'qwen3' (q/k norms, tied) | 'llama' (no
+    bias, untied). fp32, eval mode."""
+    make_config, cls = _KINDS[kind]
+    cfg = make_config()
     cfg._attn_implementation = "eager"
-    model = Qwen2ForCausalLM(cfg) if kind.startswith("qwen2") else LlamaForCausalLM(cfg)
+    model = cls(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

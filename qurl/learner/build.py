@@ -99,10 +99,12 @@ def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype:
     kwargs.update(RECOMPUTE[recompute])
     config = TransformerConfig(**kwargs)
     if te:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=convert.qk_norm(hf_config))
         shard = convert.to_te_names(shard)
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=convert.qk_norm(hf_config),
+                                                        normalization="RMSNorm")
         if attention == "sdpa":
             from qurl.learner.attention import SDPAttention
 

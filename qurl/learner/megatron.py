@@ -124,6 +124,9 @@ class MegatronLearner(ShardCheckpoint):
         # (a parameter the shard does not name under its local-spec name starts from the model).
         initial = [shard.get(n, p) for n, p in self.named_params]
         del shard
+        # Qwen3's q/k norm gains: each TP rank's gradient covers its own heads only (summed below)
+        self._tp_partial = [p for n, p in self.named_params if convert.tp_partial_grad(n)] \
+            if self.tp_size > 1 else []
         # Norm counting: TP-split params on every rank, TP-replicated ones (norm gains) on rank 0.
         counted = [convert.partition_dim(n) is not None or self.tp_rank == 0 for n, _ in self.named_params]
         par = Parallel(self.tp_rank, self.tp_size, self.tp_group if self.tp_size > 1 else None,
@@ -316,6 +319,8 @@ class MegatronLearner(ShardCheckpoint):
                 with torch.no_grad():  # stats of the whole mini-batch, from the same logp
                     _, stats = policy_loss(logp_mb, cut(prox), cut(behav), cut(adv), cut(mask),
                                            ref_logp=cut(ref), staleness=cut(staleness), **kw)
+                for p in self._tp_partial:  # the whole gradient on every TP rank, as megatron's
+                    dist.all_reduce(p.grad, group=self.tp_group)  # finalize_model_grads does
                 norm = self.optimizer.step(self.optim.grad_clip)
                 skipped += int(not math.isfinite(norm))
                 norms.append(norm)

@@ -64,16 +64,18 @@ class RankPlan:
 
 def _params(f: dict[str, Any], tp: int, vocab_pad: int) -> tuple[int, int, int]:
     """(parameters on one TP rank, of the whole model, tied-head elements on one rank)."""
-    from qurl.models.convert import dims, qkv_bias
+    from qurl.models.convert import dims, qk_norm, qkv_bias
 
-    d = dims(SimpleNamespace(**f))
+    cfg = SimpleNamespace(**f)
+    d = dims(cfg)
     h, q, kv, ffn = d["H"], d["nh"] * d["hd"], d["ng"] * d["hd"], d["I"]
-    bias = (q + 2 * kv) if qkv_bias(SimpleNamespace(**f)) else 0
-    layer = ((q + 2 * kv) * h + bias + q * h + 3 * ffn * h) // tp + 2 * h
+    bias = (q + 2 * kv) if qkv_bias(cfg) else 0
+    norms = 2 * h + (2 * d["hd"] if qk_norm(cfg) else 0)  # replicated on every TP rank
+    layer = ((q + 2 * kv) * h + bias + q * h + 3 * ffn * h) // tp + norms
     tied = bool(f.get("tie_word_embeddings", False))
     embed = vocab_pad * h // tp * (1 if tied else 2)
     per_rank = d["L"] * layer + embed + h
-    whole = d["L"] * (layer - 2 * h) * tp + d["L"] * 2 * h + embed * tp + h
+    whole = d["L"] * (layer - norms) * tp + d["L"] * norms + embed * tp + h
     return per_rank, whole, (vocab_pad // tp * h if tied else 0)
 
 
@@ -115,6 +117,24 @@ def plan_ranks(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: boo
         rows = rows_per_micro(L, cost, max(left, 0), 0)
         out.append(RankPlan(rank, weights, optimizer, sync, cost.micro_bytes(1, L), L, rows, fits))
     return out
+
+
+def longest_fit(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: bool = False,
+                prompt_tokens: int = PROMPT_TOKENS) -> int:
+    """The largest rollout.max_new_tokens (a multiple of 256; 0 if none) at which every learner
+    rank holds one row, all else as in `cfg`."""
+    from qurl.config import override
+
+    def fits(n: int) -> bool:
+        c = override(cfg, {"rollout.max_new_tokens": n})
+        return all(p.fits for p in plan_ranks(c, fields, gpu_bytes, te=te,
+                                              prompt_tokens=prompt_tokens))
+
+    lo, hi = 0, 1 << 10  # in 256-token steps: up to 262,144 tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * 256) else (lo, mid - 1)
+    return lo * 256
 
 
 def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
@@ -195,4 +215,8 @@ def plan_text(cfg: Config, memory_bytes: float, memory: str, *, gpu: bool = True
     plans = plan_ranks(cfg, fields, memory_bytes, te=te, prompt_tokens=prompt_tokens,
                        reserve=RESERVE if gpu else 0.0)
     text = render(plans, f"{memory} {memory_bytes / GB:.0f} GB", gpu)
+    if gpu:
+        longest = longest_fit(cfg, fields, memory_bytes, te=te, prompt_tokens=prompt_tokens)
+        text += (f"\n#   longest rollout.max_new_tokens at which every rank holds one row: {longest:,}"
+                 f" (learner.recompute={cfg.learner.recompute})")
     return text, refusal(cfg, fields, plans, memory_bytes) if gpu else None

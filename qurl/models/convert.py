@@ -1,4 +1,4 @@
-"""HF Qwen2/Llama weights <-> megatron-core GPTModel (local layer spec) weights, per TP shard.
+"""HF Qwen2/Qwen3/Llama weights <-> megatron-core GPTModel (local layer spec) weights, per TP shard.
 
 The learner trains a megatron-core `GPTModel` built with `get_gpt_layer_local_spec` (RMSNorm, SwiGLU,
 RoPE, GQA); the rollout engines and the checkpoints on disk use Hugging Face names. This module maps
@@ -20,6 +20,12 @@ hidden `H`, TP size `tp` (ng % tp == 0) — shard `k` of `tp` along the stated d
     model.embed_tokens.weight, lm_head.weight -> embedding.word_embeddings.weight, output_layer.weight
         dim 0, vocab zero-padded to `padded_vocab_size` (the learner masks the padded logits)
     model.norm.weight                      ->  decoder.final_layernorm.weight        (replicated)
+    self_attn.{q,k}_norm.weight (Qwen3)    ->  self_attention.{q,k}_layernorm.weight (replicated)
+        Qwen3 RMS-normalises each head of q and k over head_dim (one gain vector shared by every
+        head) before RoPE; megatron's `qk_layernorm=True` spec does the same. Each TP rank sees
+        only its own heads, so these gains' gradients are partial sums: the learner adds them over
+        the TP group (`tp_partial_grad`) before the optimizer step, as megatron's own
+        finalize_model_grads does.
 
 Transformer Engine layer spec (`get_gpt_layer_with_transformer_engine_spec`): the RMSNorm before
 attention and before the MLP is fused into the linear that follows it, so the two norm gains are
@@ -43,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 # HF buffers that may appear in old state dicts and carry no weights.
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -56,7 +62,8 @@ def _arch(hf_config: Any) -> str:
     archs = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", "")
     if not archs:
-        archs = {"qwen2": ["Qwen2ForCausalLM"], "llama": ["LlamaForCausalLM"]}.get(model_type, [])
+        archs = {"qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
+                 "llama": ["LlamaForCausalLM"]}.get(model_type, [])
     for a in archs:
         if a in SUPPORTED_ARCHS:
             return a
@@ -91,12 +98,35 @@ def dims(hf_config: Any) -> dict[str, int]:
 
 
 def qkv_bias(hf_config: Any) -> bool:
-    """Qwen2 always has q/k/v biases; Llama has none (attention_bias=True would add o_proj bias too)."""
-    if _arch(hf_config) == "Qwen2ForCausalLM":
+    """Qwen2 always has q/k/v biases; Llama and Qwen3 have none (attention_bias=True would add an
+    o_proj bias too)."""
+    arch = _arch(hf_config)
+    if arch == "Qwen2ForCausalLM":
         return True
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError("config.attention_bias/mlp_bias=True: Llama with linear biases is unsupported")
+        raise ValueError(f"config.attention_bias/mlp_bias=True: {arch} with linear biases is "
+                         "unsupported")
     return False
+
+
+def qk_norm(hf_config: Any) -> bool:
+    """Qwen3 RMS-normalises q and k per head (q_norm, k_norm) before RoPE."""
+    return _arch(hf_config) == "Qwen3ForCausalLM"
+
+
+def check_supported(hf_config: Any) -> None:
+    """ValueError naming what the conversion cannot take: architecture, activation, sliding
+    windows, RoPE scaling, linear biases (every check the learner would make later, at once)."""
+    _arch(hf_config)
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"config.hidden_act={hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
+    windowed = [t for t in (getattr(hf_config, "layer_types", None) or []) if t != "full_attention"]
+    if getattr(hf_config, "use_sliding_window", False) or windowed:
+        raise ValueError("config: sliding-window attention layers are unsupported")
+    if getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0):
+        raise ValueError("config: mixture-of-experts layers are unsupported (dense models only)")
+    _rope_theta(hf_config)
+    qkv_bias(hf_config)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -115,18 +145,14 @@ def _check_tp(hf_config: Any, tp: int) -> dict[str, int]:
 
 def megatron_config_from_hf(hf_config: Any, *, tp: int, dtype: torch.dtype) -> dict[str, Any]:
     """TransformerConfig kwargs describing the HF architecture (runtime flags are the learner's)."""
-    _arch(hf_config)
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"config.hidden_act={hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("config.use_sliding_window=True: sliding-window attention is unsupported")
+    check_supported(hf_config)
     d = _check_tp(hf_config, tp)
     return {
         "num_layers": d["L"], "hidden_size": d["H"], "ffn_hidden_size": d["I"],
         "num_attention_heads": d["nh"], "num_query_groups": d["ng"], "kv_channels": d["hd"],
         "normalization": "RMSNorm", "layernorm_epsilon": float(hf_config.rms_norm_eps),
         "gated_linear_unit": True, "activation_func": F.silu,
-        "add_bias_linear": False, "add_qkv_bias": qkv_bias(hf_config),
+        "add_bias_linear": False, "add_qkv_bias": qkv_bias(hf_config), "qk_layernorm": qk_norm(hf_config),
         "tensor_model_parallel_size": tp, "params_dtype": dtype,
         "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
         "hidden_dropout": 0.0, "attention_dropout": float(getattr(hf_config, "attention_dropout", 0.0)),
@@ -190,6 +216,10 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_r
             fused = torch.cat([q.reshape(ng, r * hd, *tail), k.reshape(ng, hd, *tail),
                                v.reshape(ng, hd, *tail)], dim=1)  # [ng, (r+2)*hd, (H)]
             out[f"{m}self_attention.linear_qkv.{kind}"] = shard(fused.reshape(ng * (r + 2) * hd, *tail), 0)
+        if qk_norm(hf_config):
+            for x in ("q", "k"):
+                out[f"{m}self_attention.{x}_layernorm.weight"] = _take(
+                    hf_state, used, f"{p}self_attn.{x}_norm.weight", (hd,)).clone()
         out[m + "self_attention.linear_proj.weight"] = shard(
             _take(hf_state, used, p + "self_attn.o_proj.weight", (H, nh * hd)), 1)
         gate = _take(hf_state, used, p + "mlp.gate_proj.weight", (I, H))
@@ -237,6 +267,7 @@ _PARTITION_DIMS = {
     "self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
     "self_attention.linear_proj.weight": 1, "mlp.linear_fc1.weight": 0, "mlp.linear_fc2.weight": 1,
     "input_layernorm.weight": None, "pre_mlp_layernorm.weight": None,
+    "self_attention.q_layernorm.weight": None, "self_attention.k_layernorm.weight": None,
 }
 
 
@@ -251,6 +282,14 @@ def partition_dim(name: str) -> int | None:
     if m is None or m.group(2) not in _PARTITION_DIMS:
         raise ValueError(f"Megatron parameter {name!r}: no HF counterpart")
     return _PARTITION_DIMS[m.group(2)]
+
+
+def tp_partial_grad(name: str) -> bool:
+    """A replicated parameter whose gradient each TP rank holds only part of (Qwen3's q/k norm
+    gains: each rank normalises only its own heads); summed over the TP group before a step."""
+    m = _LAYER.match(name)
+    return m is not None and m.group(2) in ("self_attention.q_layernorm.weight",
+                                            "self_attention.k_layernorm.weight")
 
 
 
@@ -274,6 +313,8 @@ def megatron_param_to_hf(name: str, shards: Sequence[torch.Tensor], hf_config: A
         return [(p + "input_layernorm.weight", shards[0])]
     if tail == "pre_mlp_layernorm.weight":
         return [(p + "post_attention_layernorm.weight", shards[0])]
+    if tail in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        return [(f"{p}self_attn.{tail.split('.')[1][0]}_norm.weight", shards[0])]
     if tail in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = tail.rsplit(".", 1)[1]
         rest = (H,) if kind == "weight" else ()

@@ -5,6 +5,9 @@ far away: megatron-core asserts inside every learner rank, SGLang's scheduler di
 `qurl train` runs these checks where the base is resolved (qurl/cli.py), so the error is one line
 naming the sizes, exit 2.
 
+- **Architecture**: dense Qwen2, Qwen3 and Llama (qurl/models/convert.py `check_supported`);
+  anything else (another family, MoE, sliding windows, scaled RoPE, a missing weight shard or
+  tokenizer) is refused here rather than inside the learner ranks.
 - **Tensor parallelism** (`learner.tp`): Megatron splits attention heads, KV heads (GQA query
   groups) and the SwiGLU width across ranks, so tp must divide all three. SmolLM2-135M has 9
   heads over 3 KV heads: tp 1 and 3 fit, tp 2 does not.
@@ -34,8 +37,10 @@ def read_fields(base: str) -> dict[str, Any]:
     if base in MODEL_PRESETS:  # the vocabulary is the character tokenizer's (not a preset field)
         from qurl.models.tokenizer import build_tokenizer
 
+        from qurl.models.hf import preset_architecture
+
         return dict(MODEL_PRESETS[base], vocab_size=len(build_tokenizer()),
-                    architectures=["Qwen2ForCausalLM"])  # what qurl.models.hf builds
+                    architectures=[preset_architecture(base)])  # what qurl.models.hf builds
     try:
         return json.loads((Path(base) / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -74,9 +79,27 @@ def fp8_block_problem(fields: dict[str, Any], sglang_tp: int = 1) -> str | None:
     return None
 
 
+def check_architecture(fields: dict[str, Any], base: str) -> None:
+    """InputError (one line) unless qurl's conversion takes this architecture: dense Qwen2, Qwen3
+    or Llama with SwiGLU, RMSNorm gains, plain RoPE and full attention in every layer."""
+    from qurl.models.convert import check_supported
+
+    try:
+        check_supported(SimpleNamespace(**fields))
+    except (ValueError, AttributeError, TypeError) as e:
+        raise InputError(f"model.base={base}: {e}; qurl trains dense Qwen2, Qwen3 and Llama "
+                         f"checkpoints (SwiGLU MLP, RMSNorm, plain RoPE, full attention)") from None
+
+
 def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int) -> None:
-    """Every check above for checkpoint `base` (a path or a local preset); InputError, one line."""
+    """Every check above for checkpoint `base` (a path or a local preset), and that it is a
+    complete checkpoint of a supported architecture; InputError, one line."""
+    from qurl.models.hf import MODEL_PRESETS, check_checkpoint
+
     fields = read_fields(base)
+    check_architecture(fields, base)
+    if base not in MODEL_PRESETS:
+        check_checkpoint(base)  # weights and tokenizer files present
     check_learner_tp(fields, learner_tp, base)
     if engine == "sglang" and precision == "fp8_block":
         problem = fp8_block_problem(fields, sglang_tp)

@@ -3,19 +3,22 @@
 qurl never downloads from a model hub. The CPU default is a tiny Qwen2-architecture model built here
 from a preset (random init + the character tokenizer of `qurl.models.tokenizer`), saved with
 `save_pretrained` (safetensors) and reloaded through the Auto classes with `HF_HUB_OFFLINE=1`. Any
-other Qwen2 or Llama checkpoint directory on disk loads the same way.
+other Qwen2, Qwen3 (dense) or Llama checkpoint directory on disk loads the same way.
 
 A loadable checkpoint directory holds:
-- `config.json` whose `architectures` names Qwen2ForCausalLM or LlamaForCausalLM and whose
-  `model_type` is qwen2 or llama;
+- `config.json` whose `architectures` names Qwen2ForCausalLM, Qwen3ForCausalLM or LlamaForCausalLM
+  and whose `model_type` is qwen2, qwen3 or llama;
 - weights as `model.safetensors`, or `model.safetensors.index.json` plus every shard it lists;
 - a tokenizer: `tokenizer.json`, or `tokenizer.model` (SentencePiece), or `vocab.json` + `merges.txt`.
-`check_checkpoint` verifies exactly this and raises ValueError naming the missing file or the
-unsupported field together with the directory.
+`check_checkpoint` verifies exactly this and raises InputError (one line, exit 2 at the command
+line) naming the missing file or the unsupported field together with the directory.
 
 Presets (parameter counts include the tied embedding once):
 - `tiny`  hidden 256, 4 layers, 8 heads / 2 KV heads (GQA), SwiGLU 896, tied embeddings: ~3.4M;
-- `small` hidden 768, 12 layers, 12 heads / 4 KV heads, SwiGLU 3072, tied embeddings: ~104M.
+- `small` hidden 768, 12 layers, 12 heads / 4 KV heads, SwiGLU 3072, tied embeddings: ~104M;
+- `tiny-qwen3` as `tiny` but Qwen3 (transformers' Qwen3Config): q/k norms, no q/k/v bias, and a
+  head size that is not hidden / heads (8 heads of 64 over hidden 256, as Qwen3-0.6B has 16 of
+  128 over 1,024): ~3.7M.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
@@ -50,7 +53,17 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         _COMMON, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=4, intermediate_size=3072, max_position_embeddings=2048,
     ),
+    "tiny-qwen3": dict(
+        _COMMON, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, intermediate_size=896, max_position_embeddings=512,
+    ),
 }
+_QWEN3_PRESETS = ("tiny-qwen3",)
+
+
+def preset_architecture(preset: str) -> str:
+    """The HF architecture a local preset builds."""
+    return "Qwen3ForCausalLM" if preset in _QWEN3_PRESETS else "Qwen2ForCausalLM"
 
 
 def _offline() -> None:
@@ -66,9 +79,11 @@ def _offline() -> None:
 def build_model(
     out_dir: str | Path, preset: str, *, seed: int = 0, overrides: dict[str, Any] | None = None
 ) -> Path:
-    """Build a randomly initialised Qwen2 model from `preset` (+ config `overrides`) with the character
-    tokenizer and save both to `out_dir` (safetensors). Deterministic given `seed`. Returns `out_dir`."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    """Build a randomly initialised Qwen2 (Qwen3 for `tiny-qwen3`) model from `preset` (+ config
+    `overrides`) with the character tokenizer and save both to `out_dir` (safetensors).
+    Deterministic given `seed`. Returns `out_dir`."""
+    from transformers import (GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     from qurl.models.tokenizer import build_tokenizer
 
@@ -77,18 +92,19 @@ def build_model(
     tok = build_tokenizer()
     fields = dict(MODEL_PRESETS[preset], **(overrides or {}))
     tok.model_max_length = int(fields["max_position_embeddings"])
-    config = Qwen2Config(
+    qwen3 = preset in _QWEN3_PRESETS
+    config = (Qwen3Config if qwen3 else Qwen2Config)(
         vocab_size=len(tok),
         bos_token_id=tok.eos_token_id,  # Qwen2 convention: no separate BOS
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         **fields,
     )
-    config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = [preset_architecture(preset)]
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
     finally:
         torch.random.set_rng_state(state)  # do not disturb the caller's RNG stream
     model.generation_config = GenerationConfig(
@@ -103,7 +119,9 @@ def build_model(
 
 
 def _fail(path: Path, what: str) -> ValueError:
-    return ValueError(f"checkpoint {path}: {what}")
+    from qurl.errors import InputError
+
+    return InputError(f"checkpoint {path}: {what}")
 
 
 def check_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -22,11 +22,15 @@ Invariants and limits:
 - `apply_uaq` returns a new dict; the input mapping and its tensors are never modified.
 - Arithmetic is done in fp32 and cast back to each tensor's dtype, so in bf16 the function is
   preserved only up to bf16 rounding of the scaled tensors.
-- Only norms of the form `g ⊙ n(x)` (Qwen2RMSNorm, LlamaRMSNorm) are supported. Gemma-style
-  `(1 + g) ⊙ n(x)` norms would need `g' = s·(1+g) − 1`, and q/k norms inside attention (Qwen3) are
-  not exactly invariant to the scale; state dicts with `q_norm`/`k_norm` are refused, and so is a
-  layer whose norm lacks any of the linears it feeds (e.g. MoE experts, fused qkv), since scaling
-  such a norm would change the function.
+- Only norms of the form `g ⊙ n(x)` (Qwen2RMSNorm, LlamaRMSNorm, Qwen3RMSNorm) are supported.
+  Gemma-style `(1 + g) ⊙ n(x)` norms would need `g' = s·(1+g) − 1`. A layer whose norm lacks any
+  of the linears it feeds (e.g. MoE experts, fused qkv) is refused, since scaling such a norm
+  would change the function.
+- Qwen3's q/k norms (RMSNorm of each head of q_proj's and k_proj's *outputs*) are left alone and
+  need nothing: UAQ scales the *input* of q_proj/k_proj (the input norm's gain, × s) and their
+  weights (÷ s), so q = (W/s)(s·x) and k are what they were — in exact arithmetic, and up to
+  fp32 rounding of the two products — and so are their norms. (A refusal here used to claim
+  otherwise.)
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ _MLP = ("mlp.gate_proj", "mlp.up_proj")
 _GROUPS = (("input_layernorm", _ATTN), ("post_attention_layernorm", _MLP))
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _SCALED_RE = re.compile(r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v)_proj|mlp\.(?:gate|up)_proj)\.weight$")
-_QK_NORM_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.(?:q|k)_norm\.weight$")
 
 
 def uaq_scaled(name: str) -> bool:
@@ -72,15 +75,12 @@ def uaq_pairs(names: Iterable[str]) -> list[tuple[str, list[str]]]:
 
 
 def apply_uaq(state: Mapping[str, torch.Tensor], s: float = DEFAULT_S) -> dict[str, torch.Tensor]:
-    """Invariant scaling of a HF Qwen2/Llama state dict by `s` (> 0); returns a new dict.
+    """Invariant scaling of a HF Qwen2/Qwen3/Llama state dict by `s` (> 0); returns a new dict.
 
     Scaled entries are new tensors; all other entries are the input tensors themselves (shared).
     """
     if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
         raise ValueError(f"s must be a finite number > 0, got {s!r}")
-    qk = [n for n in state if _QK_NORM_RE.match(n)]
-    if qk:
-        raise ValueError(f"UAQ supports Qwen2/Llama layouts only; q/k norms (Qwen3-style) found: {qk[0]}")
     out = dict(state)
     for norm_name, linears in uaq_pairs(state):
         expected = len(_ATTN) if norm_name.endswith("input_layernorm.weight") else len(_MLP)
