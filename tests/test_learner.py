@@ -173,8 +173,8 @@ def _worker(rank: int, ws: int) -> dict:
         # log-probs as the whole head's, before it zeros; gradients equal through the cut
         cut_l = _learner("qwen2", ws)
         toks = batch["tokens"].to(cut_l.device)  # the private forward takes them where the model is
-        full = cut_l._forward_logp(cut_l.model, toks, 1.0)
-        part = cut_l._forward_logp(cut_l.model, toks, 1.0, start=5)
+        full = cut_l._forward_logp(cut_l.model, toks, 1.0)[0]
+        part = cut_l._forward_logp(cut_l.model, toks, 1.0, start=5)[0]
         out["head_cut"] = (float((part[:, 5:] - full[:, 5:]).abs().max()),
                            float(part[:, :5].abs().max()), float(full[:, 1:5].abs().min()))
         grads = []
@@ -186,7 +186,7 @@ def _worker(rank: int, ws: int) -> dict:
         kl = _learner("qwen2", ws, algo=replace(ALGO, kl_coef=0.1))
         before = kl.logprobs(batch["tokens"])
         out["kl_stats"] = [_step(kl, batch) for _ in range(2)]
-        out["kl_ref_frozen"] = torch.equal(kl._logprobs(kl.ref_model, batch["tokens"], 1.0), before)
+        out["kl_ref_frozen"] = torch.equal(kl._logprobs(kl.ref_model, batch["tokens"], 1.0)[0], before)
     return out
 
 
@@ -224,6 +224,24 @@ def test_train_step_tp2_equals_tp1(runs, kind: str) -> None:
     assert sorted(w1) == sorted(w2)
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=OPTIM.lr / 10, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_entropy_of_the_proximal_policy_matches_a_float64_reference(runs, ws: int, kind: str) -> None:
+    """train_step's `entropy`: the mean over loss tokens of -sum p log p of π_prox (the weights
+    before the step) at each sampled position, vs transformers in float64 (tolerance 1e-5)."""
+    batch = runs[ws][0][kind]["batch"]
+    model = build(kind).double()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(batch["tokens"]).logits[:, :-1], -1)
+    ent = -(logp.exp() * logp).sum(-1)  # [B, L-1]: the distribution of column j + 1
+    mask = batch["loss_mask"][:, 1:].double()
+    want = float((ent * mask).sum() / mask.sum())
+    for r in runs[ws]:  # every rank reports it
+        assert r[kind]["stats"]["entropy"] == pytest.approx(want, abs=1e-5)
+    assert want > 0.5  # far from a one-hot distribution: the test can fail
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ def _logp_and_grad(learner, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     rank's parameters (flattened, model order; fp32)."""
     learner.model.train()
     learner.model.zero_grad(set_to_none=True)
-    lp = learner._forward_logp(learner.model, tokens.to(learner.device), 1.0)
+    lp = learner._forward_logp(learner.model, tokens.to(learner.device), 1.0)[0]
     w = torch.linspace(0.5, 1.5, lp.shape[1])
     (lp * w).sum().backward()
     grad = torch.cat([p.grad.float().flatten() for p in learner.model.parameters()])
@@ -105,10 +105,14 @@ def _worker(rank: int, ws: int) -> dict:
             lp_c, g_c = _logp_and_grad(sdpa, tokens)
             with torch.no_grad():
                 lp_nc = sdpa.logprobs(tokens)
+                ent_c = sdpa._forward_logp(sdpa.model, tokens, 1.0)[1]
         finally:
             lg.LOGITS_CHUNK = whole
+        with torch.no_grad():
+            ent = sdpa._forward_logp(sdpa.model, tokens, 1.0)[1]
         out[f"{kind}/chunked"] = (float((lp_c - lp_s).abs().max()), _rel(g_c, g_s),
-                                  float((lp_nc - sdpa.logprobs(tokens)).abs().max()))
+                                  float((lp_nc - sdpa.logprobs(tokens)).abs().max()),
+                                  float((ent_c - ent).abs().max()))
 
     # The plan's parameter count (qurl/learner/plan.py) vs the built model's, on this TP rank
     from qurl.learner.plan import _params
@@ -187,8 +191,9 @@ def test_recompute_leaves_gradients_unchanged(runs, ws: int, how: str) -> None:
 def test_chunked_head_equals_the_whole_head(runs, ws: int) -> None:
     for r in runs[ws]:
         for kind in ("qwen2", "qwen3", "llama"):
-            lp, grad, nograd = r[f"{kind}/chunked"]
-            assert lp < TOL and grad < TOL and nograd < TOL, (kind, lp, grad, nograd)
+            lp, grad, nograd, entropy = r[f"{kind}/chunked"]
+            assert lp < TOL and grad < TOL and nograd < TOL and entropy < TOL, \
+                (kind, lp, grad, nograd, entropy)
 
 
 # ------------------------------------------------------------------ one plan for all ranks

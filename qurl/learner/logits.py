@@ -21,6 +21,12 @@ micro-batch's first loss column on (`first_loss_columns`; the hidden states are 
 head). On the SmolLM2 recipe (~94-token prompts, 24-token answers, 49,152-row tied head) ~80% of
 the positions are prompt.
 
+Entropy. Each chunk also gives the entropy of the same distribution at every position it scores
+(−Σ p log p over the whole vocabulary: the max and two sums all-reduced over the TP group), read
+off the logits already there — no extra forward, no gradient. The learner reports its token mean
+under π_prox over the loss tokens (`entropy` on every train record): a rollout format that
+changes training shows first as a falling policy entropy.
+
 Getting h: `hidden_states_out(model)` makes megatron's GPTModel return its final (normed) hidden
 states instead of logits by standing in for the output layer's forward within the block; the head
 weight is the output layer's own, or the embedding's when they are tied (`head_weight`). The
@@ -77,23 +83,47 @@ def chunk_positions(local_vocab: int) -> int:
     return max(1, LOGITS_CHUNK // max(1, local_vocab))
 
 
+def _entropy(z: torch.Tensor) -> torch.Tensor:
+    """z: [n, V_local] fp32 scaled logits (padded rows -inf) -> [n] entropy of softmax(z) over the
+    whole vocabulary (sums and the max all-reduced over the TP group): H = log S + m − Σ e·z / S
+    with e = exp(z − m), S = Σ e."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 \
+        else None
+    m = z.max(dim=-1).values
+    if group is not None:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    e = torch.exp(z - m.unsqueeze(-1))
+    sums = torch.stack([e.sum(-1), torch.where(e > 0, e * z, 0.0).sum(-1)])  # 0·(−inf) is no term
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    return torch.log(sums[0]) + m - sums[1] / sums[0]
+
+
 def _chunk_nll(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-               temperature: float, vocab_pad: torch.Tensor | None) -> torch.Tensor:
-    """hidden: [n, h], weight: [V_local, h], targets: [n] -> [n] fp32 negative log-likelihoods."""
+               temperature: float, vocab_pad: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden: [n, h], weight: [V_local, h], targets: [n] -> ([n] fp32 negative log-likelihoods,
+    [n] fp32 entropies of the distribution, detached)."""
     from megatron.core import tensor_parallel
 
     # A fresh fp32 tensor: vocab_parallel_cross_entropy overwrites its input in place.
     logits = torch.matmul(hidden, weight.t()).float().div(temperature)
     if vocab_pad is not None:
         logits = logits.masked_fill(vocab_pad, float("-inf"))
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
+    with torch.no_grad():  # a statistic read off the same logits, before the loss overwrites them
+        entropy = _entropy(logits.detach())
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets), entropy
 
 
 def head_logp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-              temperature: float, vocab_pad: torch.Tensor | None, local_vocab: int) -> torch.Tensor:
-    """hidden: [b, s, h] states at positions j-1; targets: [b, s] tokens at j -> [b, s] fp32
-    log p(target | prefix) under softmax(logits / temperature), differentiable, vocab-parallel
-    (a collective over the TP group), in chunks of positions (module docstring)."""
+              temperature: float, vocab_pad: torch.Tensor | None, local_vocab: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden: [b, s, h] states at positions j-1; targets: [b, s] tokens at j -> ([b, s] fp32
+    log p(target | prefix) under softmax(logits / temperature), differentiable; [b, s] fp32
+    entropy of that distribution, detached), vocab-parallel (a collective over the TP group), in
+    chunks of positions (module docstring)."""
     from megatron.core import tensor_parallel
 
     b, s, h = hidden.shape
@@ -101,11 +131,12 @@ def head_logp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     tgt = targets.reshape(b * s)
     step = chunk_positions(local_vocab)
     if b * s <= step:
-        return -_chunk_nll(flat, weight, tgt, temperature, vocab_pad).view(b, s)
+        nll, ent = _chunk_nll(flat, weight, tgt, temperature, vocab_pad)
+        return -nll.view(b, s), ent.view(b, s)
     grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
     parts = []
     for i in range(0, b * s, step):
         args = (flat[i:i + step], weight, tgt[i:i + step], temperature, vocab_pad)
         parts.append(checkpoint(_chunk_nll, *args, use_reentrant=False) if grad
                      else _chunk_nll(*args))
-    return -torch.cat(parts).view(b, s)
+    return -torch.cat([n for n, _ in parts]).view(b, s), torch.cat([e for _, e in parts]).view(b, s)

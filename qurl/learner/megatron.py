@@ -156,19 +156,21 @@ class MegatronLearner(ShardCheckpoint):
         return torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
 
     def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                      start: int = 1) -> torch.Tensor:
-        """tokens: [b, L] -> [b, L] fp32 log-probs, differentiable; columns before `start` (>= 1)
-        are 0 and their logits are never computed (logits.py: the head runs on positions
-        start-1 .. L-2 only, in chunks)."""
+                      start: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens: [b, L] -> ([b, L] fp32 log-probs, differentiable; [b, L] fp32 entropies of the
+        distributions they are read from, detached); columns before `start` (>= 1) are 0 and their
+        logits are never computed (logits.py: the head runs on positions start-1 .. L-2 only, in
+        chunks)."""
         b, L = tokens.shape
         start = min(max(1, start), L - 1)
         pos = torch.arange(L, device=self.device).unsqueeze(0).expand(b, L)
         with hidden_states_out(model):
             hidden = model(tokens, pos, self._causal_mask(L))  # [b, L, h]
-        lp = head_logp(hidden[:, start - 1:-1], head_weight(model), tokens[:, start:],
-                       temperature=temperature, vocab_pad=self._vocab_pad,
-                       local_vocab=self._local_vocab)
-        return torch.cat([lp.new_zeros(b, start), lp], dim=1)
+        lp, ent = head_logp(hidden[:, start - 1:-1], head_weight(model), tokens[:, start:],
+                            temperature=temperature, vocab_pad=self._vocab_pad,
+                            local_vocab=self._local_vocab)
+        return torch.cat([lp.new_zeros(b, start), lp], dim=1), \
+            torch.cat([ent.new_zeros(b, start), ent], dim=1)
 
     def _rows_per_micro(self, L: int, free: int | None) -> int:
         """Rows of width L per micro-batch: the fixed logits budget on CPU, GPU memory free now."""
@@ -196,9 +198,11 @@ class MegatronLearner(ShardCheckpoint):
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                  ends: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, L] log-probs; ends: [B], columns from ends[i] on are left 0 (default: none);
-        starts: [B], columns before a micro-batch's earliest start may be left 0 (default: 1)."""
+                  ends: torch.Tensor | None = None, starts: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, L] log-probs, [B, L] entropies); ends: [B], columns from ends[i] on are left 0
+        (default: none); starts: [B], columns before a micro-batch's earliest start may be left 0
+        (default: 1)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
         if not temperature > 0:
@@ -206,13 +210,15 @@ class MegatronLearner(ShardCheckpoint):
         tokens = tokens.to(self.device, torch.long)
         B, L = tokens.shape
         out = torch.zeros(B, L, dtype=torch.float32, device=self.device)
+        ent = torch.zeros_like(out)
         if L < 2:
-            return out
+            return out, ent
         if ends is None:
             ends = torch.full((B,), L, dtype=torch.long, device=self.device)
         for idx, width, start in self._micro_batches(torch.arange(B, device=self.device), ends, starts):
-            out[idx, :width] = self._forward_logp(model, tokens[idx, :width], temperature, start)
-        return out
+            out[idx, :width], ent[idx, :width] = self._forward_logp(model, tokens[idx, :width],
+                                                                    temperature, start)
+        return out, ent
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -233,7 +239,7 @@ class MegatronLearner(ShardCheckpoint):
         """tokens: [B, L] int64 -> [B, L] float32 log p(tokens[:, j] | tokens[:, :j]) under
         softmax(logits / temperature); out[:, 0] = 0. No grad; on the learner's device."""
         self.model.eval()
-        return self._logprobs(self.model, tokens, temperature)
+        return self._logprobs(self.model, tokens, temperature)[0]
 
     # ------------------------------------------------------------------ training
 
@@ -245,7 +251,8 @@ class MegatronLearner(ShardCheckpoint):
         parallelism DP rank d computes rows [d·m/D, (d+1)·m/D) of each mini-batch of m rows (and
         its share of prox_logp), against the whole mini-batch's loss denominator. Returns mean
         stats over the mini-batches (of whole mini-batches, the same on every rank) plus grad_norm
-        (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates.
+        (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates, and entropy: the
+        token mean over the loss tokens of π_prox's entropy at each sampled position.
         norm_len: overrides the constructor's (see there)."""
         B, L = tokens.shape
         norm_len = self.norm_len if norm_len is None else norm_len
@@ -279,11 +286,12 @@ class MegatronLearner(ShardCheckpoint):
         # mini-batches need the no-grad forward (1/mini_batches of it saved).
         self.model.eval()
         prox = torch.zeros(B, L, dtype=torch.float32, device=dev)  # rows [:mb]: filled below
+        prox_ent = torch.zeros_like(prox)  # π_prox's entropy at each position, the same way
         if n_mb > 1:
-            prox[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature, ends[mb:],
-                                           starts[mb:])
+            prox[mb:], prox_ent[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature,
+                                                         ends[mb:], starts[mb:])
         ref = None if self.ref_model is None else \
-            self._dp_logprobs(self.ref_model, tokens, temperature, ends, starts)
+            self._dp_logprobs(self.ref_model, tokens, temperature, ends, starts)[0]
 
         kw = dict(loss_options(self.algo), norm_len=norm_len)
         self.model.train()
@@ -302,20 +310,22 @@ class MegatronLearner(ShardCheckpoint):
                 self.optimizer.zero_grad()
                 own = i * mb + self.dp_rank * share
                 logp_own = torch.zeros(share, L, dtype=torch.float32, device=dev)
+                ent_own = torch.zeros_like(logp_own)
                 for idx, width, start in self._micro_batches(torch.arange(own, own + share, device=dev),
                                                              ends, starts):
                     def take(t: torch.Tensor | None) -> torch.Tensor | None:
                         return None if t is None else (t[idx, :width] if t.dim() == 2 else t[idx])
 
-                    logp = self._forward_logp(self.model, take(tokens), temperature, start)
+                    logp, ent = self._forward_logp(self.model, take(tokens), temperature, start)
                     loss, _ = policy_loss(logp, logp.detach() if at_start else take(prox),
                                           take(behav), take(adv), take(mask), ref_logp=take(ref),
                                           staleness=take(staleness), denom=denom, **kw)
                     loss.backward()
                     logp_own[idx - own, :width] = logp.detach()
+                    ent_own[idx - own, :width] = ent
                 logp_mb = self._dp_gather(logp_own)
                 if at_start:
-                    prox[sl] = logp_mb
+                    prox[sl], prox_ent[sl] = logp_mb, self._dp_gather(ent_own)
                 with torch.no_grad():  # stats of the whole mini-batch, from the same logp
                     _, stats = policy_loss(logp_mb, cut(prox), cut(behav), cut(adv), cut(mask),
                                            ref_logp=cut(ref), staleness=cut(staleness), **kw)
@@ -327,7 +337,9 @@ class MegatronLearner(ShardCheckpoint):
                 per_mb.append(stats)
         self.step += 1
         out = _combine(per_mb)
-        out.update({"lr": lr, "tokens": float(mask.sum()), "skipped_updates": float(skipped),
+        n_tok = mask.sum()
+        out.update({"lr": lr, "tokens": float(n_tok), "skipped_updates": float(skipped),
+                    "entropy": float((prox_ent * mask).sum() / n_tok) if n_tok else float("nan"),
                     "grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                     "grad_norm_max": max(norms) if norms else float("nan"),
                     "grad_norm_last": norms[-1] if norms else float("nan")})
@@ -344,12 +356,12 @@ class MegatronLearner(ShardCheckpoint):
 
     def _dp_logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
                      ends: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """[B, L] log-probs from each row's start to its end, each DP rank computing B/D rows
-        (no grad)."""
+        """([B, L] log-probs, [B, L] entropies) from each row's start to its end, each DP rank
+        computing B/D rows (no grad)."""
         n = tokens.shape[0] // self.dp_size
         mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        return self._dp_gather(self._logprobs(model, tokens[mine], temperature, ends[mine],
-                                              starts[mine]))
+        lp, ent = self._logprobs(model, tokens[mine], temperature, ends[mine], starts[mine])
+        return self._dp_gather(lp), self._dp_gather(ent)
 
     # ------------------------------------------------------------------ weights out
 
