@@ -1,10 +1,12 @@
-"""`qurl` command line: train, eval, report, compare, study, bench, launch.
+"""`qurl` command line: train, eval, export, report, compare, study, bench, launch.
 
     qurl train [--preset cpu-tiny] [--config run.toml] [--set section.field=value ...]
     qurl train --resume runs/<run> [--set run.steps=80]
     qurl eval runs/<run> [--set eval.samples=32]  greedy / Avg@k / pass@k of the latest
                                     checkpoint (or --step N's) on every eval set, 8-bit engine and
                                     fp policy; --answers keeps the greedy answers' text
+    qurl export runs/<run> --out DIR [--step N] [--format hf|int8|fp8|fp8_block]
+                                    the trained policy as an HF (or SGLang 8-bit) checkpoint
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--final-eval K] [--set ...] --out DIR [--runs DIR]
@@ -126,6 +128,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"{args.run_dir}: {summary(rec)}")
     for key in sorted(k for k in rec if k.startswith(("eval/", "eval_fp/", "eval_gap/"))):
         print(f"  {key:40s} {rec[key]:.4f}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from qurl.train.export import export_run
+
+    out = export_run(Path(args.run_dir), Path(args.out), step=args.step, fmt=args.format,
+                     dtype=args.dtype)
+    print(f"{args.run_dir}: exported ({args.format}) to {out}")
     return 0
 
 
@@ -253,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answers", action="store_true", help="the record also holds the greedy "
                    "answers' text (eval_answers), for `python -m qurl.studies.misses`")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("export", help="a run's policy as an HF checkpoint (UAQ undone) or an "
+                       "SGLang 8-bit one (qurl/train/export.py)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="the checkpoint directory to write")
+    p.add_argument("--step", type=int, default=None, help="this step's checkpoint (default: latest)")
+    p.add_argument("--format", default="hf", choices=("hf", "int8", "fp8", "fp8_block"),
+                   help="hf: plain weights in --dtype; int8/fp8/fp8_block: what SGLang's "
+                        "w8a8_int8 / w8a8_fp8 / fp8 load")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="unquantized tensors' dtype (default: the base checkpoint's; bf16 for 8-bit)")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("report", help="PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")
     p.add_argument("--out")

@@ -49,9 +49,9 @@ def test_token_cost_hand_worked():
     u = replace(c, attention="unfused")
     assert u.token_bytes(100) == 2 * (672 + 2 * 100 * 4) + 64
     # full recompute keeps h x 4 per layer: 2 x 32 + 64 = 128; selective keeps
-    # (4h + 4d) x 4 + (2q + 2kv) x 4 = 192 + 96 = 288 per layer -> 640
+    # (5h + 4d) x 4 + (4q + 3kv) x 4 = 224 + 176 = 400 per layer -> 864
     assert replace(c, recompute="full").token_bytes(10) == 128
-    assert replace(c, recompute="selective").token_bytes(10) == 640
+    assert replace(c, recompute="selective").token_bytes(10) == 864
     # a micro-batch of 3 rows x 10: kept 30 x 1424, one chunk of 30 x 1000 logits at 4 + 12 bytes
     assert c.micro_bytes(3, 10) == 30 * 1424 + 30_000 * 16
     # the chunk is capped: 2**26 logits whatever the length

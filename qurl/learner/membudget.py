@@ -22,8 +22,9 @@ A learner rank holds two kinds of memory:
   With recompute (learner.recompute; megatron-core's own) less is kept and one layer's worth is
   rebuilt during the backward:
     - "full": each layer keeps only its input (`h·e`); one layer's activations live at a time;
-    - "selective" (core attention + MLP recomputed): a layer keeps its norms, RoPE, the pre-repeat
-      Q, K, V and the projection input (`(4h + 4d)·e + (2q + 2kv)/t·e`).
+    - "selective" (core attention + MLP recomputed): a layer keeps its input, its norms, RoPE,
+      the RoPE'd Q and K, the fused QKV output V is a view of, the attention output and the
+      projection input (`(5h + 4d)·e + (4q + 3kv)/t·e`, read off autograd's saved tensors).
   Outside the layers the final norm keeps `2h·e`. The head runs in chunks of positions
   (qurl/learner/logits.py) and holds one chunk of logits at a time: in the forward its product and
   fp32 scaled copy (8 bytes per logit), in the backward also the softmax and its gradient
@@ -87,8 +88,8 @@ class TokenCost:
             kept = self.hidden * e
         elif self.recompute == "selective":
             kv = self.groups * self.head_dim
-            kept = (4 * self.hidden + 4 * self.head_dim) * e + \
-                (2 * self.heads * self.head_dim + 2 * kv) / t * e
+            q = self.heads * self.head_dim
+            kept = (5 * self.hidden + 4 * self.head_dim) * e + (4 * q + 3 * kv) / t * e
         else:
             kept = self._layer(L)
         return self.layers * kept + 2 * self.hidden * e

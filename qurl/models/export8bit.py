@@ -61,15 +61,25 @@ def export_8bit(src: str | Path, out: str | Path, fmt: str, *, uaq_scale: float 
     """Write HF checkpoint `src` as an SGLang `fmt` checkpoint in `out` (written to a temp dir,
     then renamed, so a crash never leaves a half checkpoint). Returns `out`. fmt "bf16" writes a
     plain `dtype` checkpoint (no quantization_config)."""
-    if fmt not in FORMATS + ("bf16",):
-        raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(FORMATS + ('bf16',))}")
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype={dtype}: must be bfloat16, float16 or float32")
     src, out = Path(src), Path(out)
     config = check_checkpoint(src)
     state = read_state_dict(src)
     if uaq_scale != 1.0:
         state = apply_uaq(state, uaq_scale)
+    return write_checkpoint(state, config, src, out, fmt, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def write_checkpoint(state: dict[str, torch.Tensor], config: dict, tokenizer_dir: str | Path,
+                     out: str | Path, fmt: str, *, dtype: torch.dtype = torch.bfloat16,
+                     max_shard_bytes: int | None = 4 << 30) -> Path:
+    """Write HF-named full-precision `state` as a `fmt` checkpoint (an 8-bit format, or "bf16":
+    plain `dtype`) with `config` (config.json's fields) and the tokenizer and generation files of
+    `tokenizer_dir`, into a temp dir renamed to `out`. Returns `out`."""
+    if fmt not in FORMATS + ("bf16",):
+        raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(FORMATS + ('bf16',))}")
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype}: must be bfloat16, float16 or float32")
+    src, out = Path(tokenizer_dir), Path(out)
     chunks = dict(engine_chunks(state.items(), fmt, wire_dtype=dtype))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

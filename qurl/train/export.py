@@ -1,0 +1,90 @@
+"""`qurl export`: a run's trained policy as a checkpoint that transformers and SGLang load.
+
+A run's checkpoints hold the learner's Megatron shards (`ckpt/step_N/model_rank*.pt`, optimizer
+files with the fp32 master weights), which only qurl reads. `export_run` loads one of them into
+the learner exactly as `--resume` and `qurl eval` do (the run's own TP and DP ranks, its layer
+spec), streams the fp32 master weights out under their HF names (`named_weights`, TP-gathered),
+and rank 0 writes:
+
+- `--format hf` (default): a plain HF checkpoint in `--dtype` (default: the base checkpoint's
+  dtype) — safetensors, config.json, tokenizer, chat template, generation config. With UAQ on, the
+  masters are reparameterised (q/k/v/gate/up ÷ s, the norms that feed them × s); the export undoes
+  that in fp32 before the cast (`apply_uaq(·, 1/s)`), so the checkpoint has the base model's
+  parameterisation and a diff against the base shows only what RL changed.
+- `--format int8 | fp8 | fp8_block`: what SGLang's `--quantization w8a8_int8 / w8a8_fp8 / fp8`
+  load (qurl/models/export8bit.py), quantized from the UAQ-scaled masters exactly as every weight
+  sync quantizes them (qurl/quant/named.py `engine_chunks`): the codes and scales the run's 8-bit
+  engines held after that step's sync.
+
+The output is written to a temp dir and renamed, so an interrupted export leaves no half checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from qurl.config import Config, override
+from qurl.errors import InputError
+
+FORMATS = ("hf", "int8", "fp8", "fp8_block")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def base_dir(cfg: Config) -> Path:
+    """The HF checkpoint the run started from (config, tokenizer, chat template)."""
+    from qurl.models.base import builds_base
+    from qurl.models.registry import resolve_base
+    from qurl.train.rundir import run_dir_for
+
+    return run_dir_for(cfg) / "base_model" if builds_base(cfg) else Path(resolve_base(cfg.model.base))
+
+
+def _export_entry(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, rank: int,
+                  world_size: int) -> str:
+    from qurl.deploy.placement import learner_threads, set_threads
+    from qurl.learner.dist import init_learner_dist, is_main_rank
+    from qurl.learner.megatron import MegatronLearner
+    from qurl.models.export8bit import write_checkpoint
+    from qurl.quant.uaq import apply_uaq
+
+    set_threads(learner_threads(cfg, workers=False))
+    init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
+    model_dir = base_dir(cfg)
+    learner = MegatronLearner(str(model_dir), cfg.model, cfg.algo, cfg.optim, cfg.learner,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
+    learner.load(Path(ckpt))
+    state = {name: t.detach().to("cpu", torch.float32) for name, t in learner.named_weights()}
+    if not is_main_rank():
+        return out
+    if fmt == "hf" and cfg.algo.uaq_scale != 1.0:
+        state = apply_uaq(state, 1.0 / cfg.algo.uaq_scale)  # back to the base parameterisation
+    config = json.loads((model_dir / "config.json").read_text())
+    write_checkpoint(state, config, model_dir, Path(out), "bf16" if fmt == "hf" else fmt,
+                     dtype=_DTYPES[dtype])
+    return out
+
+
+def export_run(run_dir: Path, out: Path, *, step: int | None = None, fmt: str = "hf",
+               dtype: str | None = None) -> Path:
+    """Export `run_dir`'s latest checkpoint (or `step`'s) to `out` (module docstring)."""
+    from qurl.deploy.ranks import run_ranks
+    from qurl.train.rundir import CheckpointDir, read_config
+
+    if fmt not in FORMATS:
+        raise InputError(f"--format {fmt!r}: must be one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in _DTYPES:
+        raise InputError(f"--dtype {dtype!r}: must be one of {', '.join(_DTYPES)}")
+    cfg = override(read_config(run_dir), {"deploy.dir": str(run_dir.parent), "run.name": run_dir.name})
+    ckpt = CheckpointDir(run_dir).latest() if step is None else CheckpointDir(run_dir).at(step)
+    if ckpt is None:
+        raise InputError(f"{run_dir}: no checkpoint to export")
+    if dtype is None:
+        base = json.loads((base_dir(cfg) / "config.json").read_text())
+        dtype = base.get("torch_dtype") or base.get("dtype") or "float32"
+        dtype = dtype if dtype in _DTYPES else "float32"
+    if fmt != "hf" and dtype == "float32":
+        dtype = "bfloat16"  # SGLang's w8a8 kernels take bf16 / fp16 activations only
+    run_ranks(_export_entry, cfg, ckpt=str(ckpt), out=str(out), fmt=fmt, dtype=dtype)
+    return out

@@ -1,0 +1,124 @@
+"""`qurl export` (qurl/train/export.py): a trained run's policy out as an HF checkpoint that
+transformers loads with the learner's logits, UAQ undone to fp32 rounding, and as the 8-bit
+checkpoint SGLang loads, byte-equal to what the run's weight sync sends.
+
+Two short runs of the main job: a tiny Qwen3 in fp32 with UAQ s=1.5 at TP 1 (trained: lr 1e-3),
+and a tiny Qwen2 in bf16 with UAQ s=1.5 at TP 2 with lr 1e-30 (updates below fp32 resolution:
+its masters stay the UAQ-scaled base, so the HF export must equal the base checkpoint to fp32
+rounding).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qurl.cli import main
+from qurl.config import load_config
+from qurl.train.inline import train
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(root, name: str, **extra):
+    sets = {"deploy.dir": str(root), "run.name": name, "run.steps": 2, "run.eval_every": 0,
+            "deploy.ckpt_every": 1, "deploy.progress": False, "model.warmstart_steps": 10,
+            "data.digits": 1, "data.operands": 2, "data.train_size": 50,
+            "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
+            "eval.max_new_tokens": 12, "data.eval_size": 4, "eval.fp_policy": False,
+            "algo.uaq_scale": 1.5, "optim.lr": 1e-3}
+    sets.update(extra)
+    return load_config(sets=[f"{k}={v}" for k, v in sets.items()])
+
+
+@pytest.fixture(scope="module")
+def runs(runs_dir):
+    from pipeline_helpers import use_free_dist_port
+
+    use_free_dist_port()
+    root = runs_dir("export")
+    qwen3 = _cfg(root, "qwen3", **{"model.base": "tiny-qwen3", "model.dtype": "float32"})
+    frozen = _cfg(root, "frozen", **{"model.dtype": "bfloat16", "learner.tp": 2, "optim.lr": 1e-30})
+    from qurl.deploy.ranks import run_ranks
+
+    run_ranks(train, frozen, resume=False)  # TP 2: two spawned learner ranks
+    train(qwen3)  # in this process (TP 1)
+    return root
+
+
+def _masters(run_dir):
+    """The fp32 masters of the run's latest checkpoint, as the learner streams them (TP 1)."""
+    from qurl.learner.dist import init_learner_dist
+    from qurl.learner.megatron import MegatronLearner
+    from qurl.train.export import base_dir
+    from qurl.train.rundir import CheckpointDir, read_config
+
+    cfg = read_config(run_dir)
+    init_learner_dist(cfg.learner, 0, 1, deploy=cfg.deploy)
+    learner = MegatronLearner(str(base_dir(cfg)), cfg.model, cfg.algo, cfg.optim, cfg.learner,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
+    learner.load(CheckpointDir(run_dir).latest())
+    return learner, {k: v.detach().clone() for k, v in learner.named_weights()}
+
+
+def test_hf_export_loads_in_transformers_with_the_learners_logits(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from qurl.quant.uaq import apply_uaq
+
+    out = tmp_path / "hf"
+    assert main(["export", str(runs / "qwen3"), "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and "quantization_config" not in cfg
+    for f in ("tokenizer.json", "generation_config.json"):
+        assert (out / f).is_file(), f
+    learner, masters = _masters(runs / "qwen3")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(1, 40, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = learner.logits(tokens).cpu(), model(tokens).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    # UAQ undone: scaling the export again gives the learner's masters to fp32 rounding
+    exported = {k: v.float() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    rescaled = apply_uaq(exported, 1.5)
+    for name, t in masters.items():
+        torch.testing.assert_close(rescaled[name], t, rtol=2e-7, atol=1e-9, msg=name)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.allclose(exported[norm], masters[norm])  # it was undone, not left as is
+
+
+def test_hf_export_of_an_untrained_tp2_bf16_run_equals_its_base(runs, tmp_path):
+    from qurl.models.hf import read_state_dict
+    from qurl.train.export import base_dir
+    from qurl.train.rundir import read_config
+
+    out = tmp_path / "frozen"
+    assert main(["export", str(runs / "frozen"), "--out", str(out), "--dtype", "float32"]) == 0
+    base = read_state_dict(base_dir(read_config(runs / "frozen")))
+    got = read_state_dict(out)
+    assert sorted(got) == sorted(base)
+    for name, t in base.items():  # UAQ undone in fp32: x / 1.5 * 1.5 is x to one rounding
+        torch.testing.assert_close(got[name], t.float(), rtol=2e-7, atol=0, msg=name)
+
+
+def test_int8_export_is_byte_equal_to_what_the_sync_sends(runs, tmp_path):
+    from qurl.models.hf import read_state_dict
+    from qurl.quant.named import engine_chunks
+
+    out = tmp_path / "int8"
+    assert main(["export", str(runs / "qwen3"), "--out", str(out), "--format", "int8"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] \
+        == "w8a8_int8"
+    _, masters = _masters(runs / "qwen3")
+    sent = dict(engine_chunks(masters.items(), "int8", wire_dtype=torch.bfloat16))
+    got = read_state_dict(out)
+    assert sorted(got) == sorted(sent)
+    for name, t in sent.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    assert any(t.dtype == torch.int8 for t in got.values())
+
+
+def test_export_errors_are_one_line(runs, tmp_path, capsys):
+    assert main(["export", str(runs / "qwen3"), "--out", str(tmp_path / "x"), "--step", "7"]) == 2
+    assert "no checkpoint of step 7" in capsys.readouterr().err
