@@ -1,6 +1,6 @@
 """The local rollout engine against transformers, and its 8-bit modes against its bf16 mode.
 
-The model is the tiny preset cut to 2 layers, with a wider init (std 0.1) so next-token
+The model is the tiny preset (Qwen2), and the tiny Qwen3 one, cut to 2 layers, with a wider init (std 0.1) so next-token
 distributions are peaked like a trained model's rather than near-uniform (which would make greedy
 ties likely and every KL trivially small). Everything runs in fp32 on CPU.
 """
@@ -28,9 +28,10 @@ def _one_thread(one_thread):
     """Every test here runs with one torch thread (conftest.one_thread)."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("m") / "tiny2", "tiny", seed=1,
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3"])
+def model_dir(request, tmp_path_factory):
+    """The tiny Qwen2 preset, and the tiny Qwen3 one (q/k norms, head_dim 64 != 256 / 8)."""
+    return build_model(tmp_path_factory.mktemp("m") / request.param, request.param, seed=1,
                        overrides={"num_hidden_layers": 2, "initializer_range": 0.1})
 
 
@@ -193,7 +194,7 @@ def test_int8_path_calls_int_mm(engines, monkeypatch):
     # prefill + 2 decode forwards, 2 layers each: q/k/v as one GEMM, o, gate/up as one, down
     assert len(calls) == 3 * 4 * 2
     cfg = q.model.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
     assert sorted(set(calls)) == sorted({qkv, cfg.hidden_size, 2 * cfg.intermediate_size})
 

@@ -33,6 +33,10 @@ TP2 = {
     L0 + "mlp.down_proj.weight": ((8, 6), [Box((0, 8), (0, 3)), Box((0, 8), (3, 3))]),
     L0 + "mlp.down_proj.weight_scale": ((8, 1), [Box((0, 8)), Box((0, 8))]),
     L0 + "input_layernorm.weight": ((8,), [Box((0, 8)), Box((0, 8))]),
+    # Qwen3's per-head q/k norm gains (head_dim 2): SGLang 0.5.23 models/qwen3.py builds them as a
+    # plain RMSNorm(head_dim), whole on every rank
+    L0 + "self_attn.q_norm.weight": ((2,), [Box((0, 2)), Box((0, 2))]),
+    L0 + "self_attn.k_norm.weight": ((2,), [Box((0, 2)), Box((0, 2))]),
     "model.norm.weight": ((8,), [Box((0, 8)), Box((0, 8))]),
     "model.embed_tokens.weight": ((100, 8), [Box((0, 64)), Box((64, 36))]),
     "lm_head.weight": ((100, 8), [Box((0, 64)), Box((64, 36))]),
