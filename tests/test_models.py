@@ -343,3 +343,35 @@ def test_warm_start_uses_bf16_matmuls_on_every_cpu(micro_dir, tmp_path, monkeypa
     a, b, c = read_state_dict(emu), read_state_dict(again), read_state_dict(fp32)
     assert all(torch.equal(a[k], b[k]) for k in a)  # deterministic
     assert not all(torch.equal(a[k], c[k]) for k in a)  # and not the fp32 run
+
+
+@pytest.mark.parametrize("edit,named", [
+    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "Qwen3MoeForCausalLM"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_experts": 8}, "experts"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type"),
+])
+def test_qurl_train_refuses_an_unsupported_checkpoint_in_one_line(micro_dir, tmp_path, capsys,
+                                                                   edit, named):
+    """Before any learner rank starts: exit 2, one line naming the field and what is supported."""
+    from qurl.cli import main
+
+    d = _copy(micro_dir, tmp_path / "ck")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc = main(["train", "--set", f"model.base={d}", "--set", f"deploy.dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert named in err[0] and "Qwen2, Qwen3 and Llama" in err[0]
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_a_checkpoint_missing_its_weights_is_refused_before_the_ranks(micro_dir, tmp_path, capsys):
+    from qurl.cli import main
+
+    d = _copy(micro_dir, tmp_path / "ck")
+    (d / "model.safetensors").unlink()
+    assert main(["train", "--set", f"model.base={d}"]) == 2
+    assert "missing model.safetensors" in capsys.readouterr().err
