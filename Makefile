@@ -47,7 +47,8 @@ test-sglang: setup $(SGL_VENV)/.installed
 	$(BIN)/qurl fetch smollm2-135m
 	QURL_REQUIRE_SGLANG=1 QURL_SGLANG_PYTHON=$(abspath $(SGL_VENV))/bin/python \
 		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py tests/test_sglang_real_deploy.py \
-		tests/test_sglang_real_delta.py tests/test_sglang_real_tp_delta.py tests/test_sglang_real_model.py
+		tests/test_sglang_real_delta.py tests/test_sglang_real_tp_delta.py tests/test_sglang_real_model.py \
+		tests/test_sglang_real_qwen3.py
 
 # One prepared script of every check a single GPU can make (scripts/gpu_check.sh, < 10 minutes on an
 # H200; it says which parts it skipped and why). Without CUDA: one line and exit 1.
