@@ -83,10 +83,14 @@ def chunk_positions(local_vocab: int) -> int:
     return max(1, LOGITS_CHUNK // max(1, local_vocab))
 
 
+ENTROPY_BLOCK = 2**23  # logits per block of the entropy's temporaries (32 MiB in fp32)
+
+
 def _entropy(z: torch.Tensor) -> torch.Tensor:
     """z: [n, V_local] fp32 scaled logits (padded rows -inf) -> [n] entropy of softmax(z) over the
-    whole vocabulary (sums and the max all-reduced over the TP group): H = log S + m − Σ e·z / S
-    with e = exp(z − m), S = Σ e."""
+    whole vocabulary (the max and the sums all-reduced over the TP group): H = log S + m − Σ e·z / S
+    with e = exp(z − m), S = Σ e. Rows go in blocks of ENTROPY_BLOCK logits, so its temporaries
+    stay small next to the chunk itself."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 \
@@ -94,8 +98,13 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
     m = z.max(dim=-1).values
     if group is not None:
         torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-    e = torch.exp(z - m.unsqueeze(-1))
-    sums = torch.stack([e.sum(-1), torch.where(e > 0, e * z, 0.0).sum(-1)])  # 0·(−inf) is no term
+    sums = z.new_empty(2, z.shape[0])
+    rows = max(1, ENTROPY_BLOCK // max(1, z.shape[1]))
+    for i in range(0, z.shape[0], rows):
+        e = torch.exp(z[i:i + rows] - m[i:i + rows, None])
+        sums[0, i:i + rows] = e.sum(-1)
+        # 0·(−inf) at padded vocab rows is no term; a real NaN logit already made sums[0] NaN
+        sums[1, i:i + rows] = e.mul_(z[i:i + rows]).nan_to_num_(nan=0.0).sum(-1)
     if group is not None:
         torch.distributed.all_reduce(sums, group=group)
     return torch.log(sums[0]) + m - sums[1] / sums[0]
