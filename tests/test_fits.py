@@ -12,7 +12,8 @@ from qurl.models.fits import check_fits, check_learner_tp, fp8_block_problem, re
 
 # SmolLM2-135M-Instruct's config.json fields that matter here (Llama, GQA 9/3 heads of 64)
 SMOLLM2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
-           "intermediate_size": 1536, "vocab_size": 49152, "num_hidden_layers": 30}
+           "intermediate_size": 1536, "vocab_size": 49152, "num_hidden_layers": 30,
+           "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 100000.0}
 
 
 def test_learner_tp_must_divide_heads_kv_heads_and_ffn() -> None:

@@ -152,15 +152,15 @@ def grad_bytes(learner: Any) -> float:
 
 
 def predicted_row_bytes(arm: str, L: int, layers: int) -> float:
-    """The cost model's per-row bytes of one arm at width L (fp32, TP 1) for this benchmark's model."""
-    from transformers import Qwen2Config
-
-    from qurl.learner.megatron import token_cost
+    """The cost model's bound on one row's step (`micro_bytes`) for one arm at width L (fp32, TP 1)
+    for this benchmark's model: what a point is skipped by."""
+    from qurl.learner.plan import token_cost_from_fields
 
     attention, recompute = ARMS[arm]
-    cfg = Qwen2Config(num_hidden_layers=layers, **QWEN25_1P5B)
-    return token_cost(cfg, tp=1, dtype=torch.float32, recompute=recompute,
-                      attention="flash" if attention == "sdpa" else "unfused").micro_bytes(1, L)
+    fields = dict(QWEN25_1P5B, num_hidden_layers=layers, architectures=["Qwen2ForCausalLM"])
+    return token_cost_from_fields(fields, tp=1, elem=4, recompute=recompute,
+                                  attention="flash" if attention == "sdpa" else "unfused"
+                                  ).micro_bytes(1, L)
 
 
 def bench_memory(lengths: tuple[int, ...] = (1024, 2048, 4096, 8192),

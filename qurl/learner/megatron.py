@@ -50,7 +50,8 @@ from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
 from qurl.learner.logits import first_loss_columns, head_logp, head_weight, hidden_states_out
-from qurl.learner.membudget import TokenCost, agreed_free, free_bytes, rows_per_micro
+from qurl.learner.membudget import agreed_free, free_bytes, rows_per_micro
+from qurl.learner.plan import token_cost_from_fields
 from qurl.learner.shards import ShardCheckpoint
 from qurl.models import convert
 
@@ -141,9 +142,9 @@ class MegatronLearner(ShardCheckpoint):
         pad = cols >= int(hf_config.vocab_size)
         self._vocab_pad = pad if bool(pad.any()) else None
         self._local_vocab = local
-        self._token_cost = token_cost(hf_config, tp=self.tp_size, dtype=self.dtype,
-                                      attention="unfused" if not (self.te or self.sdpa) else "flash",
-                                      recompute=learner.recompute)
+        self._token_cost = token_cost_from_fields(
+            hf_config.to_dict(), tp=self.tp_size, elem=torch.finfo(self.dtype).bits // 8,
+            attention="flash" if self.te or self.sdpa else "unfused", recompute=learner.recompute)
 
     # ------------------------------------------------------------------ model
 
@@ -379,15 +380,6 @@ class MegatronLearner(ShardCheckpoint):
                 shards = [t]
             if self.tp_rank == 0 and self.dp_rank == 0:
                 yield from convert.megatron_param_to_hf(name, shards, self.hf_config)
-
-
-def token_cost(hf_config: Any, *, tp: int, dtype: torch.dtype, attention: str,
-               recompute: str) -> TokenCost:
-    """The cost model (membudget.py) of one TP rank of this HF architecture."""
-    from qurl.learner.plan import token_cost_from_fields
-
-    return token_cost_from_fields(hf_config.to_dict(), tp=tp, elem=torch.finfo(dtype).bits // 8,
-                                  attention=attention, recompute=recompute)
 
 
 def _combine(per_mb: list[dict[str, float]]) -> dict[str, float]:

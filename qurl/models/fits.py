@@ -98,11 +98,11 @@ def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglan
 
     fields = read_fields(base)
     check_architecture(fields, base)
-    if base not in MODEL_PRESETS:
-        check_checkpoint(base)  # weights and tokenizer files present
     check_learner_tp(fields, learner_tp, base)
     if engine == "sglang" and precision == "fp8_block":
         problem = fp8_block_problem(fields, sglang_tp)
         if problem:
             raise InputError(f"rollout.precision=fp8_block with rollout.engine=sglang: {problem} "
                              f"(model.base={base}); use rollout.precision=fp8 (per channel) or int8")
+    if base not in MODEL_PRESETS:
+        check_checkpoint(base)  # weights and tokenizer files present
