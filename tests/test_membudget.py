@@ -60,11 +60,11 @@ def test_token_cost_hand_worked():
     assert replace(c, recompute="full").micro_bytes(3, 10) == 30 * (128 + 680) + 30_000 * 16
     # the forward: one chunk's product and fp32 copy (8 bytes per logit)
     assert c.forward_bytes(3, 10) == 30 * 1424 + 30_000 * 8
-    # under full recompute, one layer's forward intermediates (680 per token) or the chunk,
-    # whichever is larger: 30 x 680 < 240000 here, and with 1 vocab row the layer wins
+    # under full recompute, one MLP's forward intermediates (5f x 4 = 320 per token) or the
+    # chunk, whichever is larger: 30 x 320 < 240000 here, and with 1 vocab row the MLP wins
     f = replace(c, recompute="full")
     assert f.forward_bytes(3, 10) == 30 * 128 + 30_000 * 8
-    assert replace(f, local_vocab=1).forward_bytes(3, 10) == 30 * 128 + 30 * 680
+    assert replace(f, local_vocab=1).forward_bytes(3, 10) == 30 * 128 + 30 * 320
 
 
 def test_flash_attention_memory_is_linear_in_the_length():

@@ -26,9 +26,8 @@ A learner rank holds two kinds of memory:
       the RoPE'd Q and K, the fused QKV output V is a view of, the attention output and the
       projection input (`(5h + 4d)·e + (4q + 3kv)/t·e`, read off autograd's saved tensors).
   Under recompute a layer's forward still builds its intermediates, then drops them: at the
-  forward's peak one layer's worth (the MLP's `4f/t·e` for "selective", the whole layer for
-  "full") sits on top of what is kept — or the head's chunk, whichever is larger (they never
-  coincide). Outside the layers the final norm keeps `2h·e`. The head runs in chunks of positions
+  forward's peak one MLP's (`5f/t·e`, measured for both "selective" and "full") sits on top of
+  what is kept — or the head's chunk, whichever is larger (they never coincide). Outside the layers the final norm keeps `2h·e`. The head runs in chunks of positions
   (qurl/learner/logits.py) and holds one chunk of logits at a time: in the forward its product and
   fp32 scaled copy (8 bytes per logit), in the backward also the softmax and its gradient
   (`e + 12`).
@@ -101,15 +100,11 @@ class TokenCost:
         """megatron's unfused attention computes one layer's scores into a reused buffer."""
         return 0.0 if self.attention == "flash" else self.heads / self.tp * L * tokens * self.elem
 
-    def _forward_transient(self, L: int) -> float:
-        """Bytes per token that exist only while one layer's forward runs under recompute: the
-        whole layer's activations ("full"); the MLP's FC1 output, SiLU output and product
-        ("selective"); none without recompute (everything is kept)."""
-        if self.recompute == "full":
-            return self._layer(L)
-        if self.recompute == "selective":
-            return 4 * self.ffn / self.tp * self.elem
-        return 0.0
+    def _forward_transient(self) -> float:
+        """Bytes per token that exist only while one layer's forward runs under recompute: its
+        MLP's intermediates (FC1's output, SiLU's input half, output and product: the `5f/t·e`
+        a layer keeps without recompute); none without recompute (everything is kept)."""
+        return 0.0 if self.recompute == "none" else 5 * self.ffn / self.tp * self.elem
 
     def forward_bytes(self, rows: int, L: int) -> float:
         """Peak bytes of a training micro-batch's forward (`rows` rows of width L): what it keeps
@@ -119,7 +114,7 @@ class TokenCost:
         tokens = rows * L
         chunk = min(tokens * self.local_vocab, self.chunk_logits) * 8
         return tokens * self.token_bytes(L) + self._scores_buffer(tokens, L) + \
-            max(chunk, tokens * self._forward_transient(L))
+            max(chunk, tokens * self._forward_transient())
 
     def micro_bytes(self, rows: int, L: int) -> float:
         """Bytes to plan for a training micro-batch of `rows` rows of width L (its backward's
