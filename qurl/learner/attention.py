@@ -66,12 +66,18 @@ def _backends(q: torch.Tensor) -> list[SDPBackend]:
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 
 
+_CAUSAL: dict[tuple[int, str], torch.Tensor] = {}  # [s, s] bool masks of short rows, by length
+
+
 def _short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention computed directly: q, k, v [b, heads, s, d] -> [b, heads, s, d]."""
     s = q.shape[2]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    hidden = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
-    probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1).to(q.dtype)
+    key = (s, str(q.device))
+    if key not in _CAUSAL:
+        _CAUSAL[key] = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+    scores = torch.baddbmm(q.new_empty(()), q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
+                           beta=0.0, alpha=scale).view(*q.shape[:3], s).float()
+    probs = scores.masked_fill_(_CAUSAL[key], float("-inf")).softmax(-1).to(q.dtype)
     return torch.matmul(probs, v)
 
 
