@@ -116,11 +116,13 @@ def mix_lengths(rows: int, max_len: int, seed: int = 0) -> list[int]:
 
 def _arrival_plan(learner: Any):
     """Rows in arrival order, each micro-batch padded to the batch's longest row."""
-    from qurl.learner.membudget import agreed_free, free_bytes
+    import qurl.learner.megatron as lm  # its free_bytes: the figure _mix_rounds sets, as the
+    # learner's own plan reads it
 
     def plan(rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor | None = None):
         width = int(ends[rows].max())
-        n = learner._rows_per_micro(width, agreed_free(free_bytes(learner.device), learner.device))
+        n = learner._rows_per_micro(width, lm.agreed_free(lm.free_bytes(learner.device),
+                                                          learner.device))
         for i in range(0, len(rows), n):
             idx = rows[i:i + n]
             yield idx, width, 1 if starts is None else max(1, int(starts[idx].min()))
@@ -164,7 +166,7 @@ def _mix_rounds(rank: int, world: int, model_dir: str, rows: int, max_len: int, 
     return {"rates": rates, "passes": passes, "lengths": lengths}
 
 
-def bench_mix(model: str = "small", rows: int = 32, max_len: int = 1024, prompt: int = 64,
+def bench_mix(model: str = "small", rows: int = 16, max_len: int = 1024, prompt: int = 64,
               budget_rows: int = 4, rounds: int = 2, threads: int = 2) -> dict[str, Any]:
     """Print (and return) useful tokens/s of the sorted and arrival plans on a lognormal mix."""
     from qurl.bench.engines import resolve_model
