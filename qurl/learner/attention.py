@@ -43,12 +43,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import tensor_parallel
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 CPU_BF16_MATH_BELOW = 160  # positions (module docstring: measured crossover on a 2-core EPYC)
@@ -104,7 +103,7 @@ class SDPAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
-        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        head_dim = config.kv_channels
         # megatron's apply_query_key_layer_scaling divides the scale by the layer number and the
         # softmax multiplies it back: the effective scale is softmax_scale (or 1/sqrt(head_dim)).
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
