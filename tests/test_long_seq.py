@@ -105,11 +105,11 @@ def _worker(rank: int, ws: int) -> dict:
             lp_c, g_c = _logp_and_grad(sdpa, tokens)
             with torch.no_grad():
                 lp_nc = sdpa.logprobs(tokens)
-                ent_c = sdpa._forward_logp(sdpa.model, tokens, 1.0)[1]
+                ent_c = sdpa._forward_logp(sdpa.model, tokens, 1.0, entropy=True)[1]
         finally:
             lg.LOGITS_CHUNK = whole
         with torch.no_grad():
-            ent = sdpa._forward_logp(sdpa.model, tokens, 1.0)[1]
+            ent = sdpa._forward_logp(sdpa.model, tokens, 1.0, entropy=True)[1]
         out[f"{kind}/chunked"] = (float((lp_c - lp_s).abs().max()), _rel(g_c, g_s),
                                   float((lp_nc - sdpa.logprobs(tokens)).abs().max()),
                                   float((ent_c - ent).abs().max()))

@@ -21,7 +21,8 @@ micro-batch's first loss column on (`first_loss_columns`; the hidden states are 
 head). On the SmolLM2 recipe (~94-token prompts, 24-token answers, 49,152-row tied head) ~80% of
 the positions are prompt.
 
-Entropy. Each chunk also gives the entropy of the same distribution at every position it scores
+Entropy. A chunk asked for it (`entropy=True`: the learner asks only in π_prox's passes) also
+gives the entropy of the same distribution at every position it scores
 (−Σ p log p over the whole vocabulary: the max and two sums all-reduced over the TP group), read
 off the logits already there — no extra forward, no gradient. The learner reports its token mean
 under π_prox over the loss tokens (`entropy` on every train record): a rollout format that
@@ -111,27 +112,29 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_nll(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-               temperature: float, vocab_pad: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               temperature: float, vocab_pad: torch.Tensor | None, entropy: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden: [n, h], weight: [V_local, h], targets: [n] -> ([n] fp32 negative log-likelihoods,
-    [n] fp32 entropies of the distribution, detached)."""
+    [n] fp32 entropies of the distribution, detached, when `entropy`)."""
     from megatron.core import tensor_parallel
 
     # A fresh fp32 tensor: vocab_parallel_cross_entropy overwrites its input in place.
     logits = torch.matmul(hidden, weight.t()).float().div(temperature)
     if vocab_pad is not None:
         logits = logits.masked_fill(vocab_pad, float("-inf"))
-    with torch.no_grad():  # a statistic read off the same logits, before the loss overwrites them
-        entropy = _entropy(logits.detach())
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets), entropy
+    ent = None
+    if entropy:
+        with torch.no_grad():  # a statistic read off the same logits, before the loss overwrites them
+            ent = _entropy(logits.detach())
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets), ent
 
 
 def head_logp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-              temperature: float, vocab_pad: torch.Tensor | None, local_vocab: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              temperature: float, vocab_pad: torch.Tensor | None, local_vocab: int,
+              entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden: [b, s, h] states at positions j-1; targets: [b, s] tokens at j -> ([b, s] fp32
     log p(target | prefix) under softmax(logits / temperature), differentiable; [b, s] fp32
-    entropy of that distribution, detached), vocab-parallel (a collective over the TP group), in
+    entropy of that distribution, detached, or None unless `entropy`), vocab-parallel (a collective over the TP group), in
     chunks of positions (module docstring)."""
     from megatron.core import tensor_parallel
 
@@ -140,12 +143,13 @@ def head_logp(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     tgt = targets.reshape(b * s)
     step = chunk_positions(local_vocab)
     if b * s <= step:
-        nll, ent = _chunk_nll(flat, weight, tgt, temperature, vocab_pad)
-        return -nll.view(b, s), ent.view(b, s)
+        nll, ent = _chunk_nll(flat, weight, tgt, temperature, vocab_pad, entropy)
+        return -nll.view(b, s), None if ent is None else ent.view(b, s)
     grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
     parts = []
     for i in range(0, b * s, step):
-        args = (flat[i:i + step], weight, tgt[i:i + step], temperature, vocab_pad)
+        args = (flat[i:i + step], weight, tgt[i:i + step], temperature, vocab_pad, entropy)
         parts.append(checkpoint(_chunk_nll, *args, use_reentrant=False) if grad
                      else _chunk_nll(*args))
-    return -torch.cat([n for n, _ in parts]).view(b, s), torch.cat([e for _, e in parts]).view(b, s)
+    ent = torch.cat([e for _, e in parts]).view(b, s) if entropy else None
+    return -torch.cat([n for n, _ in parts]).view(b, s), ent

@@ -1,14 +1,12 @@
 """The tensor-parallel learner: a megatron-core GPTModel trained with the QuRL surrogate.
-
 (Model construction is build.py; writing and reading this rank's checkpoint shards is shards.py.)
 
 One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
 see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel (qurl/learner/build.py:
 megatron's Transformer Engine layer spec on CUDA when installed, its local spec with SDPA attention
-otherwise; megatron's activation recompute per learner.recompute). Those
-weights are the master weights: `named_weights()` streams them (TP-gathered, HF names) to the
-weight sync.
+otherwise; megatron's activation recompute per learner.recompute). Those weights are the master
+weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
 
 A step (`train_step`) on a batch of B right-padded sequences:
 1. prox_logp = logprobs of the current weights, once (π_prox of the whole step): a no-grad forward
@@ -157,9 +155,10 @@ class MegatronLearner(ShardCheckpoint):
         return torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
 
     def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                      start: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                      start: int = 1, entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens: [b, L] -> ([b, L] fp32 log-probs, differentiable; [b, L] fp32 entropies of the
-        distributions they are read from, detached); columns before `start` (>= 1) are 0 and their
+        distributions they are read from, detached, or None unless `entropy`); columns before `start` (>= 1) are 0 and their
         logits are never computed (logits.py: the head runs on positions start-1 .. L-2 only, in
         chunks)."""
         b, L = tokens.shape
@@ -169,9 +168,9 @@ class MegatronLearner(ShardCheckpoint):
             hidden = model(tokens, pos, self._causal_mask(L))  # [b, L, h]
         lp, ent = head_logp(hidden[:, start - 1:-1], head_weight(model), tokens[:, start:],
                             temperature=temperature, vocab_pad=self._vocab_pad,
-                            local_vocab=self._local_vocab)
-        return torch.cat([lp.new_zeros(b, start), lp], dim=1), \
-            torch.cat([ent.new_zeros(b, start), ent], dim=1)
+                            local_vocab=self._local_vocab, entropy=entropy)
+        pad = lp.new_zeros(b, start)
+        return torch.cat([pad, lp], dim=1), None if ent is None else torch.cat([pad, ent], dim=1)
 
     def _rows_per_micro(self, L: int, free: int | None) -> int:
         """Rows of width L per micro-batch: the fixed logits budget on CPU, GPU memory free now."""
@@ -199,9 +198,9 @@ class MegatronLearner(ShardCheckpoint):
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                  ends: torch.Tensor | None = None, starts: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, L] log-probs, [B, L] entropies); ends: [B], columns from ends[i] on are left 0
+                  ends: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, L] log-probs, [B, L] entropies or None unless `entropy`); ends: [B], columns from ends[i] on are left 0
         (default: none); starts: [B], columns before a micro-batch's earliest start may be left 0
         (default: 1)."""
         if tokens.dim() != 2:
@@ -211,14 +210,16 @@ class MegatronLearner(ShardCheckpoint):
         tokens = tokens.to(self.device, torch.long)
         B, L = tokens.shape
         out = torch.zeros(B, L, dtype=torch.float32, device=self.device)
-        ent = torch.zeros_like(out)
+        ent = torch.zeros_like(out) if entropy else None
         if L < 2:
             return out, ent
         if ends is None:
             ends = torch.full((B,), L, dtype=torch.long, device=self.device)
         for idx, width, start in self._micro_batches(torch.arange(B, device=self.device), ends, starts):
-            out[idx, :width], ent[idx, :width] = self._forward_logp(model, tokens[idx, :width],
-                                                                    temperature, start)
+            out[idx, :width], e = self._forward_logp(model, tokens[idx, :width], temperature, start,
+                                                     entropy)
+            if ent is not None:
+                ent[idx, :width] = e
         return out, ent
 
     @torch.no_grad()
@@ -277,23 +278,21 @@ class MegatronLearner(ShardCheckpoint):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         mb = B // n_mb
-        # Each row is computed up to its last loss token (what follows is padding, and causal
-        # attention never lets it reach earlier positions); at least 2 columns.
+        # Each row runs up to its last loss token (padding after it never reaches earlier
+        # positions under causal attention); at least 2 columns.
         pos = torch.arange(L, device=dev)
         ends = (torch.where(mask, pos, -1).max(dim=1).values + 1).clamp(min=min(2, L))
         starts = first_loss_columns(mask)  # the head runs from each micro-batch's earliest one
-        # π_prox is the policy at the start of the step. The first mini-batch's forward runs at
-        # exactly those weights, so its own (detached) log-probs are its π_prox; only the other
-        # mini-batches need the no-grad forward (1/mini_batches of it saved).
+        # π_prox is the policy at the start of the step: the first mini-batch's forward runs at
+        # those weights, so only the others need the no-grad forward (1/mini_batches saved).
         self.model.eval()
         prox = torch.zeros(B, L, dtype=torch.float32, device=dev)  # rows [:mb]: filled below
         prox_ent = torch.zeros_like(prox)  # π_prox's entropy at each position, the same way
         if n_mb > 1:
             prox[mb:], prox_ent[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature,
-                                                         ends[mb:], starts[mb:])
+                                                         ends[mb:], starts[mb:], entropy=True)
         ref = None if self.ref_model is None else \
             self._dp_logprobs(self.ref_model, tokens, temperature, ends, starts)[0]
-
         kw = dict(loss_options(self.algo), norm_len=norm_len)
         self.model.train()
         share = mb // self.dp_size  # rows of each mini-batch this DP rank computes
@@ -317,13 +316,15 @@ class MegatronLearner(ShardCheckpoint):
                     def take(t: torch.Tensor | None) -> torch.Tensor | None:
                         return None if t is None else (t[idx, :width] if t.dim() == 2 else t[idx])
 
-                    logp, ent = self._forward_logp(self.model, take(tokens), temperature, start)
+                    logp, ent = self._forward_logp(self.model, take(tokens), temperature, start,
+                                                   entropy=at_start)  # π_prox's only
                     loss, _ = policy_loss(logp, logp.detach() if at_start else take(prox),
                                           take(behav), take(adv), take(mask), ref_logp=take(ref),
                                           staleness=take(staleness), denom=denom, **kw)
                     loss.backward()
                     logp_own[idx - own, :width] = logp.detach()
-                    ent_own[idx - own, :width] = ent
+                    if ent is not None:
+                        ent_own[idx - own, :width] = ent
                 logp_mb = self._dp_gather(logp_own)
                 if at_start:
                     prox[sl], prox_ent[sl] = logp_mb, self._dp_gather(ent_own)
@@ -356,13 +357,14 @@ class MegatronLearner(ShardCheckpoint):
         return out
 
     def _dp_logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                     ends: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """([B, L] log-probs, [B, L] entropies) from each row's start to its end, each DP rank
-        computing B/D rows (no grad)."""
+                     ends: torch.Tensor, starts: torch.Tensor, entropy: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, L] log-probs, [B, L] entropies or None unless `entropy`) from each row's start to
+        its end, each DP rank computing B/D rows (no grad)."""
         n = tokens.shape[0] // self.dp_size
         mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        lp, ent = self._logprobs(model, tokens[mine], temperature, ends[mine], starts[mine])
-        return self._dp_gather(lp), self._dp_gather(ent)
+        lp, ent = self._logprobs(model, tokens[mine], temperature, ends[mine], starts[mine], entropy)
+        return self._dp_gather(lp), None if ent is None else self._dp_gather(ent)
 
     # ------------------------------------------------------------------ weights out
 
