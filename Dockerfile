@@ -1,7 +1,7 @@
 # qurl GPU image: the SGLang release image (CUDA, torch, sglang, flashinfer, sgl-kernel; pinned by
 # tag) + megatron-core + qurl. The trainer (`qurl ...`) and the rollout servers
 # (`python -m sglang.launch_server ...`, see `qurl launch --dry-run`) run from the same image, so the
-# learner and SGLang share one torch build -- the weight-update group relies on it (qurl/sync/group.py).
+# learner and SGLang share one torch build -- the weight-update group relies on it (qurl/wire/group.py).
 #   docker build -t qurl:0.1.0 .
 #   docker run --gpus all --ipc=host --network=host -v /shared:/shared qurl:0.1.0 train --preset ...
 # sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0; qurl's adapter was written against it.
@@ -31,8 +31,8 @@ COPY pyproject.toml README.md ./
 COPY qurl ./qurl
 COPY megatron_patches ./megatron_patches
 RUN python -m pip install --no-deps . \
-    && python -c "import qurl, qurl.engines.sglang.engine, qurl.engines.sglang_loader, qurl.learner.megatron, sglang; print('qurl + sglang', sglang.__version__)"
-# The servers import qurl.engines.sglang_loader (--custom-weight-loader, planned by `qurl launch`
+    && python -c "import qurl, qurl.engines.sglang.engine, qurl.engines.sglang.inside.loader, qurl.learner.megatron, sglang; print('qurl + sglang', sglang.__version__)"
+# The servers import qurl.engines.sglang.inside.loader (--custom-weight-loader, planned by `qurl launch`
 # for w8a8_int8 / w8a8_fp8): qurl must be importable by the image's python, as it is above.
 COPY scripts ./scripts
 

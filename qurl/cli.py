@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from qurl.config import LOCAL_BASES, PRESETS, Config, ConfigError, load_config, override, parse_sets, validate
+from qurl.config import (LOCAL_BASES, PRESETS, Config, ConfigError, load_config, override,
+                         parse_sets, validate)
 from qurl.errors import InputError
 
 # How long a rank > 0 under torchrun leaves rank 0 to report a shared error. torchrun stops the
@@ -36,7 +37,7 @@ _TORCHRUN_QUIET_S = 60.0
 
 def _config_from_args(args: argparse.Namespace) -> Config:
     if getattr(args, "resume", None):
-        from qurl.train.rundir import read_config
+        from qurl.checkpoint.rundir import read_config
 
         cfg = read_config(Path(args.resume))
         return validate(override(cfg, parse_sets(args.set or [])))
@@ -118,7 +119,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from qurl.evaluation.run_eval import eval_run
-
     from qurl.evaluation.suite import summary
 
     rec = eval_run(Path(args.run_dir), max_examples=args.n, sets=args.set,

@@ -9,7 +9,7 @@ from pathlib import Path
 def _pin_xdist_worker() -> int:
     """Give each xdist worker its own slice of this machine's cores, before torch starts its thread
     pool. qurl divides a process's cores among the processes computing at once
-    (qurl/deploy/placement.py) but cannot see the other worker; two workers each spinning OpenMP
+    (qurl/node/placement.py) but cannot see the other worker; two workers each spinning OpenMP
     threads on every core would run many times slower than one. Pinned, each worker's in-process
     runs and the subprocesses it starts (they inherit the affinity) see only their slice."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...

@@ -356,7 +356,7 @@ class FakeSGLang:
             os._exit(1)
         if len(body["serialized_named_tensors"]) != self.args.tp_size:
             return 400, {"success": False, "message": "one serialized payload per TP rank"}
-        if fmt == "qurl.engines.sglang_loader.restore_w8a8":
+        if fmt == "qurl.engines.sglang.inside.loader.restore_w8a8":
             self.restored = True
         return 200, {"success": True, "message": "Success"}
 
@@ -412,11 +412,11 @@ def make_handler(app: FakeSGLang):
             elif path == "/server_info":
                 self._send(200, {"quantization": app.args.quantization,
                                  # the fake does not run qurl's in-server sync loader
-                                 # (qurl/engines/sglang_server.py), so it does not list it:
+                                 # (qurl/engines/sglang/inside/apply.py), so it does not list it:
                                  # qurl sends it full, unverified syncs
                                  "custom_weight_loader": [
                                      x for x in app.args.custom_weight_loader
-                                     if x != "qurl.engines.sglang_loader.prepare_sync"],
+                                     if x != "qurl.engines.sglang.inside.loader.prepare_sync"],
                                  "tp_size": app.args.tp_size, "version": "0.5.23"})
             elif path == "/_fake/requests":
                 self._send(200, app.requests)

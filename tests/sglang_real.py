@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE
+from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import NO_TENSORS
-from qurl.engines.sglang.server import ServerSpec, server_command
-from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
 from qurl.models.hf import build_model, read_state_dict
-from qurl.sync.group import free_port
+from qurl.wire.group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SGL_PY = Path(os.environ.get("QURL_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
@@ -71,7 +71,7 @@ def launch(model_dir: Path, quantization: str | None, log_dir: Path, *, precisio
            generates: bool, tokenizer=None, vocab_size: int = 0, tp: int = 1) -> SGLangEngine:
     """One qurl-launched real server on a free port, driven by qurl's SGLangEngine (gloo group).
     tp > 1: qurl's launch sets SGLANG_CPU_OMP_THREADS_BIND for a CPU server unless the
-    environment has it (qurl/engines/sglang/server.py `launch_env`; `tp_env` sets it here)."""
+    environment has it (qurl/engines/sglang/launcher.py `launch_env`; `tp_env` sets it here)."""
     port = free_port()
     cmd = server_command(str(model_dir), port=port, tp=tp, quantization=quantization,
                          extra=cpu_server_args(generates), python=str(SGL_PY))

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from pipeline_helpers import tiny_cfg, use_free_dist_port
-from qurl.errors import CheckpointError
-from qurl.train.checksums import MANIFEST, damage, hash_file, read_manifest
-from qurl.train.inline import train
-from qurl.train.metrics_log import read_metrics
-from qurl.train.rundir import CheckpointDir
 from test_cli import qurl
 from test_train import assert_records_close, comparable
+
+from qurl.checkpoint.checksums import MANIFEST, damage, hash_file, read_manifest
+from qurl.checkpoint.rundir import CheckpointDir
+from qurl.errors import CheckpointError
+from qurl.train.inline import train
+from qurl.train.metrics_log import read_metrics
 
 pytestmark = pytest.mark.slow  # one real 2-step run (base model from the session cache) + a resume
 
@@ -88,7 +88,7 @@ def test_each_damaged_file_falls_back_then_refuses(run, tmp_path, caplog, hurt):
         ckpts = CheckpointDir(d)
         hurt(d / "ckpt" / "step_000002" / name)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="qurl.train.rundir"):
+        with caplog.at_level(logging.WARNING, logger="qurl.checkpoint.rundir"):
             assert ckpts.latest() == d / "ckpt" / "step_000001"
         warned = [r.getMessage() for r in caplog.records]
         assert len(warned) == 1 and f"step_000002/{name}" in warned[0], warned
@@ -110,7 +110,7 @@ def test_resume_after_fallback_is_exact(run, tmp_path, caplog):
     flip(d / "ckpt" / "step_000002" / "optim_rank0.pt")
     cfg = tiny_cfg(tmp_path, "r2", STEPS, **{"deploy.keep_ckpts": 2})
     use_free_dist_port()
-    with caplog.at_level(logging.WARNING, logger="qurl.train.rundir"):
+    with caplog.at_level(logging.WARNING, logger="qurl.checkpoint.rundir"):
         train(cfg, resume=True)
     assert any("step_000002/optim_rank0.pt" in r.getMessage() for r in caplog.records)
 
@@ -126,7 +126,7 @@ def test_checkpoint_without_manifest_resumes_unverified(run, tmp_path, caplog):
     d = _copy(run, tmp_path / "old")
     for ckpt in CheckpointDir(d).checkpoints():
         (ckpt / MANIFEST).unlink()
-    with caplog.at_level(logging.WARNING, logger="qurl.train.rundir"):
+    with caplog.at_level(logging.WARNING, logger="qurl.checkpoint.rundir"):
         assert CheckpointDir(d).latest() == d / "ckpt" / "step_000002"
     assert any("no manifest.json" in r.getMessage() for r in caplog.records)
     (d / "ckpt" / "step_000002" / "state.pt").unlink()  # the one file every checkpoint has
@@ -149,8 +149,8 @@ def _save_on_two_ranks(rank: int, world_size: int, tmp: str) -> dict | None:
     per-rank checksums are gathered on rank 0, which commits the manifest."""
     import torch.distributed as dist
 
+    from qurl.checkpoint.checksums import save_torch
     from qurl.learner.dist import gather_object
-    from qurl.train.checksums import save_torch
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

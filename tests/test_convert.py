@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_hf import VOCAB, build, hf_state
 
 from qurl.models import convert
-from tiny_hf import VOCAB, build, hf_state
 
 KINDS = ("qwen2", "qwen2-untied", "qwen3", "llama")
 

@@ -10,10 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from qurl.data.sets import SETS_DIR
-
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import DataError, Example, load_dataset
+from qurl.data.sets import SETS_DIR
 from qurl.data.synthetic import arithmetic_task, in_eval_split, worked_solution
 from qurl.data.templates import BOXED_INSTRUCTION, render_prompt
 

@@ -1,4 +1,4 @@
-"""Delta weight sync (qurl/sync/delta.py, plan.py, digest.py) and its local-engine receiver.
+"""Delta weight sync (qurl/wire/delta.py, plan.py, digest.py) and its local-engine receiver.
 
 Closed-form checks of the encoding (exact byte counts, which of delta/full is chosen, round trips
 bit for bit over block boundaries and every wire dtype), of the planner's choices, and of the local
@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qurl.engines.base import StaleBase
 from qurl.engines.local import LocalEngine
-from qurl.engines.local_weights import StaleBase
 from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.named import engine_chunks
-from qurl.sync import delta as D
-from qurl.sync.digest import combine, named_digests, tensor_digest
 from qurl.sync.plan import SyncPlanner, broadcast_chunks
 from qurl.sync.publish import WeightSync
+from qurl.wire import delta as D
+from qurl.wire.digest import combine, named_digests, tensor_digest
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,7 +54,7 @@ def test_roundtrip_across_blocks_is_bit_exact(dtype):
 
 
 def test_a_single_change_packs_on_the_wire():
-    from qurl.sync.buckets import align_order, layout_of, pack, unpack
+    from qurl.wire.buckets import align_order, layout_of, pack, unpack
 
     prev = torch.zeros(70_000, dtype=torch.int8)
     chunks = align_order(D.encode_tensor("w", prev, _flip(prev, [69_999])))
@@ -257,8 +257,8 @@ def _engine_receiver(port: int, model_dir: str, precision: str, ann_q, ack_q) ->
     """Rank 1 of a gloo weight group: a LocalEngine fed by the WeightReceiver, as an async
     rollout worker runs it (double-banked buffers, deltas, verification after every sync)."""
     torch.set_num_threads(1)
-    from qurl.sync.group import WeightGroup
     from qurl.sync.receiver import WeightReceiver
+    from qurl.wire.group import WeightGroup
 
     group = WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
     engine = LocalEngine(model_dir, precision=precision)
@@ -286,8 +286,8 @@ def gloo_replay(model_dir, precision: str, versions: list, corrupt_at: int | Non
     corrupt_at: that version's delta goes out with one value changed (a transport bug)."""
     import multiprocessing as mp
 
-    from qurl.sync.group import WeightGroup, free_port
-    from qurl.sync.sender import WeightSender
+    from qurl.wire.group import WeightGroup, free_port
+    from qurl.wire.sender import WeightSender
 
     ctx = mp.get_context("spawn")
     ann_q, ack_q = ctx.Queue(), ctx.Queue()

@@ -57,8 +57,8 @@ def test_the_wait_ends_at_the_configured_timeout_naming_the_field():
 def test_a_rank_picks_the_interface_that_reaches_its_master(monkeypatch):
     """A torchrun started by hand (no `qurl launch`) gets GLOO/NCCL_SOCKET_IFNAME from the route to
     MASTER_ADDR; a value the user set wins; a loopback master changes nothing."""
-    from qurl.deploy.netif import interface_addresses
     from qurl.learner.dist import pick_interface
+    from qurl.node.netif import interface_addresses
 
     for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(k, raising=False)

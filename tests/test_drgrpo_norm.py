@@ -44,11 +44,12 @@ def _one_step(learner, batch: dict) -> tuple[float, list[torch.Tensor], dict]:
 
 
 def _worker(rank: int, ws: int) -> dict:
+    from test_learner import _batch, _learner
+    from tiny_hf import build
+
     import qurl.learner.megatron as lm
     from qurl.config import LearnerConfig
     from qurl.learner.dist import init_learner_dist
-    from test_learner import _batch, _learner
-    from tiny_hf import build
 
     init_learner_dist(LearnerConfig(tp=1), rank, ws)
     torch.set_num_threads(1)

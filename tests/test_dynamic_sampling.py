@@ -49,9 +49,9 @@ class ScriptedEngine:
 
 
 def _cfg(dynamic: bool, rounds: int = 16):
-    return load_config(sets=[f"algo.dynamic_sampling={dynamic}", "rollout.prompts_per_step=4",
-                             "rollout.group_size=2", "algo.mini_batches=2",
-                             f"algo.max_sample_rounds={rounds}"])
+    return load_config(sets=[f"algo.dynamic_sampling_rounds={rounds if dynamic else 0}",
+                             "rollout.prompts_per_step=4", "rollout.group_size=2",
+                             "algo.mini_batches=2"])
 
 
 def test_dapo_batch_stays_full_when_some_groups_are_uniform() -> None:
@@ -77,7 +77,7 @@ def test_dapo_batch_stays_full_when_some_groups_are_uniform() -> None:
 def test_too_many_rounds_is_a_clear_error() -> None:
     engine = ScriptedEngine()
     everything_right = [ex for ex in DATA if int(ex.uid[1:]) % 2 == 0]
-    with pytest.raises(RuntimeError, match="algo.max_sample_rounds"):
+    with pytest.raises(RuntimeError, match="algo.dynamic_sampling_rounds"):
         sample_groups(engine, everything_right, DataCursor(len(everything_right), seed=0),
                       PromptCodec(engine.tokenizer, "plain"), SamplingParams(max_new_tokens=8),
                       _cfg(True, rounds=3), step=1)
@@ -86,11 +86,11 @@ def test_too_many_rounds_is_a_clear_error() -> None:
 
 def test_batch_must_split_into_mini_batches_times_dp() -> None:
     with pytest.raises(ConfigError, match="algo.mini_batches=3"):
-        load_config(sets=["algo.dynamic_sampling=true", "algo.mini_batches=3"])
+        load_config(sets=["algo.dynamic_sampling_rounds=16", "algo.mini_batches=3"])
     with pytest.raises(ConfigError, match="learner.dp=3"):
-        load_config(sets=["algo.dynamic_sampling=true", "learner.dp=3"])
-    with pytest.raises(ConfigError, match="algo.max_sample_rounds"):
-        load_config(sets=["algo.max_sample_rounds=0"])
+        load_config(sets=["algo.dynamic_sampling_rounds=16", "learner.dp=3"])
+    with pytest.raises(ConfigError, match="algo.dynamic_sampling_rounds"):
+        load_config(sets=["algo.dynamic_sampling_rounds=-1"])
 
 
 def _group(key: str, version: int, rewards: list[float]) -> list[Trajectory]:

@@ -7,13 +7,13 @@ import itertools
 import math
 
 import pytest
+from test_dynamic_sampling import DATA, ScriptedEngine
 
 from qurl.config import ConfigError, load_config
 from qurl.data.rewards import extract_answer
 from qurl.evaluation.metrics import mean_over_sets, pass_at_k, set_metrics
 from qurl.evaluation.suite import score_engine, summary
 from qurl.rollout.requests import PromptCodec
-from test_dynamic_sampling import DATA, ScriptedEngine
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> float:

@@ -49,10 +49,10 @@ def runs(runs_dir):
 
 def _masters(run_dir):
     """The fp32 masters of the run's latest checkpoint, as the learner streams them (TP 1)."""
+    from qurl.checkpoint.rundir import CheckpointDir, read_config
     from qurl.learner.dist import init_learner_dist
     from qurl.learner.megatron import MegatronLearner
     from qurl.train.export import base_dir
-    from qurl.train.rundir import CheckpointDir, read_config
 
     cfg = read_config(run_dir)
     init_learner_dist(cfg.learner, 0, 1, deploy=cfg.deploy)
@@ -89,9 +89,9 @@ def test_hf_export_loads_in_transformers_with_the_learners_logits(runs, tmp_path
 
 
 def test_hf_export_of_an_untrained_tp2_bf16_run_equals_its_base(runs, tmp_path):
+    from qurl.checkpoint.rundir import read_config
     from qurl.models.hf import read_state_dict
     from qurl.train.export import base_dir
-    from qurl.train.rundir import read_config
 
     out = tmp_path / "frozen"
     assert main(["export", str(runs / "frozen"), "--out", str(out), "--dtype", "float32"]) == 0

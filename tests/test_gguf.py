@@ -23,7 +23,12 @@ gguf = pytest.importorskip("gguf")
 from qurl.errors import InputError  # noqa: E402
 from qurl.models import registry  # noqa: E402
 from qurl.models.gguf_to_hf import (  # noqa: E402
-    GGUFError, convert_gguf, hf_name, permute_rotary, unpermute_rotary)
+    GGUFError,
+    convert_gguf,
+    hf_name,
+    permute_rotary,
+    unpermute_rotary,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + "

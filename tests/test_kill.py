@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from pipeline_helpers import (assert_each_prompt_once, cli_sets, pid_alive, tiny_cfg, tiny_sets,
                               use_free_dist_port, worker_pids)
+
 from qurl.train.metrics_log import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,7 @@ def test_dry_run_two_node_example(capsys):
     out = capsys.readouterr().out
     assert "# node 0 (10.0.0.1): 1 learner" in out and "# node 1 (10.0.0.2): 4 sglang" in out
     learner, export, *servers = _lines(out)
-    net = [f"{k}=$(python -m qurl.deploy.netif 10.0.0.1)" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
+    net = [f"{k}=$(python -m qurl.node.netif 10.0.0.1)" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
     assert learner == ["CUDA_VISIBLE_DEVICES=0,1,2,3", *net, "torchrun", "--nnodes=1",
                        "--nproc-per-node=4", "--node-rank=0", "--master-addr=10.0.0.1",
                        "--master-port=29500", "-m", "qurl.cli", "train", "--preset",
@@ -45,8 +45,8 @@ def test_dry_run_two_node_example(capsys):
                      "0.0.0.0", "--port", str(30000 + k), "--weight-version", "0",
                      "--quantization", "w8a8_int8",
                      # W8A8 servers need qurl's restore for 8-bit updates (engines/sglang_loader)
-                     "--custom-weight-loader", "qurl.engines.sglang_loader.restore_w8a8",
-                     "qurl.engines.sglang_loader.prepare_sync",
+                     "--custom-weight-loader", "qurl.engines.sglang.inside.loader.restore_w8a8",
+                     "qurl.engines.sglang.inside.loader.prepare_sync",
                      "--mem-fraction-static", "0.85"]
 
 
@@ -114,7 +114,7 @@ def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
 
 
 def test_async_workers_take_the_gpus_after_the_learners():
-    from qurl.deploy.placement import worker_gpu
+    from qurl.node.placement import worker_gpu
 
     two = load_config("cpu-tiny", sets=["learner.tp=2", "deploy.engines=3"])
     assert [worker_gpu(two, s, 8) for s in range(3)] == [2, 3, 4]  # learner ranks on GPUs 0, 1
@@ -243,10 +243,11 @@ def test_async_plan_starts_workers_that_reach_their_servers(tmp_path):
     `python -m qurl.pipeline.worker --slot i` builds first — attaches to its own server: health
     probe, weight group formed, a generation served there. At 3817bc6 the learner kept
     deploy.engines=1 and every worker refused its slot (URL count check)."""
+    from test_sglang_engine import FAKE, _get, _wait_healthy
+
     from qurl.engines.factory import make_engine
     from qurl.learner.dist import free_port
     from qurl.types import GenRequest, SamplingParams
-    from test_sglang_engine import FAKE, _get, _wait_healthy
 
     model = _fake_model_dir(tmp_path)
     sets = [f"model.base={model}", "rollout.engine=sglang", "rollout.precision=int8",

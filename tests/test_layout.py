@@ -1,21 +1,75 @@
-"""The package floor plan (README "Layout"): qurl's top level holds only entry points, no module is
-over the 400-line norm, and the module a running SGLang server imports by its dotted path
-(`--custom-weight-loader qurl.engines.sglang_loader.restore_w8a8`) still resolves and pulls in
-nothing of qurl's trainer (the server's venv has no megatron, and must not need transformers)."""
+"""The package floor plan (docs/layout.md), checked from the code's own imports.
+
+- qurl's top level holds only entry points; no module is over the 400-line norm;
+- rooms (the folders under qurl/) form a one-way stack: no two rooms reach each other through
+  imports, counting imports inside functions and under TYPE_CHECKING too;
+- only qurl/engines/sglang/inside/tp_group.py imports sglang, and the module a running SGLang
+  server imports by its dotted path (`--custom-weight-loader
+  qurl.engines.sglang.inside.loader.restore_w8a8`) resolves and pulls in nothing of qurl's trainer
+  (the server's venv has no megatron, and must not need transformers);
+- optional engine capabilities are declared protocols (qurl/engines/base.py), never probed with
+  getattr;
+- research (qurl/studies, qurl/bench) uses the product only through its public face, qurl/api.py.
+"""
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 QURL = ROOT / "qurl"
+RESEARCH = {"studies", "bench"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module `path` imports, anywhere in the file (`from a import b` gives a and a.b)."""
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    out: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out += [mod] + [f"{mod}.{a.name}" for a in node.names]
+    return out
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "qurl" or len(parts) < 2 or not (QURL / parts[1]).is_dir():
+        return None
+    return parts[1]
+
+
+def room_arrows() -> dict[tuple[str, str], set[str]]:
+    """{(room, room it imports): {"file -> module", ...}} over every module of qurl/."""
+    arrows: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for path in QURL.rglob("*.py"):
+        src = _room(_module(path))
+        for mod in _imports(path):
+            dst = _room(mod)
+            if src and dst and dst != src:
+                arrows[(src, dst)].add(f"{path.relative_to(ROOT)} -> {mod}")
+    return arrows
 
 
 def test_top_level_holds_only_entry_points():
     modules = sorted(p.name for p in QURL.glob("*.py"))
-    assert modules == ["__init__.py", "__main__.py", "cli.py", "errors.py", "types.py"]
+    assert modules == ["__init__.py", "__main__.py", "api.py", "cli.py", "errors.py", "types.py"]
 
 
 def test_no_module_over_400_lines():
@@ -24,12 +78,76 @@ def test_no_module_over_400_lines():
     assert long == {}
 
 
-def test_the_server_side_loader_path_resolves_alone():
-    code = ("import importlib, sys; mod, fn = 'qurl.engines.sglang_loader.restore_w8a8'.rsplit('.', 1); "
-            "assert callable(getattr(importlib.import_module(mod), fn)); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('qurl', 'megatron', 'transformers', 'zmq')))")
+def test_no_two_rooms_reach_each_other():
+    arrows = room_arrows()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in arrows:
+        graph[a].add(b)
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    rooms = set(graph) | {b for bs in graph.values() for b in bs}
+    loops = {tuple(sorted((a, b))) for a in rooms for b in reach(a) if a != b and a in reach(b)}
+    detail = {f"{a} <-> {b}": sorted(arrows.get((a, b), set()) | arrows.get((b, a), set()))
+              for a, b in sorted(loops)}
+    assert detail == {}, detail
+    # the floor plan's fixed points: the pure core imports no other room but config/types
+    assert not {b for (a, b) in arrows if a in ("algo", "quant", "wire")} - {"config", "quant"}
+
+
+def test_only_the_in_server_module_imports_sglang():
+    importers = sorted(str(p.relative_to(ROOT)) for p in QURL.rglob("*.py")
+                       if any(m.split(".")[0] == "sglang" for m in _imports(p)))
+    assert importers == ["qurl/engines/sglang/inside/tp_group.py"]
+
+
+def _loaded_by(code: str) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    probe = (f"import sys; {code}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('qurl', 'megatron', 'transformers', 'zmq')))")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()
-    assert out == "['qurl', 'qurl.engines', 'qurl.engines.sglang_loader']"
+    return ast.literal_eval(out)
+
+
+def test_the_server_side_loader_path_resolves_alone():
+    code = ("import importlib; mod, fn = 'qurl.engines.sglang.inside.loader.restore_w8a8'"
+            ".rsplit('.', 1); assert callable(getattr(importlib.import_module(mod), fn))")
+    assert _loaded_by(code) == ["qurl", "qurl.engines", "qurl.engines.sglang",
+                                "qurl.engines.sglang.inside", "qurl.engines.sglang.inside.loader"]
+    # the delta / verify half (imported by the loader at the first sync) needs only the wire room
+    loaded = _loaded_by("import qurl.engines.sglang.inside.apply")
+    assert {m for m in loaded if not m.startswith("qurl.engines.sglang.inside")} == {
+        "qurl", "qurl.engines", "qurl.engines.sglang", "qurl.wire", "qurl.wire.delta",
+        "qurl.wire.digest"}
+
+
+def test_engine_capabilities_are_not_probed_with_getattr():
+    probe = re.compile(r"getattr\([^,]+,\s*[\"'](verify|digest|adopts_chunks|adopted|can_verify)[\"']")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in QURL.rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert hits == []
+
+
+def test_research_uses_only_the_public_face():
+    """studies/ and bench/ import the product only through qurl.api (and qurl.errors / qurl.types,
+    the records every room reads), so product internals can move without touching research."""
+    allowed = {"qurl", "qurl.api", "qurl.errors", "qurl.types"}
+    reach_in = sorted(f"{p.relative_to(ROOT)} -> {m}"
+                      for room in RESEARCH for p in (QURL / room).rglob("*.py")
+                      for m in _imports(p) if m.split(".")[0] == "qurl"
+                      and _room(m) not in RESEARCH and m not in allowed
+                      and m.rpartition(".")[0] not in allowed)
+    assert reach_in == []
+    # and the product never imports research (cli.py, the entry point, may dispatch to it)
+    product = [f"{p.relative_to(ROOT)} -> {m}" for p in QURL.rglob("*.py")
+               if _room(_module(p)) not in RESEARCH and p.name != "cli.py"
+               for m in _imports(p) if _room(m) in RESEARCH]
+    assert product == []
+

@@ -10,7 +10,7 @@ import torch
 
 import qurl.learner.megatron as lm
 from qurl.learner.membudget import (GPU_FRACTION, TokenCost, fixed_bytes, free_bytes, grad_bytes,
-                                   rows_per_micro)
+                                    rows_per_micro)
 
 GiB = 1 << 30
 # Qwen2.5-Math-7B under learner.tp=4 (paper-dapo-7b): 152064-row vocab padded to 152064 (a

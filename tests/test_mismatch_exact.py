@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from qurl.studies.mismatch_exact import analyse, exact_kl, exact_trunc, response_rows, sampled_tokens
+from qurl.studies.mismatch_exact import (analyse, exact_kl, exact_trunc, response_rows,
+                                         sampled_tokens)
 
 
 def _pair():

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from qurl.models import warmstart as ws
-from qurl.models.hf import (
-    build_model, check_checkpoint, load_checkpoint, param_count, read_state_dict, write_state_dict,
-)
+from qurl.models.hf import (build_model, check_checkpoint, load_checkpoint, param_count,
+                            read_state_dict, write_state_dict)
 from qurl.models.tokenizer import build_tokenizer
 from qurl.models.warmstart import completion_loss, sft_warmstart
 

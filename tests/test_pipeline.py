@@ -18,16 +18,15 @@ import time
 import pytest
 import torch
 import zmq
-
 from pipeline_helpers import (TIMING, assert_each_prompt_once, tiny_cfg, trained_uids,
                               use_free_dist_port)
+
 from qurl.pipeline.ledger import Ledger, split_key
 from qurl.pipeline.session import load_or_create_key, read_key, read_session
 from qurl.stream.payload import pack_trajectories
 from qurl.stream.wire import encode
 from qurl.train.metrics_log import read_metrics
 from qurl.types import Trajectory
-
 
 # ---------------------------------------------------------------- fast: ledger, key file
 
@@ -188,9 +187,9 @@ def test_eta0_async_reproduces_sync(run_root):
 
 def _trained_rows(run_dir):
     """The sync loop's per-step prompt order: the data cursor's, reproduced from the config."""
+    from qurl.checkpoint.rundir import read_config
     from qurl.data.cursor import DataCursor
     from qurl.data.splits import load_datasets
-    from qurl.train.rundir import read_config
 
     cfg = read_config(run_dir)
     train_set, _ = load_datasets(cfg)

@@ -3,8 +3,8 @@ statistics (qurl/rollout/generate.py), with values worked by hand."""
 import pytest
 import torch
 
-from qurl.data.datasets import Example
 from qurl.data import rewards
+from qurl.data.datasets import Example
 from qurl.data.synthetic import arithmetic_task
 from qurl.rollout.generate import group_stats, to_trajectories
 from qurl.rollout.requests import make_requests

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from qurl.engines.sglang.engine import SGLangEngine
-from qurl.engines.sglang.server import ServerSpec
-from qurl.sync.group import free_port
+from qurl.engines.sglang.launcher import ServerSpec
 from qurl.sync.publish import WeightSync
+from qurl.wire.group import free_port
 from tests.test_sglang_engine import FAST, _fake_cmd
 
 
@@ -30,7 +30,7 @@ def test_server_without_the_sync_loader_gets_full_unverified_syncs(tmp_path):
                        precision="int8", bucket_bytes=4096, timeouts=FAST,
                        log_dir=tmp_path / "logs")
     try:
-        assert not eng.delta_capable and eng.verify is None and eng.digest is None
+        assert not eng.delta_capable and not eng.can_verify and eng.digest is None
         sync = WeightSync("int8", bucket_bytes=4096, wire_dtype=torch.bfloat16)
         recs = [sync.push(iter(_weights(k)), eng, version=k) for k in (1, 2, 3)]
         with pytest.raises(ValueError, match="cannot apply deltas"):

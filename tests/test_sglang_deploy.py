@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_sglang_engine import FAST, _fake_cmd, _model_dir, _named, _post, _same, _wait_healthy
 
 from qurl.config import ConfigError, load_config
-from qurl.deploy.placement import sglang_base_gpus
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import SGLangError
-from qurl.engines.sglang.server import ServerSpec, server_command
-from qurl.sync.group import free_port
-from test_sglang_engine import FAST, _fake_cmd, _model_dir, _named, _post, _same, _wait_healthy
+from qurl.node.placement import sglang_base_gpus
+from qurl.wire.group import free_port
 
 
 # ------------------------------------------------------------------------------ GPU placement

@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from qurl.engines.factory import make_engine
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import SGLangError, SGLangUnavailable, parse_generate
-from qurl.engines.sglang.server import ServerSpec, server_command
 from qurl.quant.named import engine_chunks
-from qurl.sync.group import free_port
 from qurl.types import GenRequest, SamplingParams
+from qurl.wire.group import free_port
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 VOCAB = 50
@@ -116,22 +116,22 @@ def test_server_command_flags():
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/ckpt", "--tp-size",
                    "2", "--host", "0.0.0.0", "--port", "30001", "--weight-version", "0",
                    "--quantization", "w8a8_fp8",
-                   "--custom-weight-loader", "qurl.engines.sglang_loader.restore_w8a8",
-                   "qurl.engines.sglang_loader.prepare_sync",
+                   "--custom-weight-loader", "qurl.engines.sglang.inside.loader.restore_w8a8",
+                   "qurl.engines.sglang.inside.loader.prepare_sync",
                    "--mem-fraction-static", "0.7"]
     # bf16 and block fp8 keep their loaders after loading: no restore, only the sync loader
     for q in (None, "fp8"):
         cmd = server_command("/c", port=1, quantization=q)
         assert cmd[cmd.index("--custom-weight-loader"):] == [
-            "--custom-weight-loader", "qurl.engines.sglang_loader.prepare_sync"]
+            "--custom-weight-loader", "qurl.engines.sglang.inside.loader.prepare_sync"]
     # a user's own custom loaders are merged into the one flag (argparse nargs="*": the last
     # occurrence would replace the first)
     cmd = server_command("/c", port=1, quantization="w8a8_int8",
                          extra=("--custom-weight-loader", "a.b", "--dtype", "bfloat16"))
     i = cmd.index("--custom-weight-loader")
     assert cmd.count("--custom-weight-loader") == 1
-    assert cmd[i + 1:i + 4] == ["qurl.engines.sglang_loader.restore_w8a8",
-                                "qurl.engines.sglang_loader.prepare_sync", "a.b"]
+    assert cmd[i + 1:i + 4] == ["qurl.engines.sglang.inside.loader.restore_w8a8",
+                                "qurl.engines.sglang.inside.loader.prepare_sync", "a.b"]
     assert cmd[-2:] == ["--dtype", "bfloat16"]
 
 
@@ -291,11 +291,11 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
     """`qurl train` (the sync loop, Megatron learner) with rollout.engine=sglang and
     precision=fp8_block: every step's weights reach the server as FP8 codes + 128x128
     `_scale_inv` scales, byte-equal to the learner's final master weights quantized."""
-    from qurl.config import load_config
-    from qurl.train.inline import train
     from transformers import AutoConfig
 
+    from qurl.config import load_config
     from qurl.models.convert import megatron_to_hf
+    from qurl.train.inline import train
 
     port = free_port()
     proc = subprocess.Popen(_fake_cmd(tmp_path, port, delay=0.0, quantization="fp8"),
@@ -336,9 +336,9 @@ def test_async_worker_drives_its_sglang_server(tmp_path, runs_dir):
     """deploy.rollout=workers with rollout.engine=sglang: the worker's engine is the SGLang adapter on
     its one server; every version goes controller -> worker (pipeline weight group) -> server
     (the adapter's group), and every prompt of the epoch is trained exactly once."""
+    from pipeline_helpers import assert_each_prompt_once, tiny_cfg, use_free_dist_port
     from transformers import AutoConfig
 
-    from pipeline_helpers import assert_each_prompt_once, tiny_cfg, use_free_dist_port
     from qurl.models.convert import megatron_to_hf
     from qurl.pipeline.controller import train_async
 

@@ -1,16 +1,16 @@
 """The HF <-> SGLang parameter layout qurl's in-server delta / verify code uses
-(qurl/engines/sglang_layout.py), and the adapter's parsing of the server's refusals
-(qurl/sync/sglang_delta.py): closed-form expectations, no server."""
+(qurl/engines/sglang/inside/layout.py), and the adapter's parsing of the server's refusals
+(qurl/engines/sglang/verified_sync.py): closed-form expectations, no server."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qurl.engines.sglang_layout import (HEADER, hf_rows, hf_view, json_chunk, part_rows,
-                                        read_json_chunk, sglang_name)
-from qurl.sync.delta import apply_named, encode_named
-from qurl.sync.sglang_delta import (apply_to_kept, chunk_meta, header_chunk, is_stale_refusal,
-                                    parse_mismatch, verify_chunk)
+from qurl.engines.sglang.inside.layout import (HEADER, hf_rows, hf_view, json_chunk, part_rows,
+                                               read_json_chunk, sglang_name)
+from qurl.engines.sglang.verified_sync import (apply_to_kept, chunk_meta, header_chunk,
+                                               is_stale_refusal, parse_mismatch, verify_chunk)
+from qurl.wire.delta import apply_named, encode_named
 
 
 def test_names_map_to_fused_parameters_and_parts():

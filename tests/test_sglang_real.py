@@ -20,16 +20,28 @@ import torch
 
 from qurl.engines.local import LocalEngine
 from qurl.engines.sglang.engine import SGLangEngine
+from qurl.engines.sglang.launcher import ServerSpec
 from qurl.engines.sglang.protocol import QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError
-from qurl.engines.sglang.server import ServerSpec
 from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
 from qurl.sync.publish import WeightSync
 from qurl.types import GenRequest, SamplingParams
-from tests.sglang_real import (TIMEOUTS, checksums, env, fuse_like_sglang,  # noqa: F401
-                               held_like, is_8bit, launch, models, needs_sglang, raw_bytes,
-                               read_back, read_back_with_ptrs, run_leaving_no_server,
-                               write_model)
+from tests.sglang_real import (  # noqa: F401
+    TIMEOUTS,
+    checksums,
+    env,
+    fuse_like_sglang,
+    held_like,
+    is_8bit,
+    launch,
+    models,
+    needs_sglang,
+    raw_bytes,
+    read_back,
+    read_back_with_ptrs,
+    run_leaving_no_server,
+    write_model,
+)
 
 # a real server takes ~20 s to start on a quiet 2-core machine, minutes on a loaded one
 pytestmark = needs_sglang + [pytest.mark.timeout(1800)]

@@ -7,7 +7,7 @@ full-precision weight versions its learner published (the initial weights and on
 
 Those versions then drive qurl's production sync loop (`WeightSync.push`: quantize, plan delta vs
 full, load, verify, resync on mismatch) into a real server launched by qurl's `SGLangEngine` (with
-qurl's sync loader, qurl/engines/sglang_server.py, imported by the server from this checkout:
+qurl's sync loader, qurl/engines/sglang/inside/apply.py, imported by the server from this checkout:
 tests/sglang_real.py puts the repository first on the servers' PYTHONPATH). For each 8-bit format
 SGLang serves — w8a8_int8, w8a8_fp8 (per channel) and block fp8 — the first version goes in full
 and the 20 after it as deltas, each verified by the server; afterwards every parameter the server
@@ -22,14 +22,25 @@ import math
 import pytest
 import torch
 
+from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE
 from qurl.engines.sglang.protocol import QUANTIZATION
-from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
 from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
 from qurl.sync.publish import WeightSync
-from tests.sglang_real import (CORRUPT, NO_TENSORS, env, fuse_like_sglang,  # noqa: F401
-                               held_like, is_8bit, launch, models, needs_sglang, push_versions,
-                               raw_bytes, read_back_with_ptrs)
+from tests.sglang_real import (  # noqa: F401
+    CORRUPT,
+    NO_TENSORS,
+    env,
+    fuse_like_sglang,
+    held_like,
+    is_8bit,
+    launch,
+    models,
+    needs_sglang,
+    push_versions,
+    raw_bytes,
+    read_back_with_ptrs,
+)
 
 pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 STEPS = 20  # training steps: 21 versions, the first synced in full, then 20 deltas
@@ -59,11 +70,10 @@ def _warm_start(src, out, cfg):
 @pytest.fixture(scope="module")
 def run(models, tmp_path_factory):
     """(the model dir the run started from, its 21 published versions, its train records)."""
-    from tests.pipeline_helpers import tiny_cfg
-
     from qurl.learner.dist import free_port
     from qurl.train.inline import train
     from qurl.train.metrics_log import read_metrics
+    from tests.pipeline_helpers import tiny_cfg
 
     root, src, _, _ = models
     runs = tmp_path_factory.mktemp("run")
@@ -118,7 +128,7 @@ def test_twenty_delta_syncs_of_a_run_verified_byte_equal_and_corruption_caught(
     eng = launch(ckpt0, quant, tmp_path_factory.mktemp(f"logs_delta_{precision}"),
                  precision=precision, generates=False)
     try:
-        assert eng.verify is not None, "the server should run qurl's sync loader"
+        assert eng.can_verify, "the server should run qurl's sync loader"
         held0, ptrs0 = read_back_with_ptrs(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
         recs = push_versions(sync, eng, versions)

@@ -11,13 +11,24 @@ import pytest
 import torch
 
 from qurl.engines.sglang.engine import SGLangEngine
+from qurl.engines.sglang.launcher import ServerSpec
 from qurl.engines.sglang.protocol import QUANTIZATION, SGLangError
-from qurl.engines.sglang.server import ServerSpec
 from qurl.models.export8bit import export_8bit
 from qurl.sync.publish import WeightSync
-from tests.sglang_real import (CPU_FLAGS, TIMEOUTS, env, is_8bit, launch, models,  # noqa: F401
-                               needs_sglang, raw_bytes, read_back_ranks, run_leaving_no_server,
-                               tp_env, write_model)
+from tests.sglang_real import (  # noqa: F401
+    CPU_FLAGS,
+    TIMEOUTS,
+    env,
+    is_8bit,
+    launch,
+    models,
+    needs_sglang,
+    raw_bytes,
+    read_back_ranks,
+    run_leaving_no_server,
+    tp_env,
+    write_model,
+)
 
 pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 

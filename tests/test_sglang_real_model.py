@@ -34,7 +34,8 @@ from qurl.rollout.requests import PromptCodec
 from qurl.sync.publish import WeightSync
 from qurl.types import GenRequest, SamplingParams
 from tests import sglang_real
-from tests.sglang_real import fuse_like_sglang, held_like, launch, needs_sglang, read_back, server_env
+from tests.sglang_real import (fuse_like_sglang, held_like, launch, needs_sglang, read_back,
+                               server_env)
 from tests.sglang_real import raw_bytes as _bytes
 from tests.test_sglang_real import _check_run, _train
 

@@ -21,8 +21,15 @@ from qurl.engines.local import LocalEngine
 from qurl.models.hf import read_state_dict
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
-from tests.sglang_real import (env, fuse_like_sglang, held_like, launch,  # noqa: F401
-                               needs_sglang, raw_bytes, read_back)
+from tests.sglang_real import (  # noqa: F401
+    env,
+    fuse_like_sglang,
+    held_like,
+    launch,
+    needs_sglang,
+    raw_bytes,
+    read_back,
+)
 
 pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
 LOGPROB_TOL = 0.05  # bf16 server vs the local engine in fp32 on the same bf16 weights (as there)

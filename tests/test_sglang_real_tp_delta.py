@@ -1,7 +1,7 @@
 """Delta and verified syncs into a REAL SGLang 0.5.23 server at TP size 2 on CPU (`make test-sglang`).
 
 The server runs two scheduler processes (ranks); each holds only its cut of every weight
-(qurl/engines/sglang_shard.py). The model is the tests' tiny Qwen2 with 4 query heads of 64 and
+(qurl/engines/sglang/inside/tp_cut.py). The model is the tests' tiny Qwen2 with 4 query heads of 64 and
 2 key/value heads (one per rank), next to column cuts (q, gate/up), row-parallel column cuts
 (o, down), whole per-channel scales of the row-parallel layers and a vocabulary of 100 rows padded
 to 128 (rank 0 rows 0..63, rank 1 rows 64..99). Block FP8 runs on a second shape (4 kv heads,
@@ -28,17 +28,25 @@ layers/linear.py: measured 2026-12-01), so 2 kv heads, one per rank.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE
 from qurl.engines.sglang.protocol import QUANTIZATION
-from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE
 from qurl.models.export8bit import export_8bit
 from qurl.models.hf import build_model, read_state_dict
 from qurl.sync.publish import WeightSync
-from tests.sglang_real import (CORRUPT_KV_LAST, NO_TENSORS, env, is_8bit, launch,  # noqa: F401
-                               needs_sglang, push_versions, raw_bytes, read_back_ranks)
+from tests.sglang_real import (  # noqa: F401
+    CORRUPT_KV_LAST,
+    NO_TENSORS,
+    env,
+    is_8bit,
+    launch,
+    needs_sglang,
+    push_versions,
+    raw_bytes,
+    read_back_ranks,
+)
 
 pytestmark = needs_sglang + [pytest.mark.timeout(3600)]
 DELTAS = 5
@@ -81,7 +89,7 @@ def test_tp2_delta_syncs_verified_per_rank_byte_equal_and_corruption_caught(
                  generates=False, tp=2)
     try:
         assert eng.servers[0].layout is not None, "head counts from the server's model path"
-        assert eng.verify is not None and eng.tp_refusal is None
+        assert eng.can_verify and eng.tp_refusal is None
         before = read_back_ranks(eng, env)
         sync = WeightSync(fmt, bucket_bytes=1 << 20, wire_dtype=torch.bfloat16)
         recs = push_versions(sync, eng, versions)

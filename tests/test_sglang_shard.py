@@ -1,4 +1,4 @@
-"""Which slice of each HF tensor an SGLang TP rank holds (qurl/engines/sglang_shard.py): boxes
+"""Which slice of each HF tensor an SGLang TP rank holds (qurl/engines/sglang/inside/tp_cut.py): boxes
 worked by hand from SGLang 0.5.23's loaders for small configs, no server.
 
 The main config: 4 query heads of 2, ONE key/value head (so at TP 2 the k/v head is replicated on
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.engines.sglang_shard import (Box, Layout, cpu_padding, local_positions, rank_digests,
-                                       shard_box, slice_shape, take, vocab_rows)
-from qurl.sync.delta import changed_positions
-from qurl.sync.digest import tensor_digest
+from qurl.engines.sglang.inside.tp_cut import (Box, Layout, cpu_padding, local_positions,
+                                               rank_digests, shard_box, slice_shape, take,
+                                               vocab_rows)
+from qurl.wire.delta import changed_positions
+from qurl.wire.digest import tensor_digest
 
 L0 = "model.layers.0."
 MQA = Layout(heads=4, kv_heads=1)

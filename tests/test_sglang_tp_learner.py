@@ -1,5 +1,5 @@
-"""The learner's side of delta / verified syncs to TP > 1 SGLang servers (qurl/sync/sglang_delta.py)
-and how qurl starts a CPU server at TP > 1 (qurl/engines/sglang/server.py `launch_env`), without
+"""The learner's side of delta / verified syncs to TP > 1 SGLang servers (qurl/engines/sglang/verified_sync.py)
+and how qurl starts a CPU server at TP > 1 (qurl/engines/sglang/launcher.py `launch_env`), without
 a server: when a TP-2 server is offered deltas and verification, and when it falls back to full,
 unverified syncs saying why."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import torch
 
-from qurl.engines.sglang.server import launch_env
-from qurl.engines.sglang_layout import HEADER, read_json_chunk
-from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
-from qurl.engines.sglang_shard import Layout
-from qurl.sync.sglang_delta import SGLangDeltaMixin, layout_of_model_dir
+from qurl.engines.sglang.inside.layout import HEADER, read_json_chunk
+from qurl.engines.sglang.inside.loader import SYNC_LOAD_FORMAT
+from qurl.engines.sglang.inside.tp_cut import Layout
+from qurl.engines.sglang.launcher import launch_env
+from qurl.engines.sglang.verified_sync import SGLangDeltaMixin, layout_of_model_dir
 
 
 def _engine(tp: int, layout: Layout | None, loaders=(SYNC_LOAD_FORMAT,),
@@ -32,14 +32,14 @@ CHUNKS = [("model.layers.0.self_attn.q_proj.weight", torch.zeros(8, 8, dtype=tor
 
 def test_tp2_with_head_counts_takes_deltas_and_verification():
     eng = _engine(2, Layout(4, 1))
-    assert eng.delta_capable and eng.verify is not None
+    assert eng.delta_capable and eng.can_verify
     wire = eng._wire(CHUNKS, 1, None)
     assert wire[0][0] == HEADER and read_json_chunk(wire[0][1])["version"] == 1
-    assert eng.tp_refusal is None and eng.verify is not None
+    assert eng.tp_refusal is None and eng.can_verify
 
 
 def test_tp2_without_head_counts_or_loader_gets_full_syncs():
-    assert not _engine(2, None).delta_capable and _engine(2, None).verify is None
+    assert not _engine(2, None).delta_capable and not _engine(2, None).can_verify
     assert not _engine(2, Layout(4, 4), loaders=()).delta_capable
     assert _engine(1, None).delta_capable  # TP 1 needs no head counts
 
@@ -49,7 +49,7 @@ def test_a_tensor_the_map_cannot_cut_turns_verification_off_saying_why():
     odd = CHUNKS + [("model.layers.0.mlp.experts.0.w1.weight", torch.zeros(4, 4))]
     assert eng._wire(odd, 1, None) == odd  # sent whole, without qurl's header
     assert "experts.0.w1.weight" in eng.tp_refusal and "TP 2" in eng.tp_refusal
-    assert not eng.delta_capable and eng.verify is None
+    assert not eng.delta_capable and not eng.can_verify
 
 
 def test_a_cpu_server_that_pads_its_cut_gets_full_syncs():
@@ -57,7 +57,7 @@ def test_a_cpu_server_that_pads_its_cut_gets_full_syncs():
     assert _engine(2, Layout(4, 1), device="cuda")._wire(CHUNKS, 1, None)[0][0] == HEADER
     eng = _engine(2, Layout(4, 1), device="cpu")
     assert eng._wire(CHUNKS, 1, None) == CHUNKS
-    assert "pads 4 query / 1 key-value heads" in eng.tp_refusal and eng.verify is None
+    assert "pads 4 query / 1 key-value heads" in eng.tp_refusal and not eng.can_verify
     mlp = CHUNKS + [("model.layers.0.mlp.gate_proj.weight", torch.zeros(96, 8))]
     eng = _engine(2, Layout(4, 2), device="cpu")
     assert eng._wire(mlp, 1, None) == mlp and "SwiGLU size 96" in eng.tp_refusal

@@ -1,4 +1,4 @@
-"""qurl's in-server sync code (qurl/engines/sglang_server.py) on the two ranks of a TP-2 server,
+"""qurl's in-server sync code (qurl/engines/sglang/inside/apply.py) on the two ranks of a TP-2 server,
 simulated without SGLang: each rank is a small module holding its cut of a Qwen2-like layer the
 way SGLang 0.5.23 holds it (fused qkv / gate_up parts, row-parallel o / down cut by columns,
 per-channel scales, the one key/value head replicated on both ranks, a padded vocabulary), loaded
@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qurl.engines.sglang_server as srv
-from qurl.engines.sglang_layout import MISMATCH_MARK, STALE_MARK
-from qurl.engines.sglang_shard import Layout
-from qurl.sync.delta import encode_named
-from qurl.sync.digest import combine, named_digests
-from qurl.sync.sglang_delta import chunk_meta, header_chunk, tp_digests, verify_chunk
+import qurl.engines.sglang.inside.apply as srv
+from qurl.engines.sglang.inside.layout import MISMATCH_MARK, STALE_MARK
+from qurl.engines.sglang.inside.tp_cut import Layout
+from qurl.engines.sglang.verified_sync import chunk_meta, header_chunk, tp_digests, verify_chunk
+from qurl.wire.delta import encode_named
+from qurl.wire.digest import combine, named_digests
 
 MQA = Layout(heads=4, kv_heads=1)  # 4 query heads of 2, one kv head: replicated at TP 2
 A, M = "model.layers.0.self_attn.", "model.layers.0.mlp."

@@ -19,8 +19,8 @@ from blake3 import blake3
 from qurl.stream.channel import Receiver, Sender
 from qurl.stream.payload import (PromptTask, pack_prompt, pack_trajectories, unpack_trajectories,
                                  validate_packed, validate_trajectories)
-from qurl.stream.wire import (CHUNK, DOMAIN, SCHEMA_VERSION, Limits, WireError, compute_mac,
-                              decode, encode)
+from qurl.stream.wire import (CHUNK, DOMAIN, SCHEMA_VERSION, Limits, WireError, compute_mac, decode,
+                              encode)
 from qurl.types import SamplingParams, Trajectory
 
 KEY = b"0123456789abcdef-run-key"
@@ -251,7 +251,7 @@ def test_pack_unpack_trajectories_lossless_and_views():
 
 
 def test_wire_reexports_payload_helpers():
-    from qurl.stream.wire import pack_trajectories as p, validate_trajectories as v  # noqa: F401
+    from qurl.stream.wire import pack_trajectories as p  # noqa: F401
     assert p is pack_trajectories
 
 

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from pipeline_helpers import TIMING, tiny_cfg
+
 from qurl.config import ConfigError, override
 from qurl.studies.ablation import ablation, arm_configs
 from qurl.studies.runner import run_to_end, train_command

@@ -10,11 +10,11 @@ import torch
 
 from qurl.quant.formats import dequantize_fp8_block, quantize_fp8_block
 from qurl.quant.named import engine_chunks, quantize_named
-from qurl.sync.buckets import (BucketLayout, align_order, bucket_buffer, group_pairs, layout_of,
-                               pack, plan_buckets, unpack)
 from qurl.sync.arena import ArenaQuantizer, ChunkArena
-from qurl.sync.group import WeightGroup, free_port
-from qurl.sync.sender import BucketAnnouncement, WeightSender
+from qurl.wire.buckets import (BucketLayout, align_order, bucket_buffer, group_pairs, layout_of,
+                               pack, plan_buckets, unpack)
+from qurl.wire.group import WeightGroup, free_port
+from qurl.wire.sender import BucketAnnouncement, WeightSender
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:

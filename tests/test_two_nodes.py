@@ -4,7 +4,7 @@
 In a namespace the hostname resolves to loopback, so gloo left to itself advertises 127.0.0.1 and
 a group spanning the two fails at `init_process_group` ("connectFullMesh failed ... remote=
 [127.0.0.1]"); the plan sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface each node
-reaches node 0 through (qurl/deploy/netif.py). Two runs: a TP = 2 learner with one rank per node under
+reaches node 0 through (qurl/node/netif.py). Two runs: a TP = 2 learner with one rank per node under
 torchrun, and an asynchronous learner (deploy.rollout=external) on node 0 whose local-engine worker
 the plan puts on node 1. Creating namespaces needs root (and iproute2): skipped otherwise."""
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pipeline_helpers import cli_sets, tiny_sets
+
 from qurl.train.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent

@@ -148,7 +148,7 @@ def bench_gemms(model_dir: Path, batch: int = 32) -> dict[str, dict[str, float]]
     split used by Int8Linear, activation halves included), fp8 emulation. One thread."""
     import json
 
-    from qurl.engines.kernels import fbgemm_pack, fbgemm_int8_available, fbgemm_int8_product
+    from qurl.engines.kernels import fbgemm_int8_available, fbgemm_int8_product, fbgemm_pack
 
     c = json.loads((model_dir / "config.json").read_text())
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import platform
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any

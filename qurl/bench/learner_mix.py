@@ -83,9 +83,9 @@ def _attention_rounds(rank: int, world: int, model_dir: str, dtype: str, rows: i
 
 def bench_attention_step(rounds: int = 5, threads: int = 2, prompt: int = 12) -> dict[str, Any]:
     """Print (and return) train tokens/s of SDPA and unfused attention at the default run's shape."""
+    from qurl.bench.engines import resolve_model
     from qurl.config import load_config
     from qurl.learner.dist import spawn
-    from qurl.bench.engines import resolve_model
 
     cfg = load_config()
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size

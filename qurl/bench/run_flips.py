@@ -38,7 +38,7 @@ def chunk_kind(name: str, t: torch.Tensor) -> str:
 def change_fractions(prev: dict[str, torch.Tensor], new: list[tuple[str, torch.Tensor]]
                      ) -> dict[str, float]:
     """Per kind: changed elements / elements (bitwise); pass_bf16 compares the bf16 casts."""
-    from qurl.sync.delta import changed_positions
+    from qurl.wire.delta import changed_positions
 
     changed: dict[str, int] = {}
     total: dict[str, int] = {}

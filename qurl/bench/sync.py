@@ -33,9 +33,9 @@ from qurl.config import DeployConfig
 from qurl.quant.formats import all_finite
 from qurl.quant.named import engine_chunks
 from qurl.sync.arena import ArenaQuantizer, ChunkArena
-from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import WeightReceiver
-from qurl.sync.sender import WeightSender
+from qurl.wire.group import WeightGroup, free_port
+from qurl.wire.sender import WeightSender
 
 # Synthetic shapes: qurl's `small` preset (~104M) and Qwen2.5-0.5B's (~494M, tied embeddings).
 SHAPES = {"small": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384),

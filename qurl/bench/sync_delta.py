@@ -15,9 +15,9 @@ written by qurl/bench/run_flips.py: its mean over steps).
 Measured, after a warm-up, best of `repeats`, the two modes alternating so load drift hits both:
 - full: the whole of v1 in wire buckets (already laid out: qurl/sync/arena.py), broadcast, the
   receiver adopting the buckets as its tensors (as LocalEngine does) and acking;
-- delta: encode v1 against v0 on the sender (qurl/sync/delta.py) + broadcast of the delta chunks
+- delta: encode v1 against v0 on the sender (qurl/wire/delta.py) + broadcast of the delta chunks
   (packed into send buffers) + the receiver validating and applying them in place + ack;
-- verify: one digest pass (qurl/sync/digest.py) over the version on each side, which both modes
+- verify: one digest pass (qurl/wire/digest.py) over the version on each side, which both modes
   pay after every sync (listed apart; the receiver's is measured in its process).
 The receiver's final digest is checked against the sender's: the bench fails on a wrong apply.
 """
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from qurl.sync.arena import ChunkArena
-from qurl.sync.delta import (apply_positions, check_delta, delta_nbytes, diff_named,
-                             encode_named, group_delta_chunks)
-from qurl.sync.digest import combine, named_digests
-from qurl.sync.group import WeightGroup, free_port
 from qurl.sync.receiver import WeightReceiver
-from qurl.sync.sender import WeightSender
+from qurl.wire.delta import (apply_positions, check_delta, delta_nbytes, diff_named, encode_named,
+                             group_delta_chunks)
+from qurl.wire.digest import combine, named_digests
+from qurl.wire.group import WeightGroup, free_port
+from qurl.wire.sender import WeightSender
 
 # name: (hidden, layers, heads, kv_heads, ffn, vocab, tied embeddings)
 DELTA_SHAPES = {"qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
@@ -96,7 +96,7 @@ def shape_specs(shape: str) -> list[tuple[str, int, int, str]]:
 
 def bytes_model(shape: str, fracs: dict[str, float]) -> tuple[int, int]:
     """(full bytes, delta bytes) of one sync at `shape` when fracs[kind] of each tensor's
-    elements changed: closed form of qurl/sync/delta.py's choice per tensor."""
+    elements changed: closed form of qurl/wire/delta.py's choice per tensor."""
     full = delta = 0
     for _, numel, item, kind in shape_specs(shape):
         k = int(round(fracs[kind] * numel))
@@ -330,7 +330,7 @@ def _print_row(r: dict) -> None:
 
 def print_legend() -> None:
     print("full: whole v1, already in wire buckets, broadcast + adopted by the receiver + ack; "
-          "delta: encode (compare v1 with v0 bit for bit, qurl/sync/delta.diff_named, then "
+          "delta: encode (compare v1 with v0 bit for bit, qurl/wire/delta.py diff_named, then "
           "build the delta chunks) + broadcast + validate and apply in place + ack; codes cmp: "
           "the part of encode comparing the 8-bit codes, which a qurl full sync pays too (the "
           "flip fraction is counted from it); (d-cmp)/f: the delta's time without it; verify: "

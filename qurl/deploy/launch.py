@@ -10,7 +10,7 @@ Placement:
   by the distinct hosts of `sglang.urls`. Node 0 is the learner's master; the first
   `deploy.nnodes` nodes run torchrun with `deploy.nproc_per_node` ranks on GPUs 0..P-1
   (nnodes * nproc_per_node must equal the learner's tp * dp ranks; a nproc_per_node left at its
-  default 0 is taken as tp * dp / nnodes, see qurl/deploy/placement.py).
+  default 0 is taken as tp * dp / nnodes, see qurl/node/placement.py).
 - servers = `sglang.urls` when given (each host must be one of the nodes), else the free
   GPUs of every node (all of a non-learner node, those after the learner's on a learner node) are
   filled with servers of `sglang.tp` GPUs on ports `--server-port` (30000), +1, ...; their URLs are
@@ -21,7 +21,7 @@ Placement:
   External workers (`python -m qurl.pipeline.worker`) are planned too: beside their server for
   SGLang (no GPU of their own), or one per free GPU for the local engine. Workers the learner
   spawns itself (deploy.rollout=workers, local engine) take the GPUs after its ranks on node 0
-  (qurl/deploy/placement.py `worker_gpu`), so the learner's CUDA_VISIBLE_DEVICES includes them.
+  (qurl/node/placement.py `worker_gpu`), so the learner's CUDA_VISIBLE_DEVICES includes them.
 - every GPU holds one process: the plan refuses a layout that would put two on one GPU (a learner
   rank and a server each take most of its memory; NCCL refuses two ranks of a group on one GPU).
   Rank 0 also runs its own evaluation engine in-process on its GPU (the local engine, and the
@@ -29,7 +29,7 @@ Placement:
 - the learner, its servers and workers talk to node 0 (`deploy.host`) over gloo and NCCL, which
   advertise the address of GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (else of the hostname: a
   loopback address on many nodes). Every planned command sets both to the interface that node
-  reaches node 0 through, found on the node itself (qurl/deploy/netif.py; `"$(python -m qurl.deploy.netif
+  reaches node 0 through, found on the node itself (qurl/node/netif.py; `"$(python -m qurl.node.netif
   HOST)"` in the printed commands), unless node 0 is a loopback address (one machine).
 - before its servers start, a node writes the 8-bit checkpoint (`python -m
   qurl.models.export8bit`, UAQ-scaled) under the run directory; on a shared filesystem every
@@ -57,11 +57,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from qurl.config import PRESETS, Config, load_config
-from qurl.deploy.netif import IFNAME_VARS, interface_to
-from qurl.deploy.placement import learner_ranks_per_node
+from qurl.engines.sglang.launcher import server_command
 from qurl.engines.sglang.protocol import QUANTIZATION
-from qurl.engines.sglang.server import server_command
 from qurl.models.base import builds_base
+from qurl.node.netif import IFNAME_VARS, interface_to
+from qurl.node.placement import learner_ranks_per_node
 
 BASE_PORT = 30000
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -71,12 +71,12 @@ STOP_GRACE_S = 10.0
 @dataclass(frozen=True)
 class Reach:
     """An environment value found on the node that runs the command: the name of the interface
-    it reaches `host` through (qurl/deploy/netif.py)."""
+    it reaches `host` through (qurl/node/netif.py)."""
     host: str
     python: str = "python"
 
     def shell(self) -> str:
-        return f'"$({self.python} -m qurl.deploy.netif {shlex.quote(self.host)})"'
+        return f'"$({self.python} -m qurl.node.netif {shlex.quote(self.host)})"'
 
 
 @dataclass
@@ -374,6 +374,6 @@ def main_launch(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run_node(plans[args.node_rank])
-    except ValueError as e:  # this node reaches no interface to node 0 (qurl/deploy/netif.py)
+    except ValueError as e:  # this node reaches no interface to node 0 (qurl/node/netif.py)
         print(f"qurl launch: error: {e}", file=sys.stderr)
         return 2

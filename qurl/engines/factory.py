@@ -20,7 +20,7 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     whatever rollout.engine says — the async controller's evaluation engine, which must not take
     the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
     The local engine runs on this process's current GPU when there is one; SGLang servers
-    launched here get GPUs of their own after the learner's (qurl/deploy/placement.py). precision: overrides
+    launched here get GPUs of their own after the learner's (qurl/node/placement.py). precision: overrides
     rollout.precision (with local=True; "bf16" = the unquantized policy, for evaluation)."""
     if cfg.rollout.engine == "local" or local:
         import torch
@@ -34,9 +34,9 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
         return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
     import torch
 
-    from qurl.deploy.placement import sglang_base_gpus
+    from qurl.checkpoint.rundir import run_dir_for
     from qurl.engines.sglang.engine import SGLangEngine
-    from qurl.train.rundir import run_dir_for
+    from qurl.node.placement import sglang_base_gpus
 
     d = cfg.deploy
     gpus = None if cfg.sglang.urls else sglang_base_gpus(  # launched here: after the learner's
@@ -76,7 +76,7 @@ def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None
     if flag == "auto" and not cfg.sglang.urls:
         # servers qurl launches load its own export (qurl.models.export8bit), written in bf16:
         # the base model's dtype does not matter (an fp16 guess here made every pass-through
-        # land rounded to bf16 on the server: the verified sync found it, qurl/sync/sglang_delta.py)
+        # land rounded to bf16 on the server: the verified sync found it, qurl/engines/sglang/verified_sync.py)
         flag = "bfloat16"
     elif flag == "auto":
         meta = json.loads((Path(model_dir) / "config.json").read_text())

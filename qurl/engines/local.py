@@ -67,9 +67,8 @@ def quantize_model_linears(model: nn.Module, fmt: str, fuse: bool = True) -> dic
 
 
 class LocalEngine(LocalWeights):
-    """Engine protocol (engines/base.py) over a local HF checkpoint; see the module docstring."""
-
-    adopts_chunks = True  # load_weights(adopt=True) is supported: see qurl/sync/receiver.py
+    """Engine over a local HF checkpoint, also a VerifiableEngine and an AdoptingEngine
+    (engines/base.py); see the module docstring."""
 
     def __init__(
         self,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from qurl.checkpoint.rundir import CheckpointDir, read_config, run_dir_for
 from qurl.config import Config, ConfigError, override, parse_sets, validate
-from qurl.deploy.placement import learner_threads, set_threads
 from qurl.deploy.ranks import run_ranks
 from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.evaluation.suite import Evaluator
@@ -22,8 +22,8 @@ from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import builds_base
 from qurl.models.registry import resolve_base
+from qurl.node.placement import learner_threads, set_threads
 from qurl.sync.publish import WeightSync
-from qurl.train.rundir import CheckpointDir, read_config, run_dir_for
 
 
 def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_question: bool,

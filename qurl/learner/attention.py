@@ -49,7 +49,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
 CPU_BF16_MATH_BELOW = 160  # positions (module docstring: measured crossover on a 2-core EPYC)
 
 

@@ -106,10 +106,10 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
 
 def pick_interface(master: str) -> str | None:
     """Set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (those not set already) to the interface this
-    node reaches `master` through (qurl/deploy/netif.py), so a torchrun started by hand across nodes
+    node reaches `master` through (qurl/node/netif.py), so a torchrun started by hand across nodes
     works as `qurl launch`'s commands do. Nothing for a loopback master (one machine) or when no
     interface is found (the libraries' own choice then stands). Returns the name set, if any."""
-    from qurl.deploy.netif import IFNAME_VARS, interface_to
+    from qurl.node.netif import IFNAME_VARS, interface_to
 
     if master in ("127.0.0.1", "localhost", "::1") or all(os.environ.get(k) for k in IFNAME_VARS):
         return None

@@ -125,7 +125,7 @@ class DistributedAdamW:
         self.opt = torch.optim.AdamW(
             [{"params": [self.groups[0].master], "weight_decay": optim.weight_decay},
              {"params": [self.groups[1].master], "weight_decay": 0.0}],
-            lr=optim.lr, betas=tuple(optim.betas), eps=optim.adam_eps, fused=True)
+            lr=optim.lr, betas=tuple(optim.adam[:2]), eps=optim.adam[2], fused=True)
         self._scratch: torch.Tensor | None = None  # fp64 chunk for the grad norm on CPU
 
     @property

@@ -1,5 +1,5 @@
 """The tensor-parallel learner: a megatron-core GPTModel trained with the QuRL surrogate.
-(Model construction is build.py; writing and reading this rank's checkpoint shards is shards.py.)
+(Model construction is build.py; writing and reading this rank's checkpoint shards is qurl/checkpoint/shards.py.)
 
 One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from qurl.algo.loss import loss_denominator, loss_options, policy_loss
+from qurl.checkpoint.shards import ShardCheckpoint
 from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
@@ -50,7 +51,6 @@ from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
 from qurl.learner.logits import first_loss_columns, head_logp, head_weight, hidden_states_out
 from qurl.learner.membudget import agreed_free, free_bytes, rows_per_micro
 from qurl.learner.plan import token_cost_from_fields
-from qurl.learner.shards import ShardCheckpoint
 from qurl.models import convert
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

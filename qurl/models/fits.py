@@ -35,9 +35,8 @@ def read_fields(base: str) -> dict[str, Any]:
     from qurl.models.hf import MODEL_PRESETS
 
     if base in MODEL_PRESETS:  # the vocabulary is the character tokenizer's (not a preset field)
-        from qurl.models.tokenizer import build_tokenizer
-
         from qurl.models.hf import preset_architecture
+        from qurl.models.tokenizer import build_tokenizer
 
         return dict(MODEL_PRESETS[base], vocab_size=len(build_tokenizer()),
                     architectures=[preset_architecture(base)])  # what qurl.models.hf builds

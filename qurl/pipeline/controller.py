@@ -38,9 +38,9 @@ from typing import Any, Iterable
 import torch
 
 from qurl.config import Config
-from qurl.deploy.placement import learner_threads
 from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
+from qurl.node.placement import learner_threads
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.quant.named import dequantize_named
@@ -76,7 +76,7 @@ class Controller:
                                max_staleness=cfg.rollout.max_staleness,
                                total_steps=cfg.run.steps, seed=cfg.run.seed,
                                encode=self.codec.encode, params=z.params,
-                               dynamic_sampling=cfg.algo.dynamic_sampling)
+                               dynamic_sampling=cfg.algo.dynamic_sampling_rounds > 0)
         self.wall0, self.wall_offset = time.monotonic(), 0.0
         if z.run.state is not None:
             self._restore(z.run.state)

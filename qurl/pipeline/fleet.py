@@ -28,7 +28,7 @@ control message with its reason, counted (`resync/<reason>`), and the current ve
 again in full. Deltas need every member's engine to apply them: each worker says in its hello
 whether it can (`deltas`: its engine has `verify` — the local engine, and an SGLang adapter whose
 one server runs qurl's sync loader, at TP 1 or at a TP size whose cut qurl maps,
-qurl/sync/sglang_delta.py); while any slot cannot, every
+qurl/engines/sglang/verified_sync.py); while any slot cannot, every
 version goes in full (counted as `unsupported`). A worker that gets a delta anyway refuses it
 (qurl/sync/receiver.py) and the group is re-formed and sent the version in full. A version equal
 to the last one (a step without gradient: an empty delta) sends its smallest tensor whole, since
@@ -53,11 +53,11 @@ from typing import Any, Callable
 import torch
 
 from qurl.config import Config
-from qurl.engines.sglang.server import STOP_WAIT_S
+from qurl.engines.sglang.launcher import STOP_WAIT_S
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
-from qurl.sync.broadcaster import Broadcaster, GroupSpec
 from qurl.sync.plan import SyncPlan, SyncPlanner, broadcast_chunks
+from qurl.wire.broadcaster import Broadcaster, GroupSpec
 
 log = logging.getLogger("qurl.fleet")
 

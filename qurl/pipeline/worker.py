@@ -10,10 +10,10 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
 
 1. says hello with its inbox address and whether its engine can apply delta syncs (it has
    `verify`: the local engine; an SGLang adapter whose server runs qurl's sync loader at TP 1 or
-   at a TP size whose cut qurl maps, qurl/engines/sglang_shard.py), every
+   at a TP size whose cut qurl maps, qurl/engines/sglang/inside/tp_cut.py), every
    second until the controller answers with a weight group to join; the controller connects to
    that inbox;
-2. joins the weight-update group (qurl/sync/group.py) as rank slot+1 and receives the current
+2. joins the weight-update group (qurl/wire/group.py) as rank slot+1 and receives the current
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from qurl.data.datasets import ANSWER_KINDS
+from qurl.engines.base import verifiable
 from qurl.pipeline.worker_sync import Abort, Unverified, WeightClient
 
 log = logging.getLogger("qurl.worker")
@@ -87,11 +88,11 @@ class RolloutWorker(WeightClient):
                  host: str = "", reconnect_s: float = RECONNECT_S, threads: int = 0) -> None:
         """threads: torch CPU threads, as the controller decided for the workers it starts;
         0 (a worker started by hand on its own machine) = deploy.torch_threads or every core."""
-        from qurl.deploy.placement import set_threads, threads_for
+        from qurl.checkpoint.rundir import read_config
         from qurl.engines.factory import make_engine
+        from qurl.node.placement import set_threads, threads_for
         from qurl.pipeline.session import read_key
         from qurl.rollout.requests import PromptCodec
-        from qurl.train.rundir import read_config
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
@@ -103,7 +104,7 @@ class RolloutWorker(WeightClient):
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
         if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
-            from qurl.deploy.placement import worker_gpu  # one GPU per worker, after the learner's
+            from qurl.node.placement import worker_gpu  # one GPU per worker, after the learner's
 
             torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count()))
         self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
@@ -277,8 +278,7 @@ class RolloutWorker(WeightClient):
                     self._send_control({"op": "hello", "gen": self.gen_seen,
                                         "endpoint": self.inbox.endpoint,
                                         "engine_version": int(self.engine.version),
-                                        "deltas": callable(getattr(self.engine, "verify",
-                                                                   None))})
+                                        "deltas": verifiable(self.engine) is not None})
                     self._next_hello = now + HELLO_EVERY_S
                 if self.parent_pid == 0 and now - self.last_heard > self.reconnect_s:
                     self._maybe_reconnect()

@@ -1,7 +1,7 @@
 """A rollout worker's side of weight sync: join the weight group, receive each version, verify it.
 
 Every sync is verified: after the receiver commits a version the worker hashes what its engine
-holds against the learner's digests (qurl/sync/digest.py, sent with the first announcement). A
+holds against the learner's digests (qurl/wire/digest.py, sent with the first announcement). A
 delta whose base the engine does not hold verified is refused before anything is written (the
 engine keeps its version); a mismatch leaves the engine unverified. Either way the worker abandons
 the generation in progress (its prompts go back to the queue) and generates nothing until a full
@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+
+from qurl.engines.base import StaleBase, verifiable
 
 log = logging.getLogger("qurl.worker")
 
@@ -39,8 +41,8 @@ class WeightClient:
         self.joined = False
 
     def _join_group(self, meta: dict[str, Any]) -> None:
-        from qurl.sync.group import WeightGroup
         from qurl.sync.receiver import WeightReceiver
+        from qurl.wire.group import WeightGroup
 
         self._leave_group()
         gen = meta.get("gen")
@@ -92,8 +94,6 @@ class WeightClient:
                 raise RuntimeError(f"control {op!r} arrived inside a weight sync")
             raise TimeoutError("no next bucket announcement within 300 s")
 
-        from qurl.engines.local_weights import StaleBase
-
         try:
             stats = self.weights_rx.receive(next_announcement)
         except StaleBase as e:  # every broadcast was joined: the group is fine, ask for all
@@ -126,11 +126,11 @@ class WeightClient:
     def _verify(self, header: dict[str, Any] | None) -> float | None:
         """Check the engine against the sync's digests: 1.0 match, 0.0 mismatch (weights_ok
         cleared until a sync verifies), None when there is nothing to check with."""
-        verify = getattr(self.engine, "verify", None)
+        checked = verifiable(self.engine)
         digests = (header or {}).get("digests")
-        if verify is None or not isinstance(digests, dict):
+        if checked is None or not isinstance(digests, dict):
             return None
-        bad = verify(digests)
+        bad = checked.verify(digests)
         if bad:
             self.counts["verify_mismatches"] += 1
             log.warning("slot %d: weights v%d differ from the learner's in %d tensors (%s): "

@@ -27,7 +27,6 @@ from qurl.rollout.generate import group_stats, rollout
 from qurl.rollout.requests import PromptCodec
 from qurl.types import SamplingParams, Trajectory
 
-
 _SAMPLED_KEYS = ("reward", "response_len", "truncated_frac", "reward_timeouts")
 
 
@@ -54,21 +53,22 @@ def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCurs
                   codec: PromptCodec, params: SamplingParams, cfg: Config, *,
                   step: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
     """The groups one synchronous step trains on: rollout.prompts_per_step groups of
-    rollout.group_size samples, from prompts taken off `cursor`. With algo.dynamic_sampling, groups
-    that are not `informative` are dropped and more prompts are sampled until the batch is full;
-    more than algo.max_sample_rounds rounds is an error (the data is too easy or too hard for the
+    rollout.group_size samples, from prompts taken off `cursor`. With algo.dynamic_sampling_rounds
+    > 0, groups that are not `informative` are dropped and more prompts are sampled until the batch
+    is full; needing more than that many rounds is an error (the data is too easy or too hard for the
     policy). Returns (groups, rollout stats; with dynamic sampling also sample_rounds,
     groups_sampled, groups_filtered)."""
     want, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     groups: list[list[Trajectory]] = []
     parts: list[tuple[dict[str, float], int]] = []
     sampled = 0
+    rounds = cfg.algo.dynamic_sampling_rounds  # 0: off, one round whatever its groups
     while len(groups) < want:
-        if len(parts) == cfg.algo.max_sample_rounds:
+        if len(parts) == rounds:
             raise RuntimeError(
-                f"algo.dynamic_sampling: step {step} found {len(groups)} of {want} groups with "
-                f"mixed accuracy in {sampled} sampled prompts ({len(parts)} rounds = "
-                f"algo.max_sample_rounds); every other group was all right or all wrong")
+                f"algo.dynamic_sampling_rounds: step {step} found {len(groups)} of {want} groups "
+                f"with mixed accuracy in {sampled} sampled prompts ({len(parts)} rounds = "
+                f"algo.dynamic_sampling_rounds); every other group was all right or all wrong")
         examples = [train_set[i] for i in cursor.take(want - len(groups))]
         got, stats = rollout(engine, examples, codec, params, group_size=G,
                              run_seed=cfg.run.seed, step=step,
@@ -77,9 +77,9 @@ def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCurs
         stats.update({key: sampled_stats[key] for key in _SAMPLED_KEYS})
         parts.append((stats, len(examples) * G))
         sampled += len(got)
-        groups += [g for g in got if informative(g)] if cfg.algo.dynamic_sampling else got
+        groups += [g for g in got if informative(g)] if rounds else got
     out = _merge(parts)
-    if cfg.algo.dynamic_sampling:
+    if rounds:
         out.update({"sample_rounds": float(len(parts)), "groups_sampled": float(sampled),
                     "groups_filtered": float(sampled - len(groups))})
     return groups, out

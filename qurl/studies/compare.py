@@ -19,7 +19,7 @@ the moment it appeared (seconds since the arm's process started). Then `<out>/co
   count, and the ratio of each arm to its sync counterpart;
 - the arm's whole wall time (process included);
 - the torch CPU threads it ran on (`threads`: learner, or learner+workers). By default
-  (deploy.torch_threads = 0, see qurl/deploy/placement.py) every arm gets the whole machine: the sync
+  (deploy.torch_threads = 0, see qurl/node/placement.py) every arm gets the whole machine: the sync
   loop generates and trains on every core, an async run splits the cores between its learner and
   its workers. (One thread per process instead would leave the sync arm's other cores idle and
   flatter async.)

@@ -128,9 +128,9 @@ def worked_answer_pairs(cfg, tokenizer, n: int) -> list[tuple[list[int], list[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qurl.config import load_config
     from transformers import AutoTokenizer
 
+    from qurl.config import load_config
     from qurl.models.hf import read_state_dict
 
     p = argparse.ArgumentParser(prog="python -m qurl.studies.engine_noise",

@@ -65,9 +65,9 @@ def tally(misses: list[Miss]) -> dict[str, tuple[int, int]]:
 
 def report(run_dir: Path, records: list[Path]) -> list[str]:
     """Lines: for each record, each set's kinds (count, of which run on) and accuracy."""
+    from qurl.checkpoint.rundir import read_config
     from qurl.config import validate
     from qurl.data.splits import load_eval_sets
-    from qurl.train.rundir import read_config
 
     recs = {path: json.loads(Path(path).read_text()) for path in records}
     for path, rec in recs.items():

@@ -7,7 +7,7 @@ model and checkpoints). What happens depends on what is already there:
 - an unfinished run with the same training config and at least one checkpoint: it is resumed
   (`qurl train --resume`), which restores the learner, optimizer, data cursor and RNG state of the
   newest intact checkpoint and truncates metrics.jsonl to it, so the resumed run's records equal an
-  uninterrupted run's (qurl/train/rundir.py, qurl/train/metrics_log.py). At most deploy.ckpt_every steps are redone;
+  uninterrupted run's (qurl/checkpoint/rundir.py, qurl/train/metrics_log.py). At most deploy.ckpt_every steps are redone;
 - a finished shorter run that the wanted one extends (qurl.studies.store.extends: only more steps,
   and the same first steps): it is continued from its last checkpoint with
   `qurl train --resume <run> --set run.steps=M`;
@@ -43,7 +43,7 @@ from qurl.studies.store import extends, read_run, training_diff
 
 
 def _resumable(run_dir: Path, cfg: Config) -> bool:
-    from qurl.train.rundir import read_config
+    from qurl.checkpoint.rundir import read_config
 
     if not (run_dir / "config.toml").exists() or not any((run_dir / "ckpt").glob("step_*")):
         return False

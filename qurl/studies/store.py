@@ -48,14 +48,13 @@ be lengthened without rerunning a step.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Any
 
-from qurl.config import TRAINING_SECTIONS, Config, ConfigError, override
+from qurl.config import TRAINING_SECTIONS, Config, ConfigError, leaves, override
 from qurl.train.metrics_log import read_metrics
 
 FILES = ("config.toml", "metrics.jsonl")
@@ -78,7 +77,7 @@ def finished(records: list[dict[str, Any]], steps: int) -> bool:
 
 def read_run(run_dir: Path) -> tuple[Config, list[dict[str, Any]]] | None:
     """(config, records) of a run or committed directory if it holds a finished run, else None."""
-    from qurl.train.rundir import read_config
+    from qurl.checkpoint.rundir import read_config
 
     if not all((Path(run_dir) / f).exists() for f in FILES):
         return None
@@ -90,11 +89,10 @@ def read_run(run_dir: Path) -> tuple[Config, list[dict[str, Any]]] | None:
 def training_diff(a: Config, b: Config) -> str | None:
     """The first training-section field where a and b differ, as 'section.field: a vs b', or None."""
     for section in TRAINING_SECTIONS:
-        sa, sb = getattr(a, section), getattr(b, section)
-        for f in dataclasses.fields(sa):
-            va, vb = getattr(sa, f.name), getattr(sb, f.name)
+        pairs = zip(leaves(getattr(a, section), f"{section}."), leaves(getattr(b, section)))
+        for (name, _, _, va), (_, _, _, vb) in pairs:
             if va != vb:
-                return f"{section}.{f.name}: {va!r} vs {vb!r}"
+                return f"{name}: {va!r} vs {vb!r}"
     return None
 
 

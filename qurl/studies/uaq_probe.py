@@ -25,7 +25,6 @@ import copy
 import json
 import os
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 

@@ -25,13 +25,13 @@ name, shape or dtype differs from the layout is a ValueError, never a silent re-
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from qurl.quant.formats import FORMATS, code_dtype, quantize_per_channel
 from qurl.quant.named import SCALE_SUFFIX, is_quantized_linear, quantize_named, travels_as
-from qurl.sync.buckets import plan_buckets, unpack
+from qurl.wire.buckets import plan_buckets, timed_items, unpack
 
 Chunks = list[tuple[str, torch.Tensor]]
 
@@ -82,19 +82,6 @@ class ChunkArena:
             raise ValueError(f"weight sync: {len(out)} chunks do not match the layout's "
                              f"{len(self.order)} (names or order changed)")
         return out
-
-
-def timed_items(named: Iterable[tuple[str, torch.Tensor]], timing: list[float]
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`named`, adding the time spent waiting for each item to timing[0]."""
-    it = iter(named)
-    while True:
-        t0 = time.perf_counter()
-        item = next(it, None)
-        timing[0] += time.perf_counter() - t0
-        if item is None:
-            return
-        yield item
 
 
 class ArenaQuantizer:

@@ -3,7 +3,7 @@
 For each version v the learner has the engine chunks (qurl/sync/arena.py: codes, scales,
 pass-throughs in their wire dtypes). `SyncPlanner.plan` decides what goes on the wire:
 
-- a **delta** (qurl/sync/delta.py) only when delta sync is on, the planner still holds v-1's
+- a **delta** (qurl/wire/delta.py) only when delta sync is on, the planner still holds v-1's
   chunks (the arena quantizer alternates two arenas, so they stay intact while v is built), the
   receivers are known to hold exactly v-1 (`holder` = the version and combined digest they last
   verified), and the periodic full sync is not due;
@@ -14,7 +14,7 @@ pass-throughs in their wire dtypes). `SyncPlanner.plan` decides what goes on the
   caller gives when it resyncs (`mismatch`: verification failed; `refused`: a receiver found its
   base differs).
 
-Every plan carries the digests (qurl/sync/digest.py) of the full version v, which the engines must
+Every plan carries the digests (qurl/wire/digest.py) of the full version v, which the engines must
 match after applying it, and a delta carries its base (v-1 and v-1's combined digest), which an
 engine checks before applying anything. The planner remembers v as the next base whether or not
 the send succeeds; the receivers' `holder` decides whether it can be used.
@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import torch
 
-from qurl.sync.delta import Chunks, DeltaStats, diff_named, encode_named
-from qurl.sync.digest import combine, named_digests
+from qurl.wire.delta import Chunks, DeltaStats, diff_named, encode_named
+from qurl.wire.digest import combine, named_digests
 
 SYNC_MODES = ("delta", "full")
 
@@ -99,7 +99,7 @@ class SyncPlanner:
 
     def diff(self, chunks: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Changed positions of `chunks` (the next version) against the last version planned,
-        per tensor (qurl.sync.delta.diff_named); {} before the first. Kept for `plan(chunks)`."""
+        per tensor (qurl.wire.delta.diff_named); {} before the first. Kept for `plan(chunks)`."""
         pos = {} if self._prev is None else diff_named(self._prev, chunks)
         self._diffed = (chunks, pos)
         return pos

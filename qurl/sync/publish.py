@@ -6,11 +6,11 @@ The flip fraction — the share of 8-bit codes that changed since the previous s
 on the exact codes sent, split into the layers UAQ scales (q/k/v/gate/up) and the others.
 
 Each version goes as a delta against the previous one when the engine holds it verified, else in
-full (qurl/sync/plan.py), and the engine then proves it holds the sender's bits (qurl/sync/digest.py:
+full (qurl/sync/plan.py), and the engine then proves it holds the sender's bits (qurl/wire/digest.py:
 `verify`); a mismatch is resynced in full at once and counted, and a second mismatch is an error:
 the loop never samples from weights that differ from the learner's. Engines without `verify` (an
 SGLang engine whose servers lack qurl's sync loader, or run TP > 1 with a cut qurl cannot map:
-qurl/sync/sglang_delta.py) get
+qurl/engines/sglang/verified_sync.py) get
 full syncs (`unsupported`) and records say `sync/verified` = NaN (not checked).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from qurl.engines.base import Engine
+from qurl.engines.base import Engine, StaleBase, verifiable
 from qurl.quant.flips import aggregate_flips
 from qurl.quant.named import NAMED_FORMATS
 from qurl.sync.arena import ArenaQuantizer
@@ -71,37 +71,34 @@ class WeightSync:
                 pass
             return {}
         chunks, stats = self.quantize(named)
-        verify = getattr(engine, "verify", None)
-        holder = (engine.version, getattr(engine, "digest", None))
-        plan = first = self.planner.plan(chunks, version, holder, can_delta=verify is not None)
+        checked = verifiable(engine)
+        holder = (engine.version, checked.digest if checked else None)
+        plan = first = self.planner.plan(chunks, version, holder, can_delta=checked is not None)
         t1 = time.perf_counter()
         try:
             self._load(engine, plan)
             refused = False
-        except ValueError as e:
-            from qurl.engines.local_weights import StaleBase
-            if not isinstance(e, StaleBase):
-                raise
+        except StaleBase:
             refused = True
         # an engine may find at its first load that it cannot verify (an SGLang TP > 1 server
-        # whose cut qurl cannot map: qurl/sync/sglang_delta.py `tp_refusal`)
-        verify = getattr(engine, "verify", None)
+        # whose cut qurl cannot map: qurl/engines/sglang/verified_sync.py `tp_refusal`)
+        checked = verifiable(engine)
         load_s, verify_s, mismatched, verified = time.perf_counter() - t1, 0.0, 0.0, float("nan")
         sent = plan.stats.bytes
         if refused:
             plan = self.planner.full(plan, chunks, "refused")
             self._load(engine, plan)
             sent += plan.stats.bytes
-        if verify is not None:
+        if checked is not None:
             t2 = time.perf_counter()
-            bad = verify(plan.digests)
+            bad = checked.verify(plan.digests)
             verified = 0.0 if bad else 1.0
             if bad:  # never sample from weights that differ from the learner's: resync in full
                 mismatched = float(len(bad))
                 plan = self.planner.full(plan, chunks, "mismatch")
                 self._load(engine, plan)
                 sent += plan.stats.bytes
-                again = verify(plan.digests)
+                again = checked.verify(plan.digests)
                 if again:
                     raise RuntimeError(f"weight sync v{version}: the engine's {again[0]} differs "
                                        "from the learner's even after a full resync")

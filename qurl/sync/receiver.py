@@ -36,10 +36,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from qurl.engines.base import Engine
-from qurl.sync.buckets import WIRE_DTYPES, unpack
-from qurl.sync.group import WeightGroup
-from qurl.sync.sender import BucketAnnouncement
+from qurl.engines.base import AdoptingEngine, Engine, verifiable
+from qurl.wire.buckets import WIRE_DTYPES, unpack
+from qurl.wire.group import WeightGroup
+from qurl.wire.sender import BucketAnnouncement
 
 
 @dataclass
@@ -60,7 +60,7 @@ class WeightReceiver:
     - an engine that copies each chunk before asking for the next gets a ring of 3 (bucket being
       loaded + bucket queued + bucket being received): a buffer is overwritten only after the
       engine has moved two buckets past it;
-    - an engine that can *adopt* chunks (`engine.adopts_chunks`, e.g. LocalEngine) gets two banks
+    - an engine that can *adopt* chunks (an `AdoptingEngine`, e.g. LocalEngine) gets two banks
       of one buffer per bucket: a sync is received into the bank the engine does not hold and the
       engine takes its tensors as its own at commit (no copy). The receiver moves to the other bank
       only when the engine says it adopted (`engine.adopted`), so memory the engine holds is never
@@ -73,7 +73,7 @@ class WeightReceiver:
         if group.rank == 0:
             raise ValueError("WeightReceiver cannot be rank 0 (rank 0 is the learner's WeightSender)")
         self.group, self.engine, self.reuse_buffers = group, engine, reuse_buffers
-        self.adopt = reuse_buffers and bool(getattr(engine, "adopts_chunks", False))
+        self.adopt = reuse_buffers and isinstance(engine, AdoptingEngine)
         self._ring: list[torch.Tensor | None] = [None] * self.RING
         self._banks: list[list[torch.Tensor | None]] = [[], []]
         self._bank = 0  # the bank the next sync is received into
@@ -166,13 +166,13 @@ class WeightReceiver:
 
         extra: dict[str, Any] = {} if base is None else {"base": base}
         try:
-            if base is not None and not callable(getattr(self.engine, "verify", None)):
+            if base is not None and verifiable(self.engine) is None:
                 raise ValueError(f"sync v{first.version} is a delta and this engine cannot "
                                  "apply deltas")
             if self.adopt:
-                self.engine.load_weights(chunks(), first.version, adopt=True,  # type: ignore[call-arg]
-                                         **extra)
-                if getattr(self.engine, "adopted", False):
+                assert isinstance(self.engine, AdoptingEngine)
+                self.engine.load_weights(chunks(), first.version, adopt=True, **extra)
+                if self.engine.adopted:
                     self._bank ^= 1  # the engine holds this bank now; the next sync uses the other
             else:
                 self.engine.load_weights(chunks(), first.version, **extra)

@@ -34,19 +34,19 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 def base_dir(cfg: Config) -> Path:
     """The HF checkpoint the run started from (config, tokenizer, chat template)."""
+    from qurl.checkpoint.rundir import run_dir_for
     from qurl.models.base import builds_base
     from qurl.models.registry import resolve_base
-    from qurl.train.rundir import run_dir_for
 
     return run_dir_for(cfg) / "base_model" if builds_base(cfg) else Path(resolve_base(cfg.model.base))
 
 
 def _export_entry(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, rank: int,
                   world_size: int) -> str:
-    from qurl.deploy.placement import learner_threads, set_threads
     from qurl.learner.dist import init_learner_dist, is_main_rank
     from qurl.learner.megatron import MegatronLearner
     from qurl.models.export8bit import write_checkpoint
+    from qurl.node.placement import learner_threads, set_threads
     from qurl.quant.uaq import apply_uaq
 
     set_threads(learner_threads(cfg, workers=False))
@@ -69,8 +69,8 @@ def _export_entry(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, ran
 def export_run(run_dir: Path, out: Path, *, step: int | None = None, fmt: str = "hf",
                dtype: str | None = None) -> Path:
     """Export `run_dir`'s latest checkpoint (or `step`'s) to `out` (module docstring)."""
+    from qurl.checkpoint.rundir import CheckpointDir, read_config
     from qurl.deploy.ranks import run_ranks
-    from qurl.train.rundir import CheckpointDir, read_config
 
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt!r}: must be one of {', '.join(FORMATS)}")

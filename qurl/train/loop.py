@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
+from qurl.checkpoint.rundir import rng_state, set_rng_state
 from qurl.config import Config
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
@@ -47,7 +48,6 @@ from qurl.rollout.generate import group_stats
 from qurl.rollout.requests import PromptCodec
 from qurl.train.metrics_log import MetricsLogger
 from qurl.train.run_setup import OpenedRun, open_run, save_checkpoint
-from qurl.train.rundir import rng_state, set_rng_state
 from qurl.types import SamplingParams, Trajectory
 
 
@@ -152,9 +152,9 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
                 groups, gen_stats = source.next_groups(step, version)
                 batch, bstats = build_batch(
                     groups, version=version, pad_id=pad_id, advantage=cfg.algo.advantage,
-                    dynamic_sampling=cfg.algo.dynamic_sampling,
-                    overlong_buffer=cfg.algo.overlong_buffer,
-                    overlong_penalty_value=cfg.algo.overlong_penalty,
+                    dynamic_sampling=cfg.algo.dynamic_sampling_rounds > 0,
+                    overlong_buffer=int(cfg.algo.overlong[0]),
+                    overlong_penalty_value=cfg.algo.overlong[1],
                     max_new_tokens=cfg.rollout.max_new_tokens)
             batch = broadcast_object(batch)
             t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 On every learner rank: pin CPU threads, join the process groups, make or find the base model
 (rank 0), build the Megatron learner (UAQ applied to its master weights) and, on resume, load the
-newest intact checkpoint (qurl/train/rundir.py). `save_checkpoint` is the matching writer. Rank 0 also checks that a resume does not change an immutable field, that a fresh
+newest intact checkpoint (qurl/checkpoint/rundir.py). `save_checkpoint` is the matching writer. Rank 0 also checks that a resume does not change an immutable field, that a fresh
 run does not overwrite an existing one, and writes the resolved config into the run directory.
 """
 from __future__ import annotations
@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
+from qurl.checkpoint.checksums import save_torch
+from qurl.checkpoint.rundir import (CheckpointDir, check_resume_config, read_config, run_dir_for,
+                                    write_config)
 from qurl.config import Config, ConfigError
-from qurl.deploy.placement import learner_threads, set_threads
 from qurl.errors import CheckpointError
 from qurl.learner.dist import broadcast_object, gather_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import prepare_base_model
-from qurl.train.checksums import save_torch
-from qurl.train.rundir import CheckpointDir, check_resume_config, read_config, run_dir_for, write_config
+from qurl.node.placement import learner_threads, set_threads
 
 
 @dataclass

@@ -1,13 +1,25 @@
-"""SGLang rollout engines: the only qurl code that talks to SGLang servers (the learner side never
-imports sglang; in_server.py does, and runs only inside a server process).
+"""SGLang rollout engines: the only qurl code that knows SGLang.
 
-protocol.py   what qurl relies on of SGLang's HTTP routes (re-check when the pinned release
-              changes); errors; the /generate reply parser
-server.py     one server process: its command line (`server_command`), HTTP calls, start, health, stop
-update.py     the weight group and weight-update sessions (8-bit broadcasts, W8A8 restore, disk reload)
-engine.py     `SGLangEngine`: N servers as one Engine; request routing, partial rollout, recovery
-in_server.py  the SGLang internals the in-server loader uses (the TP group)
+Two sides of a process boundary. This folder's modules run in qurl's processes (the trainer, an
+async worker) and talk to servers over HTTP and the weight group; they never import sglang:
 
-The server-side half, which runs inside an SGLang server process, is qurl/engines/sglang_loader.py
-(beside this package: servers name it by that dotted path in `--custom-weight-loader`).
+protocol.py        what qurl relies on of SGLang's HTTP routes (re-check when the pinned release
+                   changes); errors; the /generate reply parser
+launcher.py        one server process: its command line (`server_command`), HTTP calls, start,
+                   health, stop
+update.py          the weight group and weight-update sessions (8-bit broadcasts, W8A8 restore,
+                   disk reload)
+verified_sync.py   deltas and per-sync verification against servers (mixed into the engine)
+engine.py          `SGLangEngine`: N servers as one Engine; request routing, partial rollout,
+                   recovery
+
+inside/ runs INSIDE an SGLang server process (servers import it by dotted path through
+`--custom-weight-loader`); the client side imports only its shared descriptions (layout.py,
+tp_cut.py), which are pure:
+
+inside/loader.py    the custom loaders SGLang calls: the W8A8 restore, the sync preparation
+inside/apply.py     delta apply and digest verification in `model.load_weights`
+inside/layout.py    where an HF tensor lives in SGLang's parameters; the control chunk names
+inside/tp_cut.py    which box of each HF tensor a TP rank holds
+inside/tp_group.py  the one import of sglang: SGLang's TP group
 """

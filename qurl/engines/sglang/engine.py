@@ -2,18 +2,18 @@
 
 The Engine protocol is qurl/engines/base.py. Requests are spread over the servers (least in
 flight). Each sync (`load_weights`) pauses every server (abort mode), opens the update session,
-broadcasts the chunks bucket by bucket (qurl/sync/broadcaster.py, the routine the async controller
+broadcasts the chunks bucket by bucket (qurl/wire/broadcaster.py, the routine the async controller
 uses too) to the weight group (learner rank 0 + every server rank) while one HTTP call per server
 per bucket is in flight, closes the session, flushes caches and continues. Requests interrupted by
 the pause come back with their partial output; they are resubmitted as prompt + generated prefix
 with the remaining token budget, and the pieces are stitched with per-token versions (partial
 rollout). A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while
-the broadcast is in flight, not after the group timeout (qurl/sync/sender.py). Before use, each
+the broadcast is in flight, not after the group timeout (qurl/wire/sender.py). Before use, each
 server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader); it
 also tells whether the servers run qurl's sync loader, which makes deltas and verification
-possible (qurl/sync/sglang_delta.py, qurl/engines/sglang_server.py).
+possible (qurl/engines/sglang/verified_sync.py, qurl/engines/sglang/inside/apply.py).
 Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
-qurl/deploy/placement.py); the weight group's backend is sglang.backend. A server that stops
+qurl/node/placement.py); the weight group's backend is sglang.backend. A server that stops
 answering is restarted (when qurl launched it), the weight group is formed anew, and the current
 weights are sent again (so the engine keeps the last synced chunks in CPU memory: the size of the
 8-bit model). Every HTTP call has a timeout; a malformed reply is an SGLangError naming the server,
@@ -40,15 +40,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from qurl.config import ConfigError, SGLangConfig
+from qurl.engines.sglang.inside.tp_cut import Layout
+from qurl.engines.sglang.launcher import Server, ServerSpec, server_command
 from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError,
                                           SGLangUnavailable, parse_generate)
-from qurl.engines.sglang.server import Server, ServerSpec, server_command
 from qurl.engines.sglang.update import WeightUpdates
-from qurl.engines.sglang_shard import Layout
-from qurl.sync.broadcaster import Broadcaster
-from qurl.sync.group import free_port
-from qurl.sync.sender import SyncStats
 from qurl.types import GenRequest, GenResult
+from qurl.wire.broadcaster import Broadcaster
+from qurl.wire.group import free_port
+from qurl.wire.sender import SyncStats
 
 
 @dataclass
@@ -86,7 +86,7 @@ class SGLangEngine(WeightUpdates):
         `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
         one-token generation) or "/model_info" (model loaded; for servers that cannot generate,
         such as 8-bit SGLang on a CPU). `layout`: the model's head counts, which map a TP > 1
-        server's cut for delta and verified syncs (qurl/engines/sglang_shard.py; without it,
+        server's cut for delta and verified syncs (qurl/engines/sglang/inside/tp_cut.py; without it,
         read from the config.json of the model path the server reports, when readable here)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
@@ -147,7 +147,7 @@ class SGLangEngine(WeightUpdates):
         run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
         None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
         group_port: where the servers reach this process's weight group (port 0 = a free one).
-        base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/deploy/placement.py
+        base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/node/placement.py
         `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU)."""
         quant, fmt = QUANTIZATION[precision]
         urls = list(sg.urls)

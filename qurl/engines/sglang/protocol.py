@@ -2,7 +2,7 @@
 
 Every fact about the SGLang server that qurl's engine depends on is written down here, so that one
 file says what to re-check when the pinned SGLang release changes; qurl never imports sglang.
-The rest of this package speaks the protocol: the server process (server.py), the weight-update
+The rest of this package speaks the protocol: the server process (launcher.py), the weight-update
 session (update.py) and the engine that drives them (engine.py).
 
 Facts used here, read from the source of sglang 0.5.23 (`srt/entrypoints/http_server.py`,
@@ -55,7 +55,7 @@ from typing import Any
 # precision (+ fp8 scaling) -> (SGLang --quantization, qurl sync format)
 QUANTIZATION = {"int8": ("w8a8_int8", "int8"), "fp8": ("w8a8_fp8", "fp8"),
                 "fp8_block": ("fp8", "fp8_block"), "bf16": (None, "bf16")}
-# --quantization methods that repack weights after loading without a restore (sglang_loader.py)
+# --quantization methods that repack weights after loading without a restore (inside/loader.py)
 RESTORE_QUANTIZATIONS = ("w8a8_int8", "w8a8_fp8")
 # an empty named-tensor list, as SGLang's MultiprocessingSerializer reads it (pickle, base64)
 NO_TENSORS = base64.b64encode(pickle.dumps([])).decode()

@@ -2,12 +2,12 @@
 
 Each sync (`load_weights`) pauses every server (abort mode), opens the update session
 (`/begin_weight_update`), runs qurl's W8A8 restore on servers that need it
-(qurl/engines/sglang_loader.py), broadcasts the chunks bucket by bucket (qurl/sync/broadcaster.py,
+(qurl/engines/sglang/inside/loader.py), broadcasts the chunks bucket by bucket (qurl/wire/broadcaster.py,
 the routine the async controller uses too) to the weight group (learner rank 0 + every server TP
 rank) while one `/update_weights_from_distributed` call per server per bucket is in flight, closes
 the session, flushes caches and continues. A server that refuses a bucket (HTTP 400 before joining
 its broadcast) is reported while the broadcast is in flight, not after the group timeout
-(`Replies.poll`, qurl/sync/sender.py). Before use, each server's /server_info must agree with what
+(`Replies.poll`, qurl/wire/sender.py). Before use, each server's /server_info must agree with what
 qurl was told (TP size; the W8A8 restore loader).
 
 `WeightUpdates` is the part of `SGLangEngine` (qurl/engines/sglang/engine.py) that does this; it
@@ -23,20 +23,21 @@ from typing import Callable, Iterable
 
 import torch
 
+from qurl.engines.base import StaleBase
+from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
+from qurl.engines.sglang.launcher import Server, on_cpu
 from qurl.engines.sglang.protocol import (NO_TENSORS, QUANTIZATION, RESTORE_QUANTIZATIONS,
                                           SGLangError, SGLangUnavailable)
-from qurl.engines.sglang.server import Server, on_cpu
-from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
-from qurl.sync.broadcaster import GroupFormError, GroupSpec
-from qurl.sync.sender import BucketAnnouncement, SyncStats
-from qurl.sync.sglang_delta import SGLangDeltaMixin, is_stale_refusal
+from qurl.engines.sglang.verified_sync import SGLangDeltaMixin, is_stale_refusal
+from qurl.wire.broadcaster import GroupFormError, GroupSpec
+from qurl.wire.sender import BucketAnnouncement, SyncStats
 
 
 class Replies:
     """The servers' replies to one bucket's announcement. Calling it waits for all of them (after
     the broadcast); `poll` raises a reply that already came back with an error — a server that
     refused the bucket never joins its broadcast, so the sender polls while broadcasting
-    (qurl/sync/sender.py) instead of waiting for the group timeout."""
+    (qurl/wire/sender.py) instead of waiting for the group timeout."""
 
     def __init__(self, ex: ThreadPoolExecutor, futs: list) -> None:
         self.ex, self.futs = ex, futs
@@ -55,7 +56,7 @@ class Replies:
 
 class WeightUpdates(SGLangDeltaMixin):
     """SGLangEngine's weight group and update sessions (see the module docstring; deltas and
-    verification: qurl/sync/sglang_delta.py)."""
+    verification: qurl/engines/sglang/verified_sync.py)."""
 
     def _set_version_all(self, version: int) -> None:
         self._each(lambda s: s.post_json("/update_weight_version",
@@ -111,7 +112,7 @@ class WeightUpdates(SGLangDeltaMixin):
     def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int,
                      base: tuple[int, str] | None = None) -> None:
         """Send engine chunks (already 8-bit: see qurl.quant.named.engine_chunks) to every server
-        as `version`; with base = (v-1, digest) they are a delta (qurl/sync/sglang_delta.py;
+        as `version`; with base = (v-1, digest) they are a delta (qurl/engines/sglang/verified_sync.py;
         StaleBase if a server does not hold that base). Recovers dead servers (restart + new
         group + resend) up to max_restarts."""
         chunks = list(chunks)
@@ -123,7 +124,6 @@ class WeightUpdates(SGLangDeltaMixin):
                     break
                 except SGLangError as e:
                     if is_stale_refusal(str(e)):  # refused before writing: nothing to redo here
-                        from qurl.engines.local_weights import StaleBase
                         self._recover(e, resend=False)
                         raise StaleBase(f"SGLang delta v{version} refused: {e}") from e
                     if attempt == self.max_restarts:
@@ -203,7 +203,7 @@ class WeightUpdates(SGLangDeltaMixin):
                               "flag and qurl importable by its Python")
 
     def _restore_w8a8(self, s: Server) -> None:
-        """Undo the W8A8 post-load repacking on every TP rank of `s` (qurl/engines/sglang_loader.py)
+        """Undo the W8A8 post-load repacking on every TP rank of `s` (qurl/engines/sglang/inside/loader.py)
         so the 8-bit broadcasts that follow can load; needs the server's --custom-weight-loader."""
         body = {"serialized_named_tensors": [NO_TENSORS] * s.spec.tp,
                 "load_format": RESTORE_LOAD_FORMAT, "flush_cache": False,

@@ -8,7 +8,7 @@ spanning two nodes then fails at `init_process_group` ("connectFullMesh failed .
 through: a UDP socket "connected" to it (no packet is sent) gets that interface's address as its
 source, and the interface holding that address is the answer.
 
-    python -m qurl.deploy.netif 10.0.0.1     # prints e.g. eth0 (used by `qurl launch`'s printed commands)
+    python -m qurl.node.netif 10.0.0.1     # prints e.g. eth0 (used by `qurl launch`'s printed commands)
 
 Linux only (SIOCGIFADDR); a host nothing routes to is a one-line error, exit 2.
 """
@@ -63,12 +63,12 @@ def interface_to(host: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m qurl.deploy.netif HOST", file=sys.stderr)
+        print("usage: python -m qurl.node.netif HOST", file=sys.stderr)
         return 2
     try:
         print(interface_to(args[0]))
     except ValueError as e:
-        print(f"qurl.deploy.netif: error: {e}", file=sys.stderr)
+        print(f"qurl.node.netif: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -27,8 +27,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from qurl.sync.group import WeightGroup, free_port
-from qurl.sync.sender import BucketAnnouncement, SyncStats, WeightSender
+from qurl.wire.group import WeightGroup, free_port
+from qurl.wire.sender import BucketAnnouncement, SyncStats, WeightSender
 
 
 @dataclass(frozen=True)

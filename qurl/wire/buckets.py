@@ -24,6 +24,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -36,7 +37,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "int8": torch.int8,
     "uint8": torch.uint8,
-    "int16": torch.int16,  # delta positions (qurl/sync/delta.py)
+    "int16": torch.int16,  # delta positions (qurl/wire/delta.py)
     "float8_e4m3fn": torch.float8_e4m3fn,
     "int32": torch.int32,
     "int64": torch.int64,
@@ -190,7 +191,7 @@ def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Ten
 
 def _owner(name: str) -> str:
     """The weight a chunk belongs to: `x`, `x_scale`, `x_scale_inv` and the delta parts of any
-    of them (`x#dpos`, `x_scale#dval`, qurl/sync/delta.py) all belong to `x`."""
+    of them (`x#dpos`, `x_scale#dval`, qurl/wire/delta.py) all belong to `x`."""
     name = name.split("#d", 1)[0]
     for suffix in ("_scale_inv", "_scale"):
         if name.endswith(suffix):
@@ -243,3 +244,16 @@ def plan_buckets(chunks: Iterable[tuple[str, torch.Tensor]], budget_bytes: int) 
     if current:
         ordered = align_order(current)
         yield Bucket(ordered, layout_of(ordered), last=True)
+
+
+def timed_items(named: Iterable[tuple[str, torch.Tensor]], timing: list[float]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named`, adding the time spent waiting for each item to timing[0]."""
+    it = iter(named)
+    while True:
+        t0 = time.perf_counter()
+        item = next(it, None)
+        timing[0] += time.perf_counter() - t0
+        if item is None:
+            return
+        yield item

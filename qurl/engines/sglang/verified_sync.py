@@ -1,13 +1,13 @@
 """Learner side of delta and verified syncs to real SGLang servers (mixed into SGLangEngine).
 
 A server launched with qurl's sync loader (`--custom-weight-loader
-qurl.engines.sglang_loader.prepare_sync`, which server_command adds to every server qurl
-launches) can take a delta and prove what it holds (qurl/engines/sglang_server.py does both
-inside the server), at any TP size whose cut qurl can map (qurl/engines/sglang_shard.py: that
+qurl.engines.sglang.inside.loader.prepare_sync`, which server_command adds to every server qurl
+launches) can take a delta and prove what it holds (qurl/engines/sglang/inside/apply.py does both
+inside the server), at any TP size whose cut qurl can map (qurl/engines/sglang/inside/tp_cut.py: that
 needs the model's head counts, from the engine's `layout` or the config.json of the model path
 the server reports in /model_info). For such engines:
 
-- `load_weights(chunks, version, base=(v-1, digest))` sends a delta (qurl/sync/delta.py chunks)
+- `load_weights(chunks, version, base=(v-1, digest))` sends a delta (qurl/wire/delta.py chunks)
   over the same weight group and `update_weights_from_distributed` calls as a full sync,
   preceded by the control chunk `qurl.sync.header` {version, base, HF shapes}. A server that does
   not hold exactly the base verified refuses before writing anything; that comes back as
@@ -35,15 +35,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from qurl.engines.sglang_layout import (HEADER, MISMATCH_MARK, STALE_MARK, VERIFY, json_chunk)
-from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
-from qurl.engines.sglang_shard import Layout, cpu_padding, rank_digests, shard_box
-from qurl.sync.delta import apply_positions, check_delta, group_delta_chunks
-from qurl.sync.digest import combine, tensor_digest
+from qurl.engines.sglang.inside.layout import HEADER, MISMATCH_MARK, STALE_MARK, VERIFY, json_chunk
+from qurl.engines.sglang.inside.loader import SYNC_LOAD_FORMAT
+from qurl.engines.sglang.inside.tp_cut import Layout, cpu_padding, rank_digests, shard_box
+from qurl.wire.delta import apply_positions, check_delta, group_delta_chunks
+from qurl.wire.digest import combine, tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,9 @@ class SGLangDeltaMixin:
         return self._digest
 
     @property
-    def verify(self) -> Callable[[dict[str, str]], list[str]] | None:
-        return self._verify if self.delta_capable else None
+    def can_verify(self) -> bool:
+        """Deltas and verification need qurl's sync loader and a TP cut qurl can map."""
+        return self.delta_capable
 
     def _wire(self, chunks: Chunks, version: int, base: tuple[int, str] | None) -> Chunks:
         """What goes on the wire for one load: the header first when the servers take it."""
@@ -224,7 +225,7 @@ class SGLangDeltaMixin:
                 "abort_all_requests": False}
         s.post_json("/update_weights_from_tensor", body, self.timeouts.control_s)
 
-    def _verify(self, digests: dict[str, str]) -> list[str]:
+    def verify(self, digests: dict[str, str]) -> list[str]:
         """See the module docstring."""
         from qurl.engines.sglang.protocol import SGLangError
 

@@ -28,8 +28,8 @@ slice of each weight, cut by SGLang's own loaders (paths inside the wheel,
 At T = 1 every tensor is whole. The slice is a box of the HF tensor seen as [rows, cols]:
 `Box.rows` / `Box.cols` = (start, count). Both ends call the same functions: the learner hashes
 each rank's box of each tensor (`rank_digests`), and a server rank finds its box in its
-parameter (qurl/engines/sglang_server.py: the box is what the part's rows of the rank's
-parameter hold, found by qurl/engines/sglang_layout.py as at T = 1) and keeps only the delta
+parameter (qurl/engines/sglang/inside/apply.py: the box is what the part's rows of the rank's
+parameter hold, found by qurl/engines/sglang/inside/layout.py as at T = 1) and keeps only the delta
 positions inside it, re-indexed (`local_positions`). A name or shape this map does not know is a
 ValueError: such a server gets full, unverified syncs.
 
@@ -47,7 +47,7 @@ from typing import Any, Sequence
 
 import torch
 
-from qurl.sync.digest import tensor_digest
+from qurl.wire.digest import tensor_digest
 
 VOCAB_PAD = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
 CPU_MLP_PAD = 32  # SGLang's DEFAULT_MOE_PADDING_SIZE (configs/update_config.py), per rank
@@ -197,6 +197,6 @@ def local_positions(pos: torch.Tensor, val: torch.Tensor, shape: Sequence[int], 
 
 
 def rank_digests(name: str, t: torch.Tensor, tp: int, layout: Layout | None) -> list[str]:
-    """Digest (qurl/sync/digest.py) of each rank's box of HF tensor t, rank 0 first: what the
+    """Digest (qurl/wire/digest.py) of each rank's box of HF tensor t, rank 0 first: what the
     learner sends a TP-`tp` server to verify against (ValueError if t cannot be cut)."""
     return [tensor_digest(take(t, shard_box(name, t.shape, r, tp, layout))) for r in range(tp)]

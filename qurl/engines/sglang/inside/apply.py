@@ -1,8 +1,8 @@
 """Server-side half of qurl's delta and verified syncs: runs INSIDE an SGLang server process.
 
-A delta sync (qurl/sync/delta.py) sends only the changed positions of each tensor, under the HF
+A delta sync (qurl/wire/delta.py) sends only the changed positions of each tensor, under the HF
 names (`<name>#dpos`, `#dend`, `#dval`); after every sync, delta or full, the engine must prove it
-holds exactly the learner's bits (qurl/sync/digest.py). SGLang has no such operations, so qurl
+holds exactly the learner's bits (qurl/wire/digest.py). SGLang has no such operations, so qurl
 adds them at the one place every weight update passes through: `model.load_weights`, which
 `update_weights_from_distributed` calls with each received bucket (SGLang 0.5.23
 `model_runner_components/weight_updater.py: load_weights_from_distributed`, which turns any
@@ -11,12 +11,12 @@ exception into the reply `{"success": false, "message": "Failed to update parame
 `update_weights_from_tensor` would kill the scheduler instead, so nothing there raises).
 
 `prepare(model, [], restore)` — run through SGLang's custom-loader extension point at the start of
-every qurl update session (qurl.engines.sglang_loader.prepare_sync) — undoes the W8A8 repacking
-(`restore`, see sglang_loader.py: every parameter back in its [out, in] loading layout over the
+every qurl update session (qurl.engines.sglang.inside.loader.prepare_sync) — undoes the W8A8 repacking
+(`restore`, see loader.py: every parameter back in its [out, in] loading layout over the
 same storage) and, once per process, wraps the model's `load_weights`. The wrapper takes from
 each bucket:
 
-- the control chunks (qurl/engines/sglang_layout.py): `qurl.sync.header` opens a qurl sync of
+- the control chunks (qurl/engines/sglang/inside/layout.py): `qurl.sync.header` opens a qurl sync of
   version v. A delta's header names its base (v-1, combined digest): unless this process
   verified exactly that version, the sync is refused before anything is written (reply message
   `qurl-stale-base: ...`; the rest of that sync's buckets are refused too). Any load that is not
@@ -25,7 +25,7 @@ each bucket:
   sync's path);
 - deltas: buffered until all three parts of a tensor arrived, validated (positions ascending and
   in range, value dtype = the held dtype), then written at their positions into the HF tensor's
-  rows of the fused parameter (qurl/engines/sglang_layout.py: `hf_view`, a view of the
+  rows of the fused parameter (qurl/engines/sglang/inside/layout.py: `hf_view`, a view of the
   parameter's storage): in place, every `data_ptr` kept (CUDA graphs captured at startup read
   those addresses). Server-side work is O(changes) per tensor;
 - `qurl.sync.verify`: hashes every tensor it names, as the server holds it (its rows of the
@@ -34,7 +34,7 @@ each bucket:
   base (the only thing a later delta may build on).
 
 Tensor parallelism (TP size T > 1): every rank runs this code on every bucket. Rank r holds only
-its box of each HF tensor (qurl/engines/sglang_shard.py, SGLang's own cutting rules): a delta's
+its box of each HF tensor (qurl/engines/sglang/inside/tp_cut.py, SGLang's own cutting rules): a delta's
 positions are validated against the whole HF tensor, then only those inside the rank's box are
 written, re-indexed to the box; verification hashes the rank's box and compares it with the
 digest the learner computed for that rank (`qurl.sync.verify` carries {T: {name: [digest per
@@ -58,11 +58,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from qurl.engines.sglang_layout import (CONTROL, HEADER, MISMATCH_MARK, STALE_MARK, VERIFY,
-                                        hf_view, read_json_chunk, sglang_name)
-from qurl.engines.sglang_shard import Box, Layout, local_positions, shard_box, slice_shape
-from qurl.sync.delta import apply_positions, check_delta, delta_owner, is_delta_name
-from qurl.sync.digest import combine, tensor_digest
+from qurl.engines.sglang.inside.layout import (CONTROL, HEADER, MISMATCH_MARK, STALE_MARK, VERIFY,
+                                               hf_view, read_json_chunk, sglang_name)
+from qurl.engines.sglang.inside.tp_cut import Box, Layout, local_positions, shard_box, slice_shape
+from qurl.wire.delta import apply_positions, check_delta, delta_owner, is_delta_name
+from qurl.wire.digest import combine, tensor_digest
 
 log = logging.getLogger(__name__)
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
@@ -117,7 +117,9 @@ def _bind_ranks(model: torch.nn.Module) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         st.rank, st.tp, st.gather = 0, 1, None
         return
-    from qurl.engines.sglang.in_server import tp_group  # imports sglang: inside the server only
+    from qurl.engines.sglang.inside.tp_group import (
+        tp_group,  # imports sglang: inside the server only
+    )
 
     g = tp_group()
     if g.world_size != dist.get_world_size():
@@ -130,7 +132,7 @@ def _bind_ranks(model: torch.nn.Module) -> None:
                                ("original_total_num_kv_heads", "num_key_value_heads"),
                                ("original_intermediate_size", "intermediate_size"))
               if getattr(cfg, k, None) not in (None, getattr(cfg, now, None))]
-    if padded:  # SGLang's CPU path padded the cut (qurl/engines/sglang_shard.py): no layout
+    if padded:  # SGLang's CPU path padded the cut (qurl/engines/sglang/inside/tp_cut.py): no layout
         log.warning("qurl: SGLang padded %s at TP %d: no delta / verified syncs", padded, st.tp)
         st.layout = None
 

@@ -34,7 +34,7 @@ refusal is raised within `POLL_S`.
 
 Two wire formats, both exactly what SGLang 0.5.23's receiver
 (`model_runner_components/weight_updater.py: receive_weights_from_distributed`) does:
-`flattened_bucket` — ONE broadcast of the bucket's uint8 buffer (see qurl/sync/buckets.py);
+`flattened_bucket` — ONE broadcast of the bucket's uint8 buffer (see qurl/wire/buckets.py);
 `per_tensor` (SGLang's `load_format=None`) — one broadcast per tensor, in the announced order.
 
 Timings per sync (seconds): gather (waiting on the chunks, i.e. the learner's TP gather),
@@ -50,9 +50,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from qurl.sync.arena import timed_items
-from qurl.sync.buckets import Bucket, BucketLayout, bucket_buffer, pack, plan_buckets
-from qurl.sync.group import WeightGroup
+from qurl.wire.buckets import Bucket, BucketLayout, bucket_buffer, pack, plan_buckets, timed_items
+from qurl.wire.group import WeightGroup
 
 LOAD_FORMATS = ("flattened_bucket", "per_tensor")
 POLL_S = 0.005  # how often a broadcast in flight checks the receivers' replies (module docstring)

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlparse
 
+from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
+from qurl.engines.sglang.inside.loader import SYNC_LOAD_FORMAT
 from qurl.engines.sglang.protocol import RESTORE_QUANTIZATIONS, SGLangError, SGLangUnavailable
-from qurl.engines.sglang_loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
-from qurl.engines.sglang_loader import SYNC_LOAD_FORMAT
 
 STOP_WAIT_S = 15.0  # `stop`: after SIGTERM, then again after SIGKILL, to the server's process group
 
@@ -32,10 +32,10 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
                    extra: Iterable[str] = (), python: str | None = None,
                    base_gpu: int | None = None) -> list[str]:
     """argv of one `sglang.launch_server` process. W8A8 servers also get
-    `--custom-weight-loader` naming qurl's restore (qurl/engines/sglang_loader.py), without which
+    `--custom-weight-loader` naming qurl's restore (qurl/engines/sglang/inside/loader.py), without which
     they refuse online 8-bit updates. `python`: the interpreter that has sglang (default:
     $QURL_SGLANG_PYTHON, else this one). base_gpu: `--base-gpu-id` (TP rank r computes on GPU
-    base_gpu + r; qurl/deploy/placement.py), unless `extra` sets it."""
+    base_gpu + r; qurl/node/placement.py), unless `extra` sets it."""
     python = python or os.environ.get("QURL_SGLANG_PYTHON") or sys.executable
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--tp-size", str(tp), "--host", host, "--port", str(port),
@@ -99,7 +99,7 @@ class Server:
         self.log_path = (log_dir / f"sglang_{self.port}.log") if log_dir else None
         self.inflight = 0
         self.custom_loaders: tuple[str, ...] = ()  # from /server_info (WeightUpdates._check_server)
-        self.layout = None  # TP > 1: the head counts that map each rank's cut (sglang_shard.Layout)
+        self.layout = None  # TP > 1: the head counts that map each rank's cut (inside/tp_cut.py Layout)
         self.device: str | None = None  # TP > 1: from /server_info ("cpu" pads uneven cuts)
 
     def call(self, method: str, route: str, body: dict | None, timeout: float) -> tuple[int, bytes]:

@@ -7,7 +7,7 @@
       ckpt/step_000010/    one checkpoint: learner shards (model_rank<tp>.pt), optimizer state
                            (optim_rank<tp>[_dp<dp>].pt), state.pt (step, version, data cursor,
                            RNG states, pending trajectories, prompts in flight), manifest.json
-                           (size and BLAKE3 checksum of each of those files: qurl/train/checksums.py)
+                           (size and BLAKE3 checksum of each of those files: qurl/checkpoint/checksums.py)
       ckpt/latest          name of the newest complete checkpoint
 
 A checkpoint is written to `ckpt/.tmp-step_N/`, gets its manifest, and is renamed into place only
@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from qurl.checkpoint.checksums import FileSum, damage, has_manifest, write_manifest
 from qurl.config import Config, ConfigError, from_toml, immutable_changes, to_toml, validate
 from qurl.errors import CheckpointError
-from qurl.train.checksums import FileSum, damage, has_manifest, write_manifest
 
-log = logging.getLogger("qurl.train.rundir")
+log = logging.getLogger("qurl.checkpoint.rundir")
 
 
 def run_dir_for(cfg: Config) -> Path:

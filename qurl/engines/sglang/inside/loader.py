@@ -12,9 +12,9 @@ two methods (`layers/quantization/base_config.py`). So `update_weights_from_dist
 
 What qurl does. `restore_w8a8` is the missing restore. The trainer calls it, inside the update
 session and before the 8-bit broadcasts, through SGLang's own extension point:
-`POST /update_weights_from_tensor {"load_format": "qurl.engines.sglang_loader.restore_w8a8",
+`POST /update_weights_from_tensor {"load_format": "qurl.engines.sglang.inside.loader.restore_w8a8",
 "serialized_named_tensors": [<empty list> per TP rank]}` on a server launched with
-`--custom-weight-loader qurl.engines.sglang_loader.restore_w8a8` (SGLang calls it as
+`--custom-weight-loader qurl.engines.sglang.inside.loader.restore_w8a8` (SGLang calls it as
 `fn(model, named_tensors)` on every TP rank, `model_runner_components/weight_updater.py`). For every
 W8A8 linear whose weight was post-processed (it has lost its `weight_loader`), it gives the layer
 back its loading-time parameters — the same classes, attributes and loader SGLang built at startup
@@ -61,9 +61,9 @@ import torch
 
 # SGLang quant methods whose process_weights_after_loading drops the loaders and transposes.
 RESTORED_METHODS = ("W8A8Int8LinearMethod", "W8A8Fp8LinearMethod")
-LOAD_FORMAT = "qurl.engines.sglang_loader.restore_w8a8"
-# delta and verified syncs (qurl/engines/sglang_server.py): restore + the load_weights wrapper
-SYNC_LOAD_FORMAT = "qurl.engines.sglang_loader.prepare_sync"
+LOAD_FORMAT = "qurl.engines.sglang.inside.loader.restore_w8a8"
+# delta and verified syncs (qurl/engines/sglang/inside/apply.py): restore + the load_weights wrapper
+SYNC_LOAD_FORMAT = "qurl.engines.sglang.inside.loader.prepare_sync"
 
 
 def _processed_w8a8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -134,9 +134,9 @@ def restore_w8a8(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
 
 def prepare_sync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
     """SGLang custom weight loader called at the start of every qurl update session on a server
-    launched with `--custom-weight-loader qurl.engines.sglang_loader.prepare_sync`: the W8A8
-    restore above, then qurl's delta / verification hook (qurl/engines/sglang_server.py).
+    launched with `--custom-weight-loader qurl.engines.sglang.inside.loader.prepare_sync`: the W8A8
+    restore above, then qurl's delta / verification hook (qurl/engines/sglang/inside/apply.py).
     Never raises (that would kill the scheduler): a failure is reported by the next load."""
-    from qurl.engines.sglang_server import prepare
+    from qurl.engines.sglang.inside.apply import prepare
 
     prepare(model, named_tensors, restore_w8a8)
