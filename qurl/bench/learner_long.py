@@ -117,9 +117,8 @@ def build_random(layers: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], A
 
 
 def _point(rank: int, world: int, arm: str, L: int, layers: int, threads: int) -> dict[str, Any]:
-    from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
-    from qurl.learner.dist import init_learner_dist
-    from qurl.learner.megatron import MegatronLearner
+    from qurl.api import (AlgoConfig, DeployConfig, LearnerConfig, MegatronLearner, ModelConfig,
+                          OptimConfig, init_learner_dist)
 
     torch.set_num_threads(threads)
     attention, recompute = ARMS[arm]
@@ -142,7 +141,7 @@ def _point(rank: int, world: int, arm: str, L: int, layers: int, threads: int) -
 
 def grad_bytes(learner: Any) -> float:
     """The cost model's gradient bytes of this learner rank (membudget.grad_bytes)."""
-    from qurl.learner.membudget import grad_bytes as cost
+    from qurl.api import grad_bytes as cost
 
     params = sum(p.numel() for p in learner.model.parameters())
     tied = learner._local_vocab * int(learner.hf_config.hidden_size) \
@@ -153,7 +152,7 @@ def grad_bytes(learner: Any) -> float:
 def predicted_row_bytes(arm: str, L: int, layers: int) -> float:
     """The cost model's bound on one row's step (`micro_bytes`) for one arm at width L (fp32, TP 1)
     for this benchmark's model: what a point is skipped by."""
-    from qurl.learner.plan import token_cost_from_fields
+    from qurl.api import token_cost_from_fields
 
     attention, recompute = ARMS[arm]
     fields = dict(QWEN25_1P5B, num_hidden_layers=layers, architectures=["Qwen2ForCausalLM"])
@@ -166,7 +165,7 @@ def bench_memory(lengths: tuple[int, ...] = (1024, 2048, 4096, 8192),
                  arms: tuple[str, ...] = ("unfused", "sdpa", "sdpa+full"), layers: int = 2,
                  threads: int = 2, max_gb: float = 12.0) -> dict[str, dict[int, dict[str, Any]]]:
     """Print (and return) per arm and L: measured and predicted per-row peak, tokens/s."""
-    from qurl.learner.dist import spawn
+    from qurl.api import spawn
 
     for arm in arms:
         if arm not in ARMS:

@@ -29,13 +29,8 @@ from typing import Any
 
 import torch
 
-from qurl.config import DeployConfig
-from qurl.quant.formats import all_finite
-from qurl.quant.named import engine_chunks
-from qurl.sync.arena import ArenaQuantizer, ChunkArena
-from qurl.sync.receiver import WeightReceiver
-from qurl.wire.group import WeightGroup, free_port
-from qurl.wire.sender import WeightSender
+from qurl.api import (ArenaQuantizer, ChunkArena, DeployConfig, WeightGroup, WeightReceiver,
+                      WeightSender, all_finite, engine_chunks, free_port)
 
 # Synthetic shapes: qurl's `small` preset (~104M) and Qwen2.5-0.5B's (~494M, tied embeddings).
 SHAPES = {"small": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384),

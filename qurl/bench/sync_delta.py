@@ -30,13 +30,9 @@ from typing import Any
 
 import torch
 
-from qurl.sync.arena import ChunkArena
-from qurl.sync.receiver import WeightReceiver
-from qurl.wire.delta import (apply_positions, check_delta, delta_nbytes, diff_named, encode_named,
-                             group_delta_chunks)
-from qurl.wire.digest import combine, named_digests
-from qurl.wire.group import WeightGroup, free_port
-from qurl.wire.sender import WeightSender
+from qurl.api import (ChunkArena, WeightGroup, WeightReceiver, WeightSender, apply_positions,
+                      check_delta, combine, delta_nbytes, diff_named, encode_named, free_port,
+                      group_delta_chunks, named_digests)
 
 # name: (hidden, layers, heads, kv_heads, ffn, vocab, tied embeddings)
 DELTA_SHAPES = {"qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),

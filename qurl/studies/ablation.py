@@ -13,15 +13,15 @@ Arms (every other config field is the caller's, so all arms share data, model, s
     <q>-tis            8-bit rollout, decoupled PPO with truncated IS weight min(ρ, C), UAQ off
     <q>-acr            8-bit rollout, TIS + Adaptive Clipping Range, UAQ off
     <q>-acr-uaq        8-bit rollout, ACR + update-aware scaling s (the config's, 1.5 if it is 1)
-    <q>-icepop         decoupled PPO, ρ masked outside algo.icepop_bounds ([0.5, 5]), UAQ off
+    <q>-icepop         decoupled PPO, ρ masked outside algo.correction.bounds ([0.5, 5]), UAQ off
     <q>-mis            decoupled PPO, ρ > C masked (masked IS), UAQ off
-    <q>-seqtis         decoupled PPO, weight min(∏ρ, algo.seq_tis_cap) per sequence, UAQ off
+    <q>-seqtis         decoupled PPO, weight min(∏ρ, C) per sequence, UAQ off
     <q>-geomask        decoupled PPO, sequence masked if exp(mean log ρ) is outside
-                       algo.geo_mask_bounds ([0.99, 1.01]), UAQ off
+                       algo.correction.bounds ([0.99, 1.01]), UAQ off
 
 for q in int8 and fp8 (W8A8 per channel) and w4a16, the declared stress setting (4-bit weight-only
 group-wise rollout, qurl.quant.int4). ρ = π_prox/π_behav is the importance ratio between the
-learner's recomputed pre-update policy and the engine that sampled; C = algo.tis_cap. The
+learner's recomputed pre-update policy and the engine that sampled; C = algo.correction.cap. The
 corrections' equations are in qurl/algo/corrections.py. The default study is the paper's: bf16 and
 the first four arms of int8 and fp8; `--arms` names arms or groups: `<q>` (its four paper arms),
 `<q>-field` (its four field corrections).
@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from qurl.config import Config, ConfigError, override
+from qurl.api import Config, ConfigError, override
 from qurl.studies.store import (arm_dir, check_same, check_start, commit, committed, extends,
                                 training_diff)
 
@@ -154,7 +154,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     evaluation with Avg@k where it has none (qurl/studies/final_eval.py); train_code: the qurl
     checkout whose `qurl train` runs the arms (qurl/studies/runner.py). Returns
     {seed: {arm: records}} of every finished arm in out_dir."""
-    from qurl.models.base import build_base_apart, builds_base
+    from qurl.api import build_base_apart, builds_base
     from qurl.studies import final_eval as fe
     from qurl.studies.runner import run_to_end
 

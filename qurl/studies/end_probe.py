@@ -21,9 +21,10 @@ run's base_model, its warm-started start). Prints, for each engine's greedy answ
 median of p_f and p_q, the share of questions with p_q < p_f and the mean log(p_f / p_q).
 
 It also prints how much of the first run-on token IcePop masks there (`masked_run_on`, at the
-run's algo.icepop_bounds). At that position the two engines disagree in one direction, so one
-might expect ρ = p_f / p_q < 1 on the run-on tokens and fear that IcePop masks exactly the tokens
-whose gradient would teach the policy to stop. The share says how often that happens at the
+run's IcePop bounds: algo.correction.bounds for an icepop run, else [0.5, 5]). At that position
+the two engines disagree in one direction, so one might expect ρ = p_f / p_q < 1 on the run-on
+tokens and fear that IcePop masks exactly the tokens whose gradient would teach the policy to
+stop. The share says how often that happens at the
 start of a run, where the learner's policy is the fp32 one.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from qurl.data.rewards import first_box_close
+from qurl.api import Correction, first_box_close
 
 
 def box_end(decode: Callable[[list[int]], str], ids: Sequence[int]) -> int | None:
@@ -72,16 +73,13 @@ def masked_run_on(logits_f: torch.Tensor, logits_q: torch.Tensor, end_ids: Seque
 
 def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> list[str]:
     """Lines of the report (module docstring) for run_dir's held-out set."""
-    from qurl.config import validate
-    from qurl.data.splits import load_eval_sets
-    from qurl.engines.factory import make_engine
-    from qurl.rollout.requests import PromptCodec
-    from qurl.train.rundir import read_config
+    from qurl.api import PromptCodec, load_eval_sets, make_engine, read_config, validate
     from qurl.types import GenRequest, SamplingParams
 
     cfg = validate(read_config(run_dir))
     model_dir = str(base or run_dir / "base_model")
-    icepop = tuple(cfg.algo.icepop_bounds)
+    corr = Correction.of(cfg.algo)  # the run's IcePop bounds (its own, or the usual [0.5, 5])
+    icepop = (corr.icepop_low, corr.icepop_high)
     engines = {p: make_engine(cfg, model_dir, local=True, precision=p) for p in ("bf16", precision)}
     tok = engines[precision].tokenizer
     end_ids = sorted(engines[precision].eos_token_ids)

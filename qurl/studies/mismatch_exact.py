@@ -89,7 +89,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
                     save_to: Path | None = None) -> torch.Tensor:
     """[N, V] fp32 log-softmax at the response positions, by the engine or the learner `side`;
     with save_to, the rows done so far are written there after each row."""
-    from qurl.models.registry import resolve_base
+    from qurl.api import resolve_base
     from qurl.studies.mismatch_collect import study_config
 
     kind, what = side.split(":")
@@ -97,7 +97,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
     toks = ctx["tokens"]
     parts = []
     if kind == "engine":
-        from qurl.engines.factory import make_engine
+        from qurl.api import make_engine
 
         engine = make_engine(study_config(model, what, seed=seed), resolve_base(model))
         for b, s, e in rows:
@@ -105,8 +105,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
             parts.append(torch.log_softmax(logits.float(), -1))
             _save(parts, save_to, last=len(parts) == len(rows))
         return torch.cat(parts)
-    from qurl.learner.dist import destroy_learner_dist, free_port, init_learner_dist
-    from qurl.learner.megatron import MegatronLearner
+    from qurl.api import MegatronLearner, destroy_learner_dist, free_port, init_learner_dist
 
     cfg = study_config(model, "int8", what, seed)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from qurl.data.rewards import first_box_close, score
+from qurl.api import first_box_close, score
 
 KINDS = ("right", "first wrong", "second box", "no box")
 
@@ -65,9 +65,7 @@ def tally(misses: list[Miss]) -> dict[str, tuple[int, int]]:
 
 def report(run_dir: Path, records: list[Path]) -> list[str]:
     """Lines: for each record, each set's kinds (count, of which run on) and accuracy."""
-    from qurl.checkpoint.rundir import read_config
-    from qurl.config import validate
-    from qurl.data.splits import load_eval_sets
+    from qurl.api import load_eval_sets, read_config, validate
 
     recs = {path: json.loads(Path(path).read_text()) for path in records}
     for path, rec in recs.items():

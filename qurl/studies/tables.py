@@ -64,7 +64,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from qurl.algo.corrections import CUT_PRESETS
+from qurl.api import CUT_PRESETS
 from qurl.studies.compare import _fmt, _md_table, _mean, _sd
 
 WINDOW = 10

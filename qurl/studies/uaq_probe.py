@@ -32,8 +32,7 @@ import torch
 
 
 def _learner(model: str, s: float, lr: float, seed: int):
-    from qurl.learner.megatron import MegatronLearner
-    from qurl.models.registry import resolve_base
+    from qurl.api import MegatronLearner, resolve_base
     from qurl.studies.mismatch_collect import study_config
 
     cfg = study_config(model, "int8", "float32", seed)
@@ -56,7 +55,7 @@ def probe(batch: dict, model: str, scales: list[float], lrs: list[float], steps:
           seed: int, emit) -> None:
     """Flip fractions per sync (see the module docstring); each row is passed to `emit` as it is
     measured (a long run on a busy machine keeps what it measured if it is stopped)."""
-    from qurl.sync.publish import WeightSync
+    from qurl.api import WeightSync
 
     tokens, mask, behav, adv = _rows(batch, rows)
     for s in scales:
@@ -87,9 +86,7 @@ def _rows(batch: dict, rows: int):
 
 def invariance(batch: dict, model: str, scales: list[float], rows: int, emit) -> None:
     """max |Δlogit| of the fp32 HF model with UAQ at each s against s = 1, on `rows` responses."""
-    from qurl.models.hf import load_checkpoint
-    from qurl.models.registry import resolve_base
-    from qurl.quant.uaq import apply_uaq
+    from qurl.api import apply_uaq, load_checkpoint, resolve_base
 
     tokens, _, _, _ = _rows(batch, rows)
     hf, _ = load_checkpoint(resolve_base(model), dtype=torch.float32)
@@ -106,7 +103,7 @@ def invariance(batch: dict, model: str, scales: list[float], rows: int, emit) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qurl.learner.dist import destroy_learner_dist, init_learner_dist
+    from qurl.api import destroy_learner_dist, init_learner_dist
     from qurl.studies.mismatch_collect import study_config
 
     p = argparse.ArgumentParser(prog="python -m qurl.studies.uaq_probe",
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.batch.is_file():
         print(f"{a.batch}: no such file (run qurl.studies.mismatch_collect gen first)", file=sys.stderr)
         return 2
-    from qurl.learner.dist import free_port
+    from qurl.api import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
