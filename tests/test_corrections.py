@@ -118,11 +118,17 @@ def test_geometric_mask_keeps_sequences_whose_mean_log_ratio_is_near_zero():
 
 
 def test_config_fields_reach_the_loss():
-    cfg = load_config(sets=["algo.loss=icepop", "algo.icepop_bounds=0.5,3", "algo.icepop_keep=one",
-                            "algo.geo_mask_bounds=0.95,1.05", "algo.seq_tis_cap=5"])
+    cfg = load_config(sets=["algo.loss=icepop", "algo.correction.bounds=0.5,3",
+                            "algo.correction.keep=one", "algo.correction.cap=5"])
     kw = loss_options(cfg.algo)
     assert (kw["preset"], kw["icepop_high"], kw["icepop_keep"]) == ("icepop", 3.0, "one")
-    assert (kw["geo_mask_low"], kw["seq_tis_cap"], kw["tis_cap"]) == (0.95, 5.0, 2.0)
+    # one cap for every weight; the other mask keeps its usual bounds and kept weight
+    assert (kw["seq_tis_cap"], kw["tis_cap"]) == (5.0, 5.0)
+    assert (kw["geo_mask_low"], kw["geo_mask_high"], kw["geo_mask_keep"]) == (0.99, 1.01, "one")
+    geo = loss_options(load_config(sets=["algo.loss=geomask", "algo.correction.bounds=0.95,1.05",
+                                         "algo.correction.keep=geo"]).algo)
+    assert (geo["geo_mask_low"], geo["geo_mask_high"], geo["geo_mask_keep"]) == (0.95, 1.05, "geo")
+    assert (geo["icepop_low"], geo["icepop_high"], geo["icepop_keep"]) == (0.5, 5.0, "rho")
     # ρ = 4 is masked with icepop_high = 3 and kept with the default 5
     loss, _, st = _run([[4.0, 1.0]], 1.0, [1.0], [[1, 1]], kw.pop("preset"), **kw)
     assert loss == pytest.approx(-0.5, rel=1e-6) and st["mask_frac_high"] == 0.5

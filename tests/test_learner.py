@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from qurl.algo.loss import policy_loss
-from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
+from qurl.config import (AlgoConfig, CorrectionConfig, DeployConfig, LearnerConfig, ModelConfig,
+                         OptimConfig)
 from qurl.learner import optim as lopt
 from tiny_hf import build, hf_state
 
-ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, eps_high=0.2, tis_cap=2.0)
+ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, clip=(0.2, 0.2),
+                  correction=CorrectionConfig(cap=2.0))
 OPTIM = OptimConfig(lr=1e-3, grad_clip=1.0, weight_decay=0.01)
 B, L, PROMPT = 8, 12, 4
 
@@ -253,7 +255,7 @@ def test_train_step_matches_transformers_adamw_reference(runs, kind: str) -> Non
     params = list(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": 0.01},
                              {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=OPTIM.lr, betas=tuple(OPTIM.betas), eps=OPTIM.adam_eps)
+                            lr=OPTIM.lr, betas=tuple(OPTIM.adam[:2]), eps=OPTIM.adam[2])
     with torch.no_grad():
         prox = _hf_logp(model, batch["tokens"])
     losses, norms, mb = [], [], B // 2

@@ -23,10 +23,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
+from qurl.config import (AlgoConfig, CorrectionConfig, DeployConfig, LearnerConfig, ModelConfig,
+                         OptimConfig)
 from tiny_hf import build, hf_state
 
-ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, eps_high=0.2, tis_cap=2.0)
+ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, clip=(0.2, 0.2),
+                  correction=CorrectionConfig(cap=2.0))
 OPTIM = OptimConfig(lr=1e-3, grad_clip=1.0)
 B, L = 6, 24
 

@@ -45,7 +45,7 @@ def test_select_arms_groups_and_errors():
 
 
 def test_arm_configs_differ_only_in_precision_loss_and_uaq(tmp_path):
-    cfg = load_config(sets=["run.steps=7", "algo.uaq_scale=1.0", "algo.tis_cap=1.3"])
+    cfg = load_config(sets=["run.steps=7", "algo.uaq_scale=1.0", "algo.correction.cap=1.3"])
     arms = arm_configs(cfg, tmp_path, list(ARM_NAMES))
     base, naive = arms["bf16-ppo"], arms["int8-naive"]
     assert (base.rollout.precision, base.algo.loss, base.algo.uaq_scale) == ("bf16", "ppo", 1.0)
@@ -55,7 +55,7 @@ def test_arm_configs_differ_only_in_precision_loss_and_uaq(tmp_path):
     uaq = arms["bf16-ppo-uaq"]  # the control: the baseline with UAQ's scaling
     assert (uaq.rollout.precision, uaq.algo.loss, uaq.algo.uaq_scale) == ("bf16", "ppo", 1.5)
     assert {a.run.steps for a in arms.values()} == {7}
-    assert {a.algo.tis_cap for a in arms.values()} == {1.3}
+    assert {a.algo.correction.cap for a in arms.values()} == {1.3}
     assert {a.deploy.dir for a in arms.values()} == {str(tmp_path)}
     assert sorted(a.run.name for a in arms.values()) == sorted(ARM_NAMES)
     for c in ("icepop", "mis", "seqtis", "geomask"):  # the field's corrections: UAQ off, like tis

@@ -11,10 +11,10 @@ behav_logp only, never differentiated.
 | preset    | weight w_t                                                        | default bounds     |
 | --------- | ----------------------------------------------------------------- | ------------------ |
 | decoupled | ρ_t                                                               |                    |
-| tis       | min(ρ_t, C)                                                       | C = tis_cap = 2    |
+| tis       | min(ρ_t, C)                                                       | C = 2              |
 | acr       | min(ρ_t, C), and U = (1+ε_hi)/r with r = min(1, C/ρ_t)            | C = 2              |
 | icepop    | ρ_t if α ≤ ρ_t ≤ β else 0  (keep="one": 1 instead of ρ_t)         | [α, β] = [0.5, 5]  |
-| mis       | ρ_t if ρ_t ≤ C else 0                                             | C = tis_cap = 2    |
+| mis       | ρ_t if ρ_t ≤ C else 0                                             | C = 2              |
 | seqtis    | min(∏_t ρ_t, C_seq) = exp(min(Σ_t log ρ_t, log C_seq)), every t   | C_seq = 2          |
 | geomask   | k_t if low ≤ g_i ≤ high else 0, g_i = exp(mean_t log ρ_t)         | [0.99, 1.01]       |
 
@@ -23,15 +23,16 @@ and means run over the sequence's valid tokens only; they are computed in log sp
 a thousand tokens neither overflows nor underflows before the cap. Bounds are inclusive.
 
 Where the sources disagree, the choice made here (DESIGN.md §1 lists the sources):
-- IcePop's kept tokens carry ρ_t (verl, NeMo-RL, slime, AReaL; `icepop_keep="rho"`, the default;
-  config: algo.icepop_keep, bounds algo.icepop_bounds)
+- IcePop's kept tokens carry ρ_t (verl, NeMo-RL, slime, AReaL; `icepop_keep="rho"`, the default)
   or 1 (SkyRL; `icepop_keep="one"`).
 - The geometric mask's kept sequences carry k_t = 1 (SkyRL, verl; `geo_mask_keep="one"`, default),
-  ρ_t per token (NeMo-RL; "rho") or g_i on every token (AReaL, slime; "geo"); config:
-  algo.geo_mask_keep, bounds algo.geo_mask_bounds.
+  ρ_t per token (NeMo-RL; "rho") or g_i on every token (AReaL, slime; "geo").
+- Config: one `[algo.correction]` table serves every kind (`Correction.of` reads it): `cap` is C
+  and C_seq, `bounds` and `keep` apply to the kind algo.loss names, empty / "auto" = the
+  defaults above; every other kind (and its cut/<c> diagnostic) keeps its defaults.
 - Masked IS is one-sided (TRL: only ρ > C is dropped). The two-sided variant of verl/slime is
   IcePop with the lower bound set (`icepop`, [α, β]).
-- Sequence TIS's cap is its own field (algo.seq_tis_cap), C_seq = 2 by default (verl's; TRL uses
+- Sequence TIS's cap C_seq is algo.correction.cap like C, 2 by default (verl's; TRL uses
   3, SkyRL 5); it is truncated from above only, so a long sequence with mean log ρ < 0 (on average
   E_behav[log ρ] = −KL(π_behav‖π_prox) per token) gets a weight far below 1 without being "cut":
   `is_weight_mean` shows it.
@@ -95,11 +96,17 @@ class Correction:
 
     @classmethod
     def of(cls, algo: Any) -> "Correction":
-        """From an AlgoConfig (its bounds are (low, high) pairs: icepop_bounds, geo_mask_bounds)."""
-        (il, ih), (gl, gh) = algo.icepop_bounds, algo.geo_mask_bounds
-        return cls(tis_cap=algo.tis_cap, icepop_low=il, icepop_high=ih, icepop_keep=algo.icepop_keep,
-                   seq_tis_cap=algo.seq_tis_cap, geo_mask_low=gl, geo_mask_high=gh,
-                   geo_mask_keep=algo.geo_mask_keep)
+        """From an AlgoConfig: `algo.correction.cap` is both caps; its `bounds` ((low, high), or
+        empty) and `keep` ("auto" or a choice) set the kind `algo.loss` names, the defaults of
+        this class stand for empty / "auto" and for the other kind."""
+        c, base = algo.correction, cls()
+        kw: dict[str, Any] = {"tis_cap": c.cap, "seq_tis_cap": c.cap}
+        prefix = {"icepop": "icepop", "geomask": "geo_mask"}.get(algo.loss)
+        if prefix is not None:
+            low, high = c.bounds or (getattr(base, f"{prefix}_low"), getattr(base, f"{prefix}_high"))
+            keep = getattr(base, f"{prefix}_keep") if c.keep == "auto" else c.keep
+            kw.update({f"{prefix}_low": low, f"{prefix}_high": high, f"{prefix}_keep": keep})
+        return cls(**kw)
 
 
 @dataclass

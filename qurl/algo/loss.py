@@ -59,7 +59,8 @@ LOG_R_CLAMP = 20.0  # |log π_θ/π_den| bound: e^20 ≈ 4.9e8, far past any cli
 
 def loss_options(algo: Any) -> dict[str, Any]:
     """policy_loss's keyword arguments from an AlgoConfig: preset, clip, caps, bounds, agg, kl."""
-    return dict(preset=algo.loss, eps_low=algo.eps_low, eps_high=algo.eps_high, agg=algo.agg,
+    eps_low, eps_high = algo.clip
+    return dict(preset=algo.loss, eps_low=eps_low, eps_high=eps_high, agg=algo.agg,
                 kl_coef=algo.kl_coef, **vars(Correction.of(algo)))
 
 

@@ -12,14 +12,14 @@ from qurl.config.load import (IMMUTABLE_ON_RESUME, from_toml, get_field, immutab
 from qurl.config.presets import PRESETS
 from qurl.config.rules import ConfigError
 from qurl.config.tree import (DEPLOYMENT_SECTIONS, LOCAL_BASES, TRAINING_SECTIONS, AlgoConfig,
-                              Config, DataConfig, DeployConfig, EvalConfig, LearnerConfig,
-                              ModelConfig, OptimConfig, RolloutConfig, RunConfig, SGLangConfig,
-                              field_doc)
+                              Config, CorrectionConfig, DataConfig, DeployConfig, EvalConfig,
+                              LearnerConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig,
+                              SGLangConfig, field_doc, leaves)
 
 __all__ = [
     "IMMUTABLE_ON_RESUME", "PRESETS", "DEPLOYMENT_SECTIONS", "LOCAL_BASES", "TRAINING_SECTIONS",
-    "AlgoConfig", "Config", "ConfigError", "DataConfig", "DeployConfig", "EvalConfig",
-    "LearnerConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig", "SGLangConfig",
-    "field_doc", "from_toml", "get_field", "immutable_changes", "load_config", "override",
-    "parse_sets", "to_toml", "validate",
+    "AlgoConfig", "Config", "ConfigError", "CorrectionConfig", "DataConfig", "DeployConfig",
+    "EvalConfig", "LearnerConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig",
+    "SGLangConfig", "field_doc", "from_toml", "get_field", "immutable_changes", "leaves",
+    "load_config", "override", "parse_sets", "to_toml", "validate",
 ]

@@ -1,6 +1,16 @@
-"""Reading config.toml files written before the config redesign (issue 14), so old runs resume.
+"""Reading config.toml files written by older qurl, so old runs resume, rebuild and tabulate.
 
-Most fields only moved (`RENAMED`); six pairs of old fields became one new field each (`_merge_*`).
+Two redesigns renamed fields. Issue 14 moved most fields between sections and merged six pairs;
+issue 57 cut the training fields to 55: the correction settings became the `[algo.correction]`
+table (`algo.tis_cap` and `algo.seq_tis_cap` -> `cap`; `algo.icepop_bounds` and
+`algo.geo_mask_bounds` -> `bounds`; `algo.icepop_keep` and `algo.geo_mask_keep` -> `keep`, each
+taken from the kind algo.loss names, a value equal to that kind's usual one written as the
+default), and four groups became one field each: `algo.eps_low`/`eps_high` -> `algo.clip`,
+`algo.dynamic_sampling`/`max_sample_rounds` -> `algo.dynamic_sampling_rounds`,
+`algo.overlong_buffer`/`overlong_penalty` -> `algo.overlong`, `optim.betas`/`adam_eps` (and
+issue 14's `beta1`/`beta2`) -> `optim.adam`. Every old name is in `RENAMED`; a field fed by several
+old ones is built by its `_merge_*`. `DROPPED` fields left the config and are skipped on read.
+
 `upgrade` maps an old flat {"section.field": value} dict to today's names; it refuses, naming the
 fields, when the old values cannot be expressed (e.g. two different hosts for one address).
 A `--set` or `--config` that uses an old name is refused with the new name (qurl.config.load).
@@ -24,7 +34,7 @@ RENAMED: dict[str, str] = {
     "rollout.mode": "deploy.rollout", "rollout.workers": "deploy.rollout",
     "rollout.sglang_urls": "sglang.urls", "rollout.sglang_args": "sglang.args",
     "rollout.sglang_tp": "sglang.tp",
-    "optim.beta1": "optim.betas", "optim.beta2": "optim.betas",
+    "optim.beta1": "optim.adam", "optim.beta2": "optim.adam",
     "learner.backend": "deploy.backend", "learner.nnodes": "deploy.nnodes",
     "learner.nproc_per_node": "deploy.nproc_per_node", "learner.master_addr": "deploy.host",
     "learner.master_port": "deploy.learner_port",
@@ -34,7 +44,28 @@ RENAMED: dict[str, str] = {
     "stream.hwm": "deploy.stream_hwm", "stream.key": "deploy.stream_key",
     "sync.bucket_mb": "deploy.bucket_mb", "sync.port": "deploy.weight_port",
     "sync.backend": "deploy.worker_backend",
+    # issue 57: the training fields back to 55
+    "algo.tis_cap": "algo.correction.cap", "algo.seq_tis_cap": "algo.correction.cap",
+    "algo.icepop_bounds": "algo.correction.bounds", "algo.geo_mask_bounds": "algo.correction.bounds",
+    "algo.icepop_keep": "algo.correction.keep", "algo.geo_mask_keep": "algo.correction.keep",
+    "algo.eps_low": "algo.clip", "algo.eps_high": "algo.clip",
+    "algo.dynamic_sampling": "algo.dynamic_sampling_rounds",
+    "algo.max_sample_rounds": "algo.dynamic_sampling_rounds",
+    "algo.overlong_buffer": "algo.overlong", "algo.overlong_penalty": "algo.overlong",
+    "optim.betas": "optim.adam", "optim.adam_eps": "optim.adam",
 }
+
+# Fields that left the config: why, for the `--set` that still names one. A run dir's config.toml
+# may hold them; they never changed what a run learns, so reading it skips them.
+DROPPED: dict[str, str] = {
+    "eval.per_question": "per-question counts are the `qurl eval --per-question` flag",
+}
+
+# The usual settings of the two masks whose bounds and kept weight share one leaf each (the values
+# qurl/algo/corrections.py takes for `[]` / "auto"); a config that held exactly these gets the
+# default leaf, so it reads the same as one written today.
+_USUAL = {"icepop": ((0.5, 5.0), "rho", "algo.icepop_bounds", "algo.icepop_keep"),
+          "geomask": ((0.99, 1.01), "one", "algo.geo_mask_bounds", "algo.geo_mask_keep")}
 
 
 def _merge_wandb(old: dict[str, Any]) -> str:
@@ -61,8 +92,43 @@ def _merge_fields(old: dict[str, Any]) -> list[str]:
     return [q, a] if q else []
 
 
-def _merge_betas(old: dict[str, Any]) -> list[float]:
-    return [old.get("optim.beta1", 0.9), old.get("optim.beta2", 0.999)]
+def _merge_adam(old: dict[str, Any]) -> list[float]:
+    b1, b2 = old.get("optim.betas", (old.get("optim.beta1", 0.9), old.get("optim.beta2", 0.999)))
+    return [b1, b2, old.get("optim.adam_eps", 1e-8)]
+
+
+def _merge_cap(old: dict[str, Any]) -> float:
+    # One C for every weight: seqtis's own cap when seqtis is the loss, else tis's (the other fed
+    # only the cut/ diagnostic of a kind the run did not train with).
+    key = "algo.seq_tis_cap" if old.get("algo.loss", "acr") == "seqtis" else "algo.tis_cap"
+    return old.get(key, 2.0)
+
+
+def _merge_bounds(old: dict[str, Any]) -> list[float]:
+    kind = _USUAL.get(old.get("algo.loss", "acr"))
+    if kind is None or old.get(kind[2]) is None:
+        return []
+    bounds = [float(b) for b in old[kind[2]]]
+    return [] if tuple(bounds) == kind[0] else bounds
+
+
+def _merge_keep(old: dict[str, Any]) -> str:
+    kind = _USUAL.get(old.get("algo.loss", "acr"))
+    if kind is None or old.get(kind[3], kind[1]) == kind[1]:
+        return "auto"
+    return old[kind[3]]
+
+
+def _merge_clip(old: dict[str, Any]) -> list[float]:
+    return [old.get("algo.eps_low", 0.2), old.get("algo.eps_high", 0.2)]
+
+
+def _merge_dynamic_sampling(old: dict[str, Any]) -> int:
+    return old.get("algo.max_sample_rounds", 16) if old.get("algo.dynamic_sampling", False) else 0
+
+
+def _merge_overlong(old: dict[str, Any]) -> list[float]:
+    return [old.get("algo.overlong_buffer", 0), old.get("algo.overlong_penalty", 1.0)]
 
 
 def _merge_host(old: dict[str, Any], where: str) -> str:
@@ -85,16 +151,23 @@ _MERGED = {
     "model.base": lambda old, where: _merge_base(old),
     "deploy.rollout": lambda old, where: _merge_rollout(old),
     "data.fields": lambda old, where: _merge_fields(old),
-    "optim.betas": lambda old, where: _merge_betas(old),
+    "optim.adam": lambda old, where: _merge_adam(old),
     "deploy.host": _merge_host,
+    "algo.correction.cap": lambda old, where: _merge_cap(old),
+    "algo.correction.bounds": lambda old, where: _merge_bounds(old),
+    "algo.correction.keep": lambda old, where: _merge_keep(old),
+    "algo.clip": lambda old, where: _merge_clip(old),
+    "algo.dynamic_sampling_rounds": lambda old, where: _merge_dynamic_sampling(old),
+    "algo.overlong": lambda old, where: _merge_overlong(old),
 }
 
 
 def upgrade(flat: dict[str, Any], *, where: str) -> dict[str, Any]:
-    """Map an old config's {"section.field": value} to today's names (new names pass through)."""
-    old = {k: v for k, v in flat.items() if k in RENAMED}
-    out = {k: v for k, v in flat.items() if k not in RENAMED}
-    for key, value in old.items():
-        new = RENAMED[key]
-        out[new] = _MERGED[new](old, where) if new in _MERGED else value
+    """Map an old config's {"section.field": value} to today's names (new names pass through,
+    dropped fields are skipped). A merge reads the whole old dict: some depend on algo.loss."""
+    out = {k: v for k, v in flat.items() if k not in RENAMED and k not in DROPPED}
+    for key, value in flat.items():
+        if key in RENAMED:
+            new = RENAMED[key]
+            out[new] = _MERGED[new](flat, where) if new in _MERGED else value
     return out

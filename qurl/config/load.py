@@ -2,20 +2,21 @@
 
 Every value enters through `override`, which coerces it to the field's declared type and checks
 the field's own rules (its `Literal` choices, its `Min`/`MoreThan` bound) at once, so an error
-names the field and the value that broke it. `validate` re-checks a whole tree (for trees built
+names the field and the value that broke it. A nested table's leaves are addressed with one more
+dot (`algo.correction.cap`) and written as their own TOML table (`[algo.correction]`). `validate` re-checks a whole tree (for trees built
 in code) and then the cross-field rules of `qurl.config.rules`.
 """
 from __future__ import annotations
 
-import dataclasses
 import tomllib
-from dataclasses import fields, replace
+from dataclasses import fields, is_dataclass, replace
+from functools import reduce
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
-from qurl.config.compat import RENAMED, upgrade
+from qurl.config.compat import DROPPED, RENAMED, upgrade
 from qurl.config.rules import ConfigError, check_rules
-from qurl.config.tree import Config, Min, MoreThan
+from qurl.config.tree import Config, Min, MoreThan, leaves
 
 # Fields a resumed run may not change: they define the weights and their layout.
 IMMUTABLE_ON_RESUME = (
@@ -77,34 +78,48 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
 
 
 def get_field(cfg: Config, dotted: str) -> Any:
-    section, _, name = dotted.partition(".")
-    return getattr(getattr(cfg, section), name)
+    """The value at "section.field" (or "section.table.field")."""
+    return reduce(getattr, dotted.split("."), cfg)
+
+
+def _set(obj: Any, parts: list[str], value: Any, key: str, table: str) -> Any:
+    """`obj` (the config table named `table`) with the leaf at `parts` set to `value`."""
+    hints = _hints(type(obj))
+    name = parts[0]
+    if name not in hints:
+        raise ConfigError(f"{key}: unknown field of [{table}] (known: {', '.join(hints)})")
+    current = getattr(obj, name)
+    if is_dataclass(current):
+        if len(parts) == 1:
+            raise ConfigError(f"{key}: a table; set its fields "
+                              f"({', '.join(f'{key}.{n}' for n in _hints(type(current)))})")
+        return replace(obj, **{name: _set(current, parts[1:], value, key, f"{table}.{name}")})
+    if len(parts) > 1:
+        raise ConfigError(f"{key}: {table}.{name} is a field, not a table")
+    return replace(obj, **{name: _coerce(value, hints[name], key)})
 
 
 def override(cfg: Config, updates: dict[str, Any]) -> Config:
-    """Apply {"section.field": value} updates; unknown or renamed fields are errors."""
-    sections = {f.name: f for f in fields(cfg)}
-    new_sections: dict[str, Any] = {}
+    """Apply {"section.field": value} updates; unknown, renamed or dropped fields are errors."""
+    sections = {f.name for f in fields(cfg)}
     for key, value in updates.items():
         if key in RENAMED:
-            raise ConfigError(f"{key}: renamed to {RENAMED[key]} (README, 'Configuration')")
-        section, dot, name = key.partition(".")
+            raise ConfigError(f"{key}: renamed to {RENAMED[key]} (docs/config.md)")
+        if key in DROPPED:
+            raise ConfigError(f"{key}: no longer a config field: {DROPPED[key]}")
+        section, dot, rest = key.partition(".")
         if not dot or section not in sections:
             raise ConfigError(f"{key}: unknown config section (known: {', '.join(sections)})")
-        current = new_sections.get(section, getattr(cfg, section))
-        hints = _hints(type(current))
-        if name not in hints:
-            raise ConfigError(f"{key}: unknown field of [{section}] (known: {', '.join(hints)})")
-        new_sections[section] = replace(current, **{name: _coerce(value, hints[name], key)})
-    return replace(cfg, **new_sections)
+        cfg = replace(cfg, **{section: _set(getattr(cfg, section), rest.split("."), value, key,
+                                            section)})
+    return cfg
 
 
 def validate(cfg: Config) -> Config:
-    """Check every field against its type's rules, then the cross-field rules; return cfg."""
+    """Check every leaf against its type's rules, then the cross-field rules; return cfg."""
     for section in fields(cfg):
-        obj = getattr(cfg, section.name)
-        for name, typ in _hints(type(obj)).items():
-            _check_field(getattr(obj, name), typ, f"{section.name}.{name}")
+        for dotted, cls, name, value in leaves(getattr(cfg, section.name), f"{section.name}."):
+            _check_field(value, _hints(cls)[name], dotted)
     check_rules(cfg)
     return cfg
 
@@ -124,11 +139,19 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
-    flat = {}
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            if isinstance(v, dict):  # a nested table: [algo.correction]
+                walk(f"{prefix}.{k}", v)
+            else:
+                flat[f"{prefix}.{k}"] = v
+
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
-        flat.update({f"{section}.{k}": v for k, v in values.items()})
+        walk(section, values)
     return flat
 
 
@@ -151,12 +174,23 @@ def to_toml(cfg: Config) -> str:
             return "[" + ", ".join(fmt(x) for x in v) + "]"
         return repr(v)
 
-    lines = []
-    for section in fields(cfg):
-        lines.append(f"[{section.name}]")
-        for k, v in dataclasses.asdict(getattr(cfg, section.name)).items():
-            lines.append(f"{k} = {fmt(v)}")
+    lines: list[str] = []
+
+    def table(name: str, obj: Any) -> None:
+        lines.append(f"[{name}]")
+        nested = []
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if is_dataclass(v):  # TOML puts a table's sub-tables after its own keys
+                nested.append((f"{name}.{f.name}", v))
+            else:
+                lines.append(f"{f.name} = {fmt(v)}")
         lines.append("")
+        for sub, v in nested:
+            table(sub, v)
+
+    for section in fields(cfg):
+        table(section.name, getattr(cfg, section.name))
     return "\n".join(lines)
 
 

@@ -55,7 +55,7 @@ def paper_deepscaler_1p5b() -> Config:
         "rollout.prompts_per_step": 128, "rollout.max_new_tokens": 8192,
         "rollout.temperature": 0.6,
         "algo.loss": "acr", "algo.advantage": "grpo", "algo.agg": "token-mean", "algo.kl_coef": 1e-3,
-        "algo.mini_batches": 4, "algo.uaq_scale": 1.5, "algo.tis_cap": 2.0,
+        "algo.mini_batches": 4, "algo.uaq_scale": 1.5, "algo.correction.cap": 2.0,
         "optim.lr": 1e-6, "optim.weight_decay": 0.01, "learner.tp": 2,
     })
 
@@ -74,8 +74,8 @@ def paper_dapo_7b() -> Config:
         "eval.top_p": 0.7, "eval.max_new_tokens": 20480, "eval.fp_policy": False,
         "rollout.engine": "sglang", "rollout.precision": "int8", "rollout.group_size": 16,
         "rollout.prompts_per_step": 512, "rollout.max_new_tokens": 20480, "sglang.tp": 2,
-        "algo.loss": "acr", "algo.eps_low": 0.2, "algo.eps_high": 0.28, "algo.agg": "token-mean",
-        "algo.dynamic_sampling": True, "algo.overlong_buffer": 4096, "algo.mini_batches": 16,
+        "algo.loss": "acr", "algo.clip": (0.2, 0.28), "algo.agg": "token-mean",
+        "algo.dynamic_sampling_rounds": 16, "algo.overlong": (4096, 1.0), "algo.mini_batches": 16,
         "algo.uaq_scale": 1.5, "optim.lr": 1e-6, "optim.weight_decay": 0.1, "optim.warmup_steps": 10,
         # 21k-token rows: without recompute one row needs ~52 GB per rank (qurl launch --dry-run)
         "learner.tp": 4, "learner.recompute": "full",
@@ -106,7 +106,7 @@ def smollm2_arith() -> Config:
         "data.template": "chat-1shot", "data.eval_size": 200,
         "rollout.precision": "int8", "rollout.group_size": 8, "rollout.prompts_per_step": 8,
         "rollout.max_new_tokens": 24, "eval.max_new_tokens": 24,
-        "algo.loss": "acr", "algo.tis_cap": 2.0, "algo.uaq_scale": 1.5, "algo.mini_batches": 2,
+        "algo.loss": "acr", "algo.correction.cap": 2.0, "algo.uaq_scale": 1.5, "algo.mini_batches": 2,
         "optim.lr": 2e-5, "optim.warmup_steps": 0,
     })
 

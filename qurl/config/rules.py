@@ -38,11 +38,20 @@ def check_rules(cfg: Config) -> None:
     if r.max_staleness and cfg.deploy.rollout == "inline":
         raise ConfigError(f"rollout.max_staleness={r.max_staleness}: inline rollout is synchronous; "
                           "asynchronous rollout needs deploy.rollout='workers' or 'external'")
-    for name in ("icepop_bounds", "geo_mask_bounds"):
-        b = getattr(a, name)
-        if len(b) != 2 or not 0 < b[0] <= 1 <= b[1]:
-            raise ConfigError(f"algo.{name}={list(b)}: must be two numbers low,high with "
-                              "0 < low <= 1 <= high (a ratio of 1, no mismatch, is always kept)")
+    if len(a.clip) != 2 or not all(eps > 0 for eps in a.clip):
+        raise ConfigError(f"algo.clip={list(a.clip)}: must be two numbers eps_low,eps_high, each > 0")
+    b = a.correction.bounds
+    if b and (len(b) != 2 or not 0 < b[0] <= 1 <= b[1]):
+        raise ConfigError(f"algo.correction.bounds={list(b)}: must be two numbers low,high with "
+                          "0 < low <= 1 <= high (a ratio of 1, no mismatch, is always kept), or "
+                          "empty for the kind's usual bounds")
+    if a.correction.keep == "geo" and a.loss == "icepop":
+        raise ConfigError("algo.correction.keep='geo': the sequence's g exists only for "
+                          "algo.loss='geomask' (icepop keeps rho or one)")
+    if (len(a.overlong) != 2 or not a.overlong[0] >= 0 or not float(a.overlong[0]).is_integer()
+            or not a.overlong[1] >= 0):
+        raise ConfigError(f"algo.overlong={list(a.overlong)}: must be window,penalty: a whole "
+                          "number of tokens >= 0 (0 = off) and a penalty >= 0")
     m = cfg.model
     if (m.warmstart_checkpoint and m.warmstart_steps and m.base not in LOCAL_BASES
             and cfg.data.train != "synthetic"):
@@ -57,8 +66,10 @@ def check_rules(cfg: Config) -> None:
                               f"{e.samples}]")
     if e.samples and not e.temperature > 0:
         raise ConfigError(f"eval.temperature={e.temperature}: must be > 0 for sampled evaluation")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: must be two numbers in [0, 1)")
+    adam = cfg.optim.adam
+    if len(adam) != 3 or not all(0 <= b < 1 for b in adam[:2]) or not adam[2] > 0:
+        raise ConfigError(f"optim.adam={list(adam)}: must be three numbers beta1,beta2,eps with "
+                          "each beta in [0, 1) and eps > 0")
     if cfg.data.format == "custom" and len(cfg.data.fields) != 2:
         raise ConfigError("data.fields: format=custom needs the question and answer columns, "
                           "e.g. data.fields=problem,solution")

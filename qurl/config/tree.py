@@ -3,7 +3,9 @@
 Every field carries its type, its default and a docstring (the string under it, read by
 `field_doc`). Choices are `Literal` types and bounds are `Annotated[..., Min(x)]` / `MoreThan(x)`,
 so a field states its own rules and `qurl.config.load` checks them all from the types alone; the
-few rules that tie two fields together live in `qurl.config.rules`.
+few rules that tie two fields together live in `qurl.config.rules`. A section may hold a nested
+table (`algo.correction`, written `[algo.correction]` in TOML, set as `algo.correction.cap=3`);
+its leaves are fields like any other (and count as such among the training fields).
 
 The training sections (run, model, data, rollout, algo, eval, optim, learner) decide the numbers
 a run produces for a given seed. `sglang` and `deploy` decide only where the processes run, how
@@ -14,9 +16,9 @@ from __future__ import annotations
 
 import ast
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cache
-from typing import Annotated, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,30 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class CorrectionConfig:
+    """The importance weight's settings (`[algo.correction]`; equations in qurl/algo/corrections.py).
+
+    One table for every correction algo.loss can name: each leaf says which losses read it.
+    `bounds` and `keep` left at their defaults take the named kind's usual setting, so one leaf
+    serves IcePop and the geometric mask without a pair of fields each."""
+    cap: Annotated[float, Min(1)] = 2.0
+    """C, the largest importance weight: tis and acr truncate ρ = π_prox/π_behav at C, mis masks
+    the tokens with ρ > C, seqtis truncates the sequence's ∏_t ρ_t at C (verl 2, TRL 3, SkyRL 5).
+    The cut/tis, cut/mis and cut/seqtis diagnostics use it whatever the loss."""
+    bounds: tuple[float, ...] = ()
+    """[low, high], inclusive, 0 < low <= 1 <= high: icepop masks the tokens whose ρ is outside,
+    geomask the sequences whose g = exp(mean log ρ over their tokens) is outside; [] = the kind's
+    usual bounds (icepop [0.5, 5]: Ring-1T, verl; geomask [0.99, 1.01]: SkyRL). Read by icepop and
+    geomask only; the cut/icepop and cut/geomask diagnostics of a run use the loss's own kind's
+    bounds from here and the usual bounds for every other kind."""
+    keep: Literal["auto", "rho", "one", "geo"] = "auto"
+    """Weight of what icepop or geomask keeps: rho = ρ per token, one = 1, geo = g per sequence
+    (geomask only); auto = the kind's usual choice, ρ for icepop (verl, NeMo-RL, slime, AReaL;
+    SkyRL uses 1) and 1 for geomask (SkyRL, verl; NeMo-RL uses ρ, AReaL and slime g). Read by
+    icepop and geomask only."""
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     loss: Literal["ppo", "naive", "decoupled", "tis", "acr", "icepop", "mis", "seqtis",
                   "geomask"] = "acr"
@@ -125,29 +151,14 @@ class AlgoConfig:
     (ratio to the learner's own pre-update policy, no IS weight), naive (ratio to the engine's
     behaviour policy), decoupled, tis (truncated IS weight, cap C), acr (decoupled with the
     Adaptive Clipping Range); decoupled PPO with the field's other weights: icepop (ρ masked
-    outside icepop_bounds), mis (ρ > C masked), seqtis (min(∏ρ, seq_tis_cap) on the whole
-    sequence), geomask (sequence masked when exp(mean log ρ) is outside geo_mask_bounds)."""
-    eps_low: PositiveFloat = 0.2
-    """Lower clip range ε_low of the ratio."""
-    eps_high: PositiveFloat = 0.2
-    """Upper clip range ε_high (DAPO's clip-higher raises it)."""
-    tis_cap: Annotated[float, Min(1)] = 2.0
-    """C: the cap of the truncated importance weight π_prox/π_behav (tis and acr), and the
-    threshold above which masked IS (mis) drops a token."""
-    icepop_bounds: tuple[float, ...] = (0.5, 5.0)
-    """IcePop: [α, β], tokens with ρ = π_prox/π_behav outside are masked (weight 0), bounds
-    inclusive, 0 < α <= 1 <= β (Ring-1T / verl's [0.5, 5])."""
-    icepop_keep: Literal["rho", "one"] = "rho"
-    """IcePop: weight of the tokens kept, ρ (verl, NeMo-RL, slime, AReaL) or 1 (SkyRL)."""
-    seq_tis_cap: Annotated[float, Min(1)] = 2.0
-    """C_seq of sequence-level TIS (seqtis): weight min(∏_t ρ_t, C_seq) on every token of the
-    sequence (verl 2, TRL 3, SkyRL 5)."""
-    geo_mask_bounds: tuple[float, ...] = (0.99, 1.01)
-    """Geometric sequence mask (geomask): [low, high], a sequence whose g = exp(mean log ρ over its
-    tokens) is outside is masked, bounds inclusive, 0 < low <= 1 <= high (SkyRL's [0.99, 1.01])."""
-    geo_mask_keep: Literal["one", "rho", "geo"] = "one"
-    """Geometric sequence mask: weight of the kept sequences' tokens, 1 (SkyRL, verl), ρ per token
-    (NeMo-RL) or g (AReaL, slime)."""
+    outside correction.bounds), mis (ρ > C masked), seqtis (min(∏ρ, C) on the whole sequence),
+    geomask (sequence masked when exp(mean log ρ) is outside correction.bounds); C is
+    correction.cap."""
+    clip: tuple[float, ...] = (0.2, 0.2)
+    """(ε_low, ε_high): the ratio is clipped to [1 − ε_low, 1 + ε_high], each ε > 0 (DAPO's
+    clip-higher raises ε_high, e.g. 0.2,0.28)."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """The importance weight's cap, bounds and kept weight (the [algo.correction] table)."""
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation over tokens; seq-mean-token-sum-norm is Dr.GRPO's constant normaliser
     (rollout.max_new_tokens)."""
@@ -159,15 +170,14 @@ class AlgoConfig:
     """Optimizer updates per step (>= 2, so clipping and ACR can bind)."""
     epochs: Positive = 1
     """Passes over the batch per step."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose accuracies are all equal and sample more prompts until the batch
-    holds prompts_per_step groups (qurl/rollout/dynamic_sampling.py)."""
-    max_sample_rounds: Positive = 16
-    """Dynamic sampling: rollouts per step at most before the step fails."""
-    overlong_buffer: Count = 0
-    """DAPO soft overlong penalty: the window in tokens before max_new_tokens; 0 = off."""
-    overlong_penalty: Annotated[float, Min(0)] = 1.0
-    """DAPO soft overlong penalty at the limit."""
+    dynamic_sampling_rounds: Count = 0
+    """DAPO dynamic sampling: drop groups whose accuracies are all equal and sample more prompts
+    until the batch holds prompts_per_step groups, in at most this many rollout rounds per step
+    (then the step fails; qurl/rollout/dynamic_sampling.py); 0 = off, every group is trained on."""
+    overlong: tuple[float, ...] = (0.0, 1.0)
+    """DAPO soft overlong penalty, (window, penalty): a response's reward falls linearly by up to
+    `penalty` over the last `window` tokens before rollout.max_new_tokens; window a whole number
+    of tokens, 0 = off; penalty >= 0."""
     uaq_scale: PositiveFloat = 1.5
     """s of update-aware invariant scaling (UAQ); 1.0 = off."""
 
@@ -200,10 +210,8 @@ class OptimConfig:
     """AdamW learning rate."""
     weight_decay: Annotated[float, Min(0)] = 0.0
     """AdamW decoupled weight decay."""
-    betas: tuple[float, ...] = (0.9, 0.999)
-    """AdamW (β1, β2)."""
-    adam_eps: PositiveFloat = 1e-8
-    """AdamW ε."""
+    adam: tuple[float, ...] = (0.9, 0.999, 1e-8)
+    """AdamW (β1, β2, ε): the moments' decay rates, each in [0, 1), and the denominator's ε > 0."""
     grad_clip: Annotated[float, Min(0)] = 1.0
     """Global gradient-norm clip; 0 = off."""
     warmup_steps: Count = 0
@@ -265,7 +273,7 @@ class DeployConfig:
     """Rollout engines: SGLang servers (inline) or worker processes, one engine each."""
     torch_threads: Count = 0
     """torch CPU threads per process; 0 = the node's cores shared by the processes computing at
-    once (qurl/deploy/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
+    once (qurl/node/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
     reward_timeout_s: PositiveFloat = 5.0
     """Time limit of scoring one answer (math verification can hang on adversarial output)."""
     # ---- learner ranks
@@ -346,3 +354,16 @@ def field_doc(section_cls: type, name: str) -> str:
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             return inspect.cleandoc(nxt.value.value)
     return ""
+
+
+def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, type, str, Any]]:
+    """Every leaf field of a config object, in declaration order: (dotted name, the class that
+    declares it, its name there, its value). A nested table (a dataclass-valued field such as
+    algo.correction) is walked into, never yielded itself. `prefix` goes before each name
+    (e.g. "algo.")."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value):
+            yield from leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", type(obj), f.name, value

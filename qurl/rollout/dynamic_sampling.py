@@ -62,9 +62,9 @@ def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCurs
     groups: list[list[Trajectory]] = []
     parts: list[tuple[dict[str, float], int]] = []
     sampled = 0
-    rounds = cfg.algo.dynamic_sampling_rounds  # 0: off, one round whatever its groups
+    rounds = cfg.algo.dynamic_sampling_rounds  # 0: off, one round keeps every group
     while len(groups) < want:
-        if len(parts) == rounds:
+        if rounds and len(parts) == rounds:
             raise RuntimeError(
                 f"algo.dynamic_sampling_rounds: step {step} found {len(groups)} of {want} groups "
                 f"with mixed accuracy in {sampled} sampled prompts ({len(parts)} rounds = "
