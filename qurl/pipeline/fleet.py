@@ -34,6 +34,10 @@ version goes in full (counted as `unsupported`). A worker that gets a delta anyw
 to the last one (a step without gradient: an empty delta) sends its smallest tensor whole, since
 a broadcast needs a tensor.
 
+A group whose members advertised addresses that cannot reach each other (a loopback address
+toward another node: qurl/wire/group.py) fails at once with one line naming every member's
+address (an InputError: the command prints it and exits 2), not after MAX attempts.
+
 A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
 whose hello comes from a new pid is *replaced*: its socket is closed (queued messages to the dead
 process are discarded) and `take_replaced()` reports it once so the controller re-dispatches
@@ -57,7 +61,9 @@ from qurl.engines.sglang.launcher import STOP_WAIT_S
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
 from qurl.sync.plan import SyncPlan, SyncPlanner, broadcast_chunks
-from qurl.wire.broadcaster import Broadcaster, GroupSpec
+from qurl.errors import InputError
+from qurl.wire.broadcaster import Broadcaster, GroupFormError, GroupSpec
+from qurl.wire.group import GroupAddressError
 
 log = logging.getLogger("qurl.fleet")
 
@@ -314,6 +320,8 @@ class Fleet:
                     self.need_group = False
                 return self.broadcast(chunks, version)
             except Exception as e:  # a worker died or hung mid-sync: restart it, re-form, resend
+                if isinstance(e, GroupFormError) and isinstance(e.__cause__, GroupAddressError):
+                    raise InputError(str(e)) from None  # addresses that cannot meet: no retry
                 log.warning("weight push v%d attempt %d failed: %s", version, attempt + 1, e)
                 self.counts["push_failures"] += 1
                 self.need_group = True
