@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # pulling a multi-GB CUDA build. On GPU images set TORCH_SPEC to the image's torch (or "").
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-real test-sglang gpu-check bench clean
+.PHONY: setup run test test-real test-sglang gpu-wheels gpu-check gpu-check-dry bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,10 +50,22 @@ test-sglang: setup $(SGL_VENV)/.installed
 		tests/test_sglang_real_delta.py tests/test_sglang_real_tp_delta.py tests/test_sglang_real_model.py \
 		tests/test_sglang_real_qwen3.py
 
-# One prepared script of every check a single GPU can make (scripts/gpu_check.sh, < 10 minutes on an
-# H200; it says which parts it skipped and why). Without CUDA: one line and exit 1.
-gpu-check: setup
-	bash scripts/gpu_check.sh
+# The offline one-GPU check (qurl/bench/gpu_check/; ~8 minutes on one H100/H200). The GPU machine
+# has its own python3 and CUDA torch, no network: nothing is set up there. Here (PyPI): `make
+# gpu-wheels` puts megatron-core, blake3 and pyzmq for its Python (GPU_PY, 3.12 or 3.11) in
+# .gpu-wheels/ (git-ignored, < 48 MiB); carry that folder with the tree, then there: `make gpu-check`
+# (= python3 scripts/gpu_check.py --out $(GPU_OUT)): results.json + gpu_check.log in GPU_OUT.
+# `make gpu-check-dry` rehearses it here on the CPU at tiny sizes (~1 minute).
+GPU_PY ?= 3.12
+GPU_OUT ?= gpu-check-out
+gpu-wheels: setup
+	$(BIN)/python scripts/gpu_wheels.py --python $(GPU_PY)
+
+gpu-check:
+	python3 scripts/gpu_check.py --out $(GPU_OUT)
+
+gpu-check-dry: setup
+	$(BIN)/python scripts/gpu_check.py --cpu-dry-run --out $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV)
