@@ -322,6 +322,18 @@ class DeployConfig:
     worker_backend: Literal["gloo", "nccl"] = "gloo"
     """Controller -> workers weight group: gloo (CPU tensors; right for SGLang workers, which
     forward to their servers) or nccl (each worker on a GPU of its own with a local engine)."""
+    # ---- checks
+    alarm_kl_factor: Annotated[float, Min(0)] = 10.0
+    """Mismatch alarm (qurl/train/alarm.py): raised when KL(behav||prox) (`kl_behav_prox`) is
+    above this many times its running median for deploy.alarm_steps steps in a row, as when the
+    engine samples from other weights than the learner's through a fault the sync's digests
+    cannot see (a quantizer bug). Recorded as `alarm/*` keys and printed once; 0 = off (else
+    > 1). A deployment check: it changes no training math."""
+    alarm_steps: Positive = 3
+    """Steps in a row above the factor before the mismatch alarm fires."""
+    alarm_stop: bool = False
+    """Stop the run when the mismatch alarm fires: one error line (exit 2), resumable from the
+    last checkpoint (qurl train --resume)."""
 
 
 @dataclass(frozen=True)

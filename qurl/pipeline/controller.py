@@ -158,6 +158,8 @@ class Controller:
         order, their dispatches, and the seconds spent waiting."""
         t0 = time.perf_counter()
         while True:
+            if self.fleet.halted is not None:  # a worker failed verification twice in a row
+                raise self.fleet.halted
             self.fleet.check_procs()
             for slot in self.fleet.take_replaced():
                 self.work.reclaim(slot)
@@ -186,6 +188,8 @@ class Controller:
     def step_stats(self, step: int) -> dict[str, float]:
         """Throughput, sync acks and the pipeline's counters since the last step; records the
         step's prompts in trained.jsonl."""
+        if self.fleet.halted is not None:  # before this step's record and checkpoint are written
+            raise self.fleet.halted
         rec = {"rollout_tokens_per_s": self._since["new_tokens"] / max(self._since["gen_s"], 1e-9),
                **ack_stats(self.fleet.sync_acks)}
         self.fleet.sync_acks = []

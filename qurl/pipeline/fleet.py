@@ -25,7 +25,10 @@ it) and no worker has asked for a full sync since; the first announcement carrie
 (base, digests). Each worker refuses a delta whose base it does not hold verified and checks
 every sync against the digests (qurl/pipeline/worker.py); either failure comes back as a `resync`
 control message with its reason, counted (`resync/<reason>`), and the current version is sent
-again in full. Deltas need every member's engine to apply them: each worker says in its hello
+again in full. A worker whose full resync fails verification too (two mismatches in a row) stops
+the run: `halted` holds the one-line error naming the slot, its engine and the tensors, and the
+controller raises it (qurl/sync/publish.py `unverified`). Prompts whose generation a failed sync
+abandoned are counted as `unverified_redone` (the worker queues them again). Deltas need every member's engine to apply them: each worker says in its hello
 whether it can (`deltas`: its engine has `verify` — the local engine, and an SGLang adapter whose
 one server runs qurl's sync loader, at TP 1 or at a TP size whose cut qurl maps,
 qurl/engines/sglang/verified_sync.py); while any slot cannot, every
@@ -33,10 +36,6 @@ version goes in full (counted as `unsupported`). A worker that gets a delta anyw
 (qurl/sync/receiver.py) and the group is re-formed and sent the version in full. A version equal
 to the last one (a step without gradient: an empty delta) sends its smallest tensor whole, since
 a broadcast needs a tensor.
-
-A group whose members advertised addresses that cannot reach each other (a loopback address
-toward another node: qurl/wire/group.py) fails at once with one line naming every member's
-address (an InputError: the command prints it and exits 2), not after MAX attempts.
 
 A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
 whose hello comes from a new pid is *replaced*: its socket is closed (queued messages to the dead
@@ -60,10 +59,10 @@ from qurl.config import Config
 from qurl.engines.sglang.launcher import STOP_WAIT_S
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
+from qurl.errors import RunHalted
 from qurl.sync.plan import SyncPlan, SyncPlanner, broadcast_chunks
-from qurl.errors import InputError
-from qurl.wire.broadcaster import Broadcaster, GroupFormError, GroupSpec
-from qurl.wire.group import GroupAddressError
+from qurl.sync.publish import unverified
+from qurl.wire.broadcaster import Broadcaster, GroupSpec
 
 log = logging.getLogger("qurl.fleet")
 
@@ -80,6 +79,7 @@ class _SlotState:
     gen_seen: int = -1  # latest group generation the worker reported having been invited to
     ready: bool = False  # in the current group with the current weights
     deltas: bool = False  # the worker's engine can apply (and verify) deltas, from its hello
+    mismatches: int = 0  # failed verifications in a row (a verified ack resets it)
 
 
 class Fleet:
@@ -118,6 +118,9 @@ class Fleet:
         self.sync_acks: list[dict[str, Any]] = []  # "synced" acks since the caller last took them
         self.counts: Counter[str] = Counter()
         self._last_ping = 0.0
+        # set when a worker fails verification twice in a row: the controller raises it (never
+        # from inside `push`, whose retry loop would swallow it)
+        self.halted: RunHalted | None = None
 
     # ------------------------------------------------------------------ processes and messages
 
@@ -177,10 +180,22 @@ class Fleet:
                 self.need_group = True
         elif op == "synced":
             self.sync_acks.append(meta)
+            if meta.get("verified") == 1.0:
+                st.mismatches = 0
         elif op == "resync":  # the worker holds weights a delta cannot build on: send all
             reason = meta.get("reason")
             self.counts[f"resync/{reason if reason in RESYNC_REASONS else 'other'}"] += 1
             self.need_full, self._holder = True, None
+            if reason == "mismatch":
+                st.mismatches += 1
+                if st.mismatches >= 2 and self.halted is None:  # a full resync failed too
+                    bad = [b for b in meta.get("bad") or [] if isinstance(b, str)] or ["?"]
+                    self.halted = unverified(
+                        f"worker slot {slot} ({meta.get('engine', 'engine')})",
+                        int(meta.get("version", -1)), bad)
+        elif op == "redone":  # a generation abandoned at a failed sync, queued again
+            n = meta.get("prompts")
+            self.counts["unverified_redone"] += n if isinstance(n, int) and n > 0 else 0
         else:
             self.counts["control_unknown"] += 1
 
@@ -320,8 +335,6 @@ class Fleet:
                     self.need_group = False
                 return self.broadcast(chunks, version)
             except Exception as e:  # a worker died or hung mid-sync: restart it, re-form, resend
-                if isinstance(e, GroupFormError) and isinstance(e.__cause__, GroupAddressError):
-                    raise InputError(str(e)) from None  # addresses that cannot meet: no retry
                 log.warning("weight push v%d attempt %d failed: %s", version, attempt + 1, e)
                 self.counts["push_failures"] += 1
                 self.need_group = True

@@ -13,9 +13,7 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    at a TP size whose cut qurl maps, qurl/engines/sglang/inside/tp_cut.py), every
    second until the controller answers with a weight group to join; the controller connects to
    that inbox;
-2. joins the weight-update group (qurl/wire/group.py: advertising its address toward the
-   controller; if the group cannot form from here it logs one line and exits 2) as rank slot+1
-   and receives the current
+2. joins the weight-update group (qurl/wire/group.py) as rank slot+1 and receives the current
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
@@ -76,15 +74,13 @@ def _wait_for_session(run_dir: Path, timeout_s: float = 600.0) -> dict[str, Any]
 
 
 def _default_host(controller_endpoint: str) -> str:
-    """127.0.0.1 when the controller is on this machine's loopback, else the address of the
-    interface this machine reaches the controller through (qurl/node/netif.py), as the
-    learner's ranks pick theirs: the hostname's address is loopback on many nodes."""
-    from qurl.node.netif import source_address
+    """127.0.0.1 when the controller is on this machine's loopback, else our own address."""
+    import socket
 
     host = controller_endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     if host in ("127.0.0.1", "localhost"):
         return "127.0.0.1"
-    return source_address(host)
+    return socket.gethostbyname(socket.gethostname())
 
 
 class RolloutWorker(WeightClient):
@@ -120,10 +116,10 @@ class RolloutWorker(WeightClient):
         self.joined = False
         self.gen_seen = -1  # latest weight-group generation we were invited to
         self.stop = False
-        self.exit_code = 0  # 2: the weight group cannot form from here (one line logged)
         self.weights_ok = True  # False after a failed verification, until a sync verifies
         self.counts = {"batches": 0, "trajectories": 0, "syncs": 0, "sync_failures": 0,
-                       "bad_control": 0, "delta_refused": 0, "verify_mismatches": 0}
+                       "bad_control": 0, "delta_refused": 0, "verify_mismatches": 0,
+                       "unverified_redone": 0}
         self._connect(info)
 
     # ------------------------------------------------------------------ connection
@@ -258,6 +254,8 @@ class RolloutWorker(WeightClient):
                                           between_steps=self._between_steps)
         except Unverified:  # sampled partly from unverified weights: redo after the resync
             self.tasks.extendleft(reversed(batch))
+            self.counts["unverified_redone"] += len(batch)
+            self._send_control({"op": "redone", "prompts": len(batch)})
             return
         trajs = [t for g in groups for t in g]
         meta, tensors = pack_trajectories(trajs)
@@ -293,7 +291,7 @@ class RolloutWorker(WeightClient):
                     self._rollout(batch)
             except Abort:
                 continue
-        return self.exit_code
+        return 0
 
     def close(self) -> None:
         self._leave_group()

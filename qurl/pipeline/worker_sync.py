@@ -5,8 +5,10 @@ holds against the learner's digests (qurl/wire/digest.py, sent with the first an
 delta whose base the engine does not hold verified is refused before anything is written (the
 engine keeps its version); a mismatch leaves the engine unverified. Either way the worker abandons
 the generation in progress (its prompts go back to the queue) and generates nothing until a full
-sync verifies. Either way it asks the controller for a full sync (`resync` with the reason) and stays
-in the group.
+sync verifies. Either way it asks the controller for a full sync (`resync` with the reason; a
+mismatch also names the engine and the tensors that differ, for the controller's error when the
+full sync fails too) and stays in the group; the worker says how many prompts it queued again
+(`redone`, qurl/pipeline/worker.py).
 
 `WeightClient` is that part of `RolloutWorker` (qurl/pipeline/worker.py): it uses the worker's
 engine, inbox, session, counts and `_queue_prompt` / `_handle` / `_send_control`. `Abort` and
@@ -19,6 +21,7 @@ import time
 from typing import Any
 
 from qurl.engines.base import StaleBase, verifiable
+from qurl.sync.publish import engine_label
 
 log = logging.getLogger("qurl.worker")
 
@@ -42,7 +45,7 @@ class WeightClient:
 
     def _join_group(self, meta: dict[str, Any]) -> None:
         from qurl.sync.receiver import WeightReceiver
-        from qurl.wire.group import GroupAddressError, WeightGroup
+        from qurl.wire.group import WeightGroup
 
         self._leave_group()
         gen = meta.get("gen")
@@ -52,11 +55,6 @@ class WeightClient:
                                      int(meta["world"]), backend=str(meta.get("backend", "gloo")),
                                      group_name=str(meta.get("name", "qurl_weights")),
                                      timeout_s=float(meta.get("timeout_s", 300.0)))
-        except GroupAddressError as e:  # cannot ever form from here: say why once, exit
-            log.error("slot %d: %s", self.slot, e)
-            self._leave_group()
-            self.stop, self.exit_code = True, 2
-            return
         except Exception as e:  # the controller times out too and forms a new group
             log.warning("slot %d: joining weight group gen %s failed: %s", self.slot,
                         meta.get("gen"), e)
@@ -119,12 +117,14 @@ class WeightClient:
             return
         self.counts["syncs"] += 1
         verified, t1 = self._verify(stats.header), time.perf_counter()
+        bad = self._bad[:8]
         self._send_control({"op": "synced", "version": int(self.engine.version),
                             "load_s": stats.total_s, "recv_s": stats.recv_s,
                             "pause_s": t1 - t0, "bytes": stats.bytes, "verified": verified,
                             "mode": (stats.header or {}).get("mode", "full")})
-        if verified == 0.0:
-            self._send_control({"op": "resync", "reason": "mismatch",
+        if verified == 0.0:  # the tensors and engine name the error of a second failure
+            self._send_control({"op": "resync", "reason": "mismatch", "bad": bad,
+                                "engine": engine_label(self.engine),
                                 "version": int(self.engine.version)})
             raise Unverified()
 
@@ -133,9 +133,10 @@ class WeightClient:
         cleared until a sync verifies), None when there is nothing to check with."""
         checked = verifiable(self.engine)
         digests = (header or {}).get("digests")
+        self._bad: list[str] = []
         if checked is None or not isinstance(digests, dict):
             return None
-        bad = checked.verify(digests)
+        bad = self._bad = checked.verify(digests)
         if bad:
             self.counts["verify_mismatches"] += 1
             log.warning("slot %d: weights v%d differ from the learner's in %d tensors (%s): "

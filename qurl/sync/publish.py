@@ -7,8 +7,10 @@ on the exact codes sent, split into the layers UAQ scales (q/k/v/gate/up) and th
 
 Each version goes as a delta against the previous one when the engine holds it verified, else in
 full (qurl/sync/plan.py), and the engine then proves it holds the sender's bits (qurl/wire/digest.py:
-`verify`); a mismatch is resynced in full at once and counted, and a second mismatch is an error:
-the loop never samples from weights that differ from the learner's. Engines without `verify` (an
+`verify`); a mismatch is resynced in full at once and counted, and a second mismatch stops the
+run with one line naming the engine and the tensors (`unverified`, a RunHalted: `qurl train`
+prints it and exits 2; the run resumes from its last checkpoint): the loop never samples from
+weights that differ from the learner's. Engines without `verify` (an
 SGLang engine whose servers lack qurl's sync loader, or run TP > 1 with a cut qurl cannot map:
 qurl/engines/sglang/verified_sync.py) get
 full syncs (`unsupported`) and records say `sync/verified` = NaN (not checked).
@@ -21,6 +23,7 @@ from typing import Iterable
 import torch
 
 from qurl.engines.base import Engine, StaleBase, verifiable
+from qurl.errors import RunHalted
 from qurl.quant.flips import aggregate_flips
 from qurl.quant.named import NAMED_FORMATS
 from qurl.sync.arena import ArenaQuantizer
@@ -100,8 +103,7 @@ class WeightSync:
                 sent += plan.stats.bytes
                 again = checked.verify(plan.digests)
                 if again:
-                    raise RuntimeError(f"weight sync v{version}: the engine's {again[0]} differs "
-                                       "from the learner's even after a full resync")
+                    raise unverified(engine_label(engine), version, again)
             verify_s = time.perf_counter() - t2
         stats.update(first.metrics())  # what was tried; a resync is counted apart
         if plan is not first:
@@ -119,3 +121,19 @@ class WeightSync:
             engine.load_weights(iter(plan.chunks), plan.version)
         else:
             engine.load_weights(iter(plan.chunks), plan.version, base=plan.base)  # type: ignore[call-arg]
+
+
+def engine_label(engine: Engine) -> str:
+    """How an error names an engine: its class and, where it has one, its precision."""
+    precision = engine.__dict__.get("precision")
+    return type(engine).__name__ + (f" ({precision})" if isinstance(precision, str) else "")
+
+
+def unverified(who: str, version: int, bad: list[str], shown: int = 3) -> RunHalted:
+    """The one-line error of an engine `who` that failed verification twice in a row: the
+    version, how many tensors differ and the first `shown` of their names."""
+    names = ", ".join(bad[:shown]) + (f" and {len(bad) - shown} more" if len(bad) > shown else "")
+    return RunHalted(f"weight sync v{version}: {who} still differs from the learner's weights "
+                     f"after a full resync, in {len(bad)} tensor{'s' * (len(bad) != 1)}: {names}; "
+                     "the run stops (nothing is trained on unverified weights): fix the engine, "
+                     "then resume from the last checkpoint with `qurl train --resume <run dir>`")

@@ -24,8 +24,10 @@ This module alone decides the record shapes and metric names (train: rollout sta
 trained batch, the source's timings and statistics (with sync DAPO dynamic sampling: those of every
 sampled response, qurl/rollout/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
 qurl/evaluation/suite.py, rollout engine and full-precision policy side by side), the eval /
-checkpoint cadence and the checkpoint state: step, version, RNG and the source's own state (the
-data cursor; for async also the buffer, staleness counters and ledger).
+checkpoint cadence and the checkpoint state: step, version, RNG, the mismatch alarm's history
+(qurl/train/alarm.py: its `alarm/*` keys join the train record; with deploy.alarm_stop it ends the
+run before that step's checkpoint) and the source's own state (the data cursor; for async also the
+buffer, staleness counters and ledger).
 """
 from __future__ import annotations
 
@@ -36,16 +38,18 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from qurl.checkpoint.rundir import rng_state, set_rng_state
-from qurl.config import Config
+from qurl.config import Config, ConfigError
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
 from qurl.engines.base import Engine
 from qurl.engines.factory import make_engine
+from qurl.errors import RunHalted
 from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import broadcast_object
 from qurl.rollout.batch import build_batch
 from qurl.rollout.generate import group_stats
 from qurl.rollout.requests import PromptCodec
+from qurl.train.alarm import MismatchAlarm
 from qurl.train.metrics_log import MetricsLogger
 from qurl.train.run_setup import OpenedRun, open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory
@@ -100,6 +104,20 @@ def _drain(named: Iterable[Any]) -> dict[str, float]:
     return {}
 
 
+def mismatch_alarm(cfg: Config, state: dict | None) -> MismatchAlarm | None:
+    """Rank 0's mismatch alarm (qurl/train/alarm.py) from deploy.alarm_*, with the history a
+    resumed run's checkpoint kept; None when deploy.alarm_kl_factor = 0."""
+    d = cfg.deploy
+    if d.alarm_kl_factor == 0:
+        return None
+    if d.alarm_kl_factor <= 1:
+        raise ConfigError(f"deploy.alarm_kl_factor={d.alarm_kl_factor}: must be 0 (off) or > 1")
+    alarm = MismatchAlarm(d.alarm_kl_factor, d.alarm_steps)
+    if state is not None and "alarm" in state:
+        alarm.load_state_dict(state["alarm"])
+    return alarm
+
+
 def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: int,
                world_size: int, local_engine: bool = False) -> dict:
     """Run (or resume) training on this rank with the source `make_source` builds on rank 0.
@@ -144,6 +162,7 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
                                    wandb=cfg.deploy.wandb,
                                    run_name=cfg.run.name, config=asdict(cfg),
                                    progress=cfg.deploy.progress)
+        alarm = mismatch_alarm(cfg, run.state) if run.main else None
         publish()
         last_eval = run_eval(0) if start == 0 else None
         for step in range(start + 1, cfg.run.steps + 1):
@@ -166,17 +185,25 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
             sstats = publish()
             if source is not None:
                 n_tokens = batch.num_tokens if batch is not None else 0
+                verdict = None if alarm is None or "kl_behav_prox" not in tstats else \
+                    alarm.update(tstats["kl_behav_prox"], step)
                 logger.log({"kind": "train", "step": step, "version": version,
                             **group_stats(groups, version - 1), **gen_stats, **bstats, **tstats,
                             **sstats, "time/train": t_train,
                             "train_tokens_per_s": n_tokens / max(t_train, 1e-9),
                             "threads/learner": float(torch.get_num_threads()),
-                            **source.step_stats(step), **source.clock()})
+                            **source.step_stats(step), **source.clock(),
+                            **(verdict.record if verdict else {})})
+                if verdict is not None and verdict.fired:  # once; stop before the checkpoint
+                    logger.write(verdict.message)
+                    if cfg.deploy.alarm_stop:
+                        raise RunHalted(f"{verdict.message} (deploy.alarm_stop)")
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
                 last_eval = run_eval(step)
             if step == cfg.run.steps or (cfg.deploy.ckpt_every and step % cfg.deploy.ckpt_every == 0):
                 state = None if source is None else {
-                    "step": step, "version": version, "rng": rng_state(), **source.state_dict()}
+                    "step": step, "version": version, "rng": rng_state(), **source.state_dict(),
+                    **({"alarm": alarm.state_dict()} if alarm is not None else {})}
                 save_checkpoint(run.ckpts, learner, step, state)
         if start < cfg.run.steps or last_eval is None:
             last_eval = run_eval(cfg.run.steps)
