@@ -30,12 +30,13 @@ def test_dry_run_two_node_example(capsys):
     assert "# node 0 (10.0.0.1): 1 learner" in out and "# node 1 (10.0.0.2): 4 sglang" in out
     learner, export, *servers = _lines(out)
     net = [f"{k}=$(python -m qurl.node.netif 10.0.0.1)" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
+    net = ["NCCL_CUMEM_ENABLE=0", "NCCL_NVLS_ENABLE=0", *net]  # qurl's NCCL settings, everywhere
     assert learner == ["CUDA_VISIBLE_DEVICES=0,1,2,3", *net, "torchrun", "--nnodes=1",
                        "--nproc-per-node=4", "--node-rank=0", "--master-addr=10.0.0.1",
                        "--master-port=29500", "-m", "qurl.cli", "train", "--preset",
                        "paper-dapo-7b", "--config", EXAMPLE]
     ckpt = "/shared/runs/dapo-7b-2node/sglang_int8"
-    assert export == ["python", "-m", "qurl.models.export8bit", "--src",
+    assert export == ["CUDA_VISIBLE_DEVICES=", "python", "-m", "qurl.checkpoint.shared_export", "--src",
                       "/shared/models/Qwen2.5-Math-7B", "--out", ckpt, "--fmt", "int8",
                       "--uaq-scale", "1.5"]
     assert len(servers) == 4
@@ -58,7 +59,8 @@ def test_slurm_style_placement_from_node_list():
     # servers (tp 4) fill the free GPUs: 2-5 next to the learner's 0-1 on node 0, all 8 of node 1;
     # the learner is told where they are and that node 0 is its master (replacing 127.0.0.1)
     assert learner.role == "learner" and "--master-addr=gpu-a" in learner.argv
-    reach = {"GLOO_SOCKET_IFNAME": Reach("gpu-a"), "NCCL_SOCKET_IFNAME": Reach("gpu-a")}
+    reach = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0",
+             "GLOO_SOCKET_IFNAME": Reach("gpu-a"), "NCCL_SOCKET_IFNAME": Reach("gpu-a")}
     assert learner.env == {"CUDA_VISIBLE_DEVICES": "0,1", **reach}
     assert "--nproc-per-node=2" in learner.argv
     sets = [learner.argv[i + 1] for i, a in enumerate(learner.argv) if a == "--set"]
@@ -211,6 +213,94 @@ def test_plans_refuse_two_processes_on_one_gpu():
                                2: ["worker 0 (spawned by the learner)"],
                                3: ["worker 1 (spawned by the learner)"]}
     assert ok[0].commands[-1].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def _nccl_groups(out: str, cfg, variant: str) -> dict[str, list[tuple[str, str, int | None]]]:
+    """The NCCL groups of a printed `qurl launch --dry-run`, from the commands alone: {group:
+    [(member, node, GPU its rank computes on; None = no GPU)]}. A command without
+    CUDA_VISIBLE_DEVICES sees every GPU and opens its rank on cuda:0 (GPU 0). Groups: the
+    learner's ranks; inline, learner rank 0 + every server rank; async, the controller's (learner
+    rank 0 + the workers, NCCL only with deploy.worker_backend=nccl) and each worker's with its
+    server (NCCL when the worker has a GPU: sglang.backend auto)."""
+    node, learner, servers, workers = "", [], [], {}
+    for line in out.splitlines():
+        if line.startswith("# node "):
+            node = line.split("(")[1].split(")")[0]
+        if not line or line.startswith("#"):
+            continue
+        words = shlex.split(line.rstrip(" &"))
+        env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+        seen = env.get("CUDA_VISIBLE_DEVICES")
+        gpus = [int(g) for g in seen.split(",") if g] if seen is not None else list(range(8))
+        if "torchrun" in words:
+            nproc = int(next(w for w in words if w.startswith("--nproc-per-node=")).split("=")[1])
+            learner += [(f"learner {node} rank {k}", node, gpus[k]) for k in range(nproc)]
+        elif "sglang.launch_server" in words:
+            tp = int(words[words.index("--tp-size") + 1])
+            servers.append([(f"sglang {node}:{words[words.index('--port') + 1]} rank {k}", node,
+                             gpus[k]) for k in range(tp)])
+        elif "qurl.pipeline.worker" in words:
+            slot = int(words[words.index("--slot") + 1])
+            workers[slot] = (f"worker {slot}", node, gpus[0] if gpus else None)
+    if variant == "workers":  # spawned by the learner: the environment the controller gives them
+        from qurl.node.placement import spawned_worker_env
+
+        seen = spawned_worker_env(cfg).get("CUDA_VISIBLE_DEVICES")
+        workers = {k: (f"worker {k} (spawned)", learner[0][1], None if seen == "" else 0)
+                   for k in range(len(servers))}
+    groups = {"learner": learner}
+    if variant == "inline":
+        groups["weights"] = [learner[0]] + [r for s in servers for r in s]
+        return groups
+    if cfg.deploy.worker_backend == "nccl":
+        groups["controller"] = [learner[0]] + list(workers.values())
+    for k, server in enumerate(servers):
+        if workers[k][2] is not None:  # auto: NCCL when the worker has a GPU
+            groups[f"worker {k}"] = [workers[k]] + server
+    return groups
+
+
+@pytest.mark.parametrize("variant", ["inline", "workers", "external"])
+@pytest.mark.parametrize("preset", PAPER)
+def test_no_two_nccl_ranks_of_one_group_share_a_gpu(preset, variant, capsys):
+    """1, 2 and 4 nodes x 8 GPUs, sync and async SGLang rollout: read the printed plan back; in
+    every NCCL group each member sits on a GPU of its own, every command names its GPUs and carries
+    qurl's NCCL settings. Before issue 59 external workers had no CUDA_VISIBLE_DEVICES: on nodes
+    >= 1 worker k opened its rank on GPU 0, beside its own server's rank 0 ("Duplicate GPU")."""
+    from qurl.wire.nccl_env import QURL_NCCL
+
+    sets = ["model.base=/m"] + ([] if variant == "inline" else
+                                [f"deploy.rollout={variant}", "rollout.max_staleness=1"])
+    for n in (1, 2, 4):
+        hosts = [f"10.0.0.{i + 1}" for i in range(n)]
+        args = ["--preset", preset, "--nodes", ",".join(hosts), "--dry-run"]
+        assert main_launch(args + [a for s in sets for a in ("--set", s)]) == 0
+        out = capsys.readouterr().out
+        learner = next(w for w in _lines(out) if "torchrun" in w)
+        given = [learner[i + 1] for i, w in enumerate(learner) if w == "--set"]
+        cfg = load_config(preset, sets=sets + given)
+        for words in _lines(out):
+            env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+            assert "CUDA_VISIBLE_DEVICES" in env, words
+            if "qurl.checkpoint.shared_export" not in words:
+                assert {k: env.get(k) for k in QURL_NCCL} == QURL_NCCL, words
+        groups = _nccl_groups(out, cfg, variant)
+        assert len(groups["learner"]) == cfg.learner.tp * cfg.learner.dp
+        for name, members in groups.items():
+            places = [(node, gpu) for _, node, gpu in members]
+            assert None not in [gpu for _, gpu in places], (n, name, members)
+            twice = {p: [m for m, *q in members if tuple(q) == p] for p in places
+                     if places.count(p) > 1}
+            assert twice == {}, (n, name, twice)
+
+
+def test_sglang_workers_refuse_an_nccl_weight_group():
+    for field in ("deploy.worker_backend", "sglang.backend"):
+        cfg = load_config("paper-dapo-7b", sets=["model.base=/m", "deploy.rollout=external",
+                                                 "rollout.max_staleness=1", f"{field}=nccl"])
+        with pytest.raises(ValueError, match=re.escape(f"{field}='nccl': asynchronous SGLang "
+                                                       "workers forward weights")):
+            plan(cfg, [], nodes=["a", "b"])
 
 
 # ---------------------------------------------------------------- asynchronous runs, stopping

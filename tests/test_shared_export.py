@@ -1,4 +1,4 @@
-"""The 8-bit export of a multi-node launch happens once per directory (qurl/models/shared_export.py):
+"""The 8-bit export of a multi-node launch happens once per directory (qurl/checkpoint/shared_export.py):
 processes exporting the same directory at once never see a partial or deleted checkpoint; a
 finished export is reused; a stale lock is taken over; a live one makes waiters fail in bounded
 time with one line naming the holder."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qurl.models.shared_export import REQUEST, export_shared
+from qurl.checkpoint.shared_export import REQUEST, export_shared
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NODE = r"""
 import json, os, sys, time
 from pathlib import Path
-from qurl.models.export8bit import main, read_8bit
+from qurl.checkpoint.shared_export import main
+from qurl.models.export8bit import read_8bit
 src, out, go, done, me, n = sys.argv[1:7]
 while not os.path.exists(go):
     time.sleep(0.005)

@@ -13,15 +13,21 @@ Placement:
   default 0 is taken as tp * dp / nnodes, see qurl/node/placement.py).
 - servers = `sglang.urls` when given (each host must be one of the nodes), else the free
   GPUs of every node (all of a non-learner node, those after the learner's on a learner node) are
-  filled with servers of `sglang.tp` GPUs on ports `--server-port` (30000), +1, ...; their URLs are
-  passed to the learner with `--set sglang.urls=...`.
-- on each node, servers take consecutive blocks of `sglang.tp` GPUs after the learner's.
+  filled with servers of `sglang.tp` GPUs (consecutive blocks after the learner's) on ports
+  `--server-port` (30000), +1, ...; their URLs are passed to the learner (`--set sglang.urls=`).
 - asynchronous rollout (deploy.rollout = workers | external) has one worker per engine, so the
   learner is told `deploy.engines` = the number of servers (each worker drives sglang.urls[slot]).
   External workers (`python -m qurl.pipeline.worker`) are planned too: beside their server for
-  SGLang (no GPU of their own), or one per free GPU for the local engine. Workers the learner
-  spawns itself (deploy.rollout=workers, local engine) take the GPUs after its ranks on node 0
+  SGLang, or one per free GPU for the local engine. Workers the learner spawns itself
+  (deploy.rollout=workers, local engine) take the GPUs after its ranks on node 0
   (qurl/node/placement.py `worker_gpu`), so the learner's CUDA_VISIBLE_DEVICES includes them.
+- every planned process names its GPUs (CUDA_VISIBLE_DEVICES; '' = none, the export's too):
+  left to CUDA's default, an SGLang worker put an NCCL rank on cuda:0 beside its server's rank 0
+  on nodes >= 1 ("Duplicate GPU detected"). SGLang workers forward weights from host memory and
+  get none (spawned ones too: qurl/node/placement.py `spawned_worker_env`), so both their weight
+  groups run over gloo: deploy.worker_backend=nccl or sglang.backend=nccl are refused with them.
+- every command carries qurl's NCCL settings (qurl/wire/nccl_env.py QURL_NCCL, SGLang's
+  defaults), the same in every member of a weight group; the groups check it when they form.
 - every GPU holds one process: the plan refuses a layout that would put two on one GPU (a learner
   rank and a server each take most of its memory; NCCL refuses two ranks of a group on one GPU).
   Rank 0 also runs its own evaluation engine in-process on its GPU (the local engine, and the
@@ -31,12 +37,12 @@ Placement:
   loopback address on many nodes). Every planned command sets both to the interface that node
   reaches node 0 through, found on the node itself (qurl/node/netif.py; `"$(python -m qurl.node.netif
   HOST)"` in the printed commands), unless node 0 is a loopback address (one machine).
-- before its servers start, a node writes the 8-bit checkpoint (`python -m
-  qurl.models.export8bit`, UAQ-scaled) under the run directory; on a shared filesystem every
-  node writes the same bytes. Paths in the commands are as in the config (relative ones resolve
-  against each node's working directory: launch from the same shared directory everywhere).
+- before its servers start, a node runs the 8-bit export (`python -m
+  qurl.checkpoint.shared_export`, UAQ-scaled) into the run directory; on a shared filesystem the
+  first node exports under a lock, the others wait for the complete, checksummed result. Paths
+  are as in the config (relative ones resolve against each node's working directory).
 
-`qurl launch --dry-run` prints every node's commands and GPU map; without it, the commands of
+`qurl launch --dry-run` prints every node's commands and GPU map; without it, those of
 `--node-rank` are run (export, servers and workers in the background, then the learner) and when
 the learner exits the background processes are stopped with their whole process group (an SGLang
 server's scheduler and detokenizer processes too). Bad placement -> ValueError naming the config
@@ -62,6 +68,7 @@ from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.models.base import builds_base
 from qurl.node.netif import IFNAME_VARS, interface_to
 from qurl.node.placement import learner_ranks_per_node
+from qurl.wire.nccl_env import QURL_NCCL
 
 BASE_PORT = 30000
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -122,7 +129,8 @@ class NodePlan:
 
 
 def _gpu_env(gpus: tuple[int, ...]) -> dict[str, str | Reach]:
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+    """The process's GPUs, always explicit ('' = none) — and qurl's NCCL settings."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), **QURL_NCCL}
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -160,6 +168,12 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     learner_gpus = tuple(range(nproc))
     asynchronous = d.rollout != "inline"
     servers: list[tuple[str, int]] = []
+    if r.engine == "sglang" and asynchronous:  # SGLang workers hold no GPU (module docstring)
+        for name, value in (("deploy.worker_backend", d.worker_backend),
+                            ("sglang.backend", sg.backend)):
+            if value == "nccl":
+                raise ValueError(f"{name}='nccl': asynchronous SGLang workers forward weights "
+                                 "from host memory and hold no GPU; use gloo (or auto)")
     if r.engine == "sglang":
         if sg.tp > gpus_per_node:
             raise ValueError(f"sglang.tp={sg.tp} > --gpus-per-node {gpus_per_node}")
@@ -183,9 +197,9 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                              "checkpoint directory; set model.base to its path, as given")
         quant, fmt = QUANTIZATION[r.precision]
         ckpt = str(Path(cfg.deploy.dir) / cfg.run.name / f"sglang_{fmt}")
-        export = Command("export", [python, "-m", "qurl.models.export8bit", "--src",
+        export = Command("export", [python, "-m", "qurl.checkpoint.shared_export", "--src",
                                     cfg.model.base, "--out", ckpt, "--fmt", fmt, "--uaq-scale",
-                                    repr(cfg.algo.uaq_scale)])
+                                    repr(cfg.algo.uaq_scale)], {"CUDA_VISIBLE_DEVICES": ""})
         for h, port in servers:
             node = plans[nodes.index(h)]
             if not any(c.role == "export" for c in node.commands):
@@ -202,6 +216,9 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                 {**_gpu_env(gpus), **net}, gpus))
         if asynchronous and d.engines != len(servers):  # one worker per server
             extra_sets.append(f"deploy.engines={len(servers)}")
+        if d.rollout == "workers":  # spawned by the learner, without a GPU
+            plans[0].spawned = [(f"worker {k} (spawned by the learner)", ())
+                                for k in range(len(servers))]
         if d.rollout == "external":  # each worker beside its server (it forwards; no GPU)
             for slot, (h, _) in enumerate(servers):
                 plans[nodes.index(h)].commands.append(_worker(cfg, slot, h, (), net, python))
@@ -241,7 +258,7 @@ def _worker(cfg: Config, slot: int, host: str, gpus: tuple[int, ...], net: dict[
             python: str) -> Command:
     """An external rollout worker (qurl/pipeline/worker.py) for `slot` on node `host`."""
     run_dir = str(Path(cfg.deploy.dir) / cfg.run.name)
-    env = {**(_gpu_env(gpus) if gpus else {}), **net}
+    env = {**_gpu_env(gpus), **net}
     return Command("worker", [python, "-m", "qurl.pipeline.worker", "--run-dir", run_dir,
                               "--slot", str(slot), "--host", host], env, gpus)
 
@@ -265,6 +282,10 @@ def render(plans: list[NodePlan]) -> str:
         what = ", ".join(f"{roles.count(k)} {k}" for k in ("learner", "sglang", "worker")
                          if k in roles)
         lines.append(f"# node {p.rank} ({p.host}): {what or 'idle'}")
+        gpuless = [who for who, gpus in p.spawned if not gpus]
+        if gpuless:
+            lines.append(f"# no GPU (CUDA_VISIBLE_DEVICES=''): {len(gpuless)} worker(s) "
+                         "spawned by the learner")
         owners: dict[str, list[int]] = {}
         for g, who in p.gpu_map().items():
             owners.setdefault(who[0], []).append(g)

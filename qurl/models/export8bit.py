@@ -21,10 +21,9 @@ UAQ: with `uaq_scale` != 1 the invariant scaling (qurl.quant.uaq) is applied to 
 weights first, so the checkpoint equals what the learner (which carries the scaling in its master
 weights) syncs as version 0.
 
-The command line (`python -m qurl.models.export8bit`, what `qurl launch` plans on every node)
-exports once per directory: the first caller writes it under a lock, the others wait for it
-complete and checksummed, and a later call with the same request reuses it
-(qurl/models/shared_export.py).
+Several processes (the nodes of a launch) exporting one directory at once go through
+`python -m qurl.checkpoint.shared_export` instead: exported once, under a lock, while the others
+wait for it complete and checksummed.
 
 `read_8bit(dir)` reads such a checkpoint back and dequantizes every linear, for round-trip checks:
 each weight is within its format's rounding error of the weight written.
@@ -141,16 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--fmt", choices=FORMATS + ("bf16",), default="int8")
     p.add_argument("--uaq-scale", type=float, default=1.0)
-    p.add_argument("--wait-s", type=float, default=3600.0,
-                   help="how long to wait for another process (node) exporting the same --out "
-                        "before giving up (qurl/models/shared_export.py)")
     args = p.parse_args(argv)
-    from qurl.models.shared_export import export_shared
-
-    # once per directory: every node of a launch runs this command against the same --out
-    print(export_shared(args.src, args.out, args.fmt, uaq_scale=args.uaq_scale,
-                        wait_s=args.wait_s, write=lambda staging: export_8bit(
-                            args.src, staging, args.fmt, uaq_scale=args.uaq_scale)))
+    print(export_8bit(args.src, args.out, args.fmt, uaq_scale=args.uaq_scale))
     return 0
 
 

@@ -82,6 +82,18 @@ def worker_gpu(cfg: Config, slot: int, n_gpus: int) -> int:
     return (first + slot) % n_gpus
 
 
+def spawned_worker_env(cfg: Config) -> dict[str, str]:
+    """What the controller adds to the environment of the workers it spawns. A local engine
+    worker picks its GPU itself (`worker_gpu`, among the learner's). An SGLang worker attached to
+    servers (sglang.urls) forwards weights from host memory and gets no GPU
+    (CUDA_VISIBLE_DEVICES=''): left with the learner's, it took cuda:0 (learner rank 0's) for
+    an NCCL rank of its server's group; without one, that group runs over gloo. A worker that
+    launches its own server keeps the GPUs: that server needs them."""
+    if cfg.rollout.engine == "sglang" and cfg.sglang.urls:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {}
+
+
 def sglang_base_gpus(cfg: Config, count: int, n_gpus: int, *, slot: int | None = None
                      ) -> list[int] | None:
     """The first GPU (`--base-gpu-id`) of each SGLang server qurl launches on a learner node:

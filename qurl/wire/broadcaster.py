@@ -23,11 +23,12 @@ generation so a peer can tell a stale invitation from the current one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from qurl.wire.group import WeightGroup, free_port
+from qurl.wire.nccl_env import apply_nccl_defaults, check_known
 from qurl.wire.sender import BucketAnnouncement, SyncStats, WeightSender
 
 
@@ -50,6 +51,7 @@ class Broadcaster:
     def __init__(self, host: str, port: int, backend: str, *, name: str, bucket_bytes: int,
                  timeout_s: float, load_format: str = "flattened_bucket") -> None:
         self.host, self.port, self.backend, self.name = host, port, backend, name
+        apply_nccl_defaults()  # rank 0 of a qurl group runs with what qurl gives its peers
         self.bucket_bytes, self.timeout_s, self.load_format = bucket_bytes, timeout_s, load_format
         self.gen = 0
         self.group: WeightGroup | None = None
@@ -60,19 +62,25 @@ class Broadcaster:
         return self.group is not None
 
     def form(self, world: int, invite: Callable[[GroupSpec], Callable[[], None]], *,
-             timeout_s: float | None = None) -> GroupSpec:
+             timeout_s: float | None = None, reporters: Iterable[int] | None = None,
+             known: Mapping[str, Mapping[str, str]] | None = None) -> GroupSpec:
         """(Re)form the group for `world` ranks. `invite(spec)` must start every peer's join
         without waiting for it and return a function that waits for the peers' replies (raising
         what they reported). timeout_s: of the join and of every broadcast (default: the
-        constructor's)."""
+        constructor's). NCCL settings (qurl/wire/nccl_env.py): `known` {peer: settings} of peers
+        that cannot report (SGLang servers, from how they were launched) are checked before any
+        invitation; `reporters` are the peers that report at the join (default: every peer).
+        Either raises NcclMismatch (one line): a deployment error, not retried."""
         self.close()
+        check_known(known or {})
         self.gen += 1
         port = self.port + self.gen - 1 if self.port else free_port(self.host)
         spec = GroupSpec(self.host, port, world, self.backend, f"{self.name}_{self.gen}", self.gen)
         wait_for_peers = invite(spec)
         try:
             group = WeightGroup(spec.host, spec.port, 0, world, self.backend, spec.name,
-                                timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+                                timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+                                reporters=reporters)
         except RuntimeError as e:
             try:
                 wait_for_peers()

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.engines.sglang.inside.loader import SYNC_LOAD_FORMAT
 from qurl.engines.sglang.protocol import RESTORE_QUANTIZATIONS, SGLangError, SGLangUnavailable
+from qurl.wire.nccl_env import settings, with_nccl_defaults
 
 STOP_WAIT_S = 15.0  # `stop`: after SIGTERM, then again after SIGKILL, to the server's process group
 
@@ -66,12 +67,13 @@ def on_cpu(command: Iterable[str] | None) -> bool:
 
 
 def launch_env(command: list[str], tp: int, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment a server process starts with: this one, plus, for a CPU server
+    """The environment a server process starts with: this one with qurl's NCCL settings where
+    unset (qurl/wire/nccl_env.py: the same in every process of the weight group), plus, for a CPU server
     (`--device cpu`) with TP size > 1 and no SGLANG_CPU_OMP_THREADS_BIND, one OpenMP core list
     per rank: this process's cores cut into tp equal groups ("0,1|2,3"; SGLang's CPU path
     refuses more ranks than NUMA nodes without it), a core repeated when there are fewer cores
     than ranks ("0|1|0")."""
-    env = dict(os.environ if env is None else env)
+    env = with_nccl_defaults(os.environ if env is None else env)
     if on_cpu(command) and tp > 1 and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
         cores = sorted(os.sched_getaffinity(0))
         per = max(1, len(cores) // tp)
@@ -79,6 +81,21 @@ def launch_env(command: list[str], tp: int, env: dict[str, str] | None = None) -
             ",".join(str(c) for c in cores[r * per:(r + 1) * per]) if len(cores) >= tp
             else str(cores[r % len(cores)]) for r in range(tp))
     return env
+
+
+def server_nccl(command: Iterable[str], env: dict[str, str]) -> dict[str, str]:
+    """The NCCL settings (qurl/wire/nccl_env.py) a server started with `command` in `env` runs
+    with, after SGLang 0.5.23 changes its own (entrypoints/engine.py `_set_envs_and_config`,
+    lines 1898-1915): NCCL_CUMEM_ENABLE = int(--enable-symm-mem) when unset or with that flag,
+    NCCL_NVLS_ENABLE = int(--enable-nccl-nvls or --enable-symm-mem) likewise. (Its KV-shard
+    gather, --enable-kv-cache-sharding, may turn cuMem on too: not modelled.)"""
+    args, env = set(command), dict(env)
+    symm, nvls = "--enable-symm-mem" in args, "--enable-nccl-nvls" in args
+    if "NCCL_CUMEM_ENABLE" not in env or symm:
+        env["NCCL_CUMEM_ENABLE"] = str(int(symm))
+    if "NCCL_NVLS_ENABLE" not in env or nvls or symm:
+        env["NCCL_NVLS_ENABLE"] = str(int(nvls or symm))
+    return settings(env)
 
 
 @dataclass

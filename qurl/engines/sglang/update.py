@@ -25,7 +25,7 @@ import torch
 
 from qurl.engines.base import StaleBase
 from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
-from qurl.engines.sglang.launcher import Server, on_cpu
+from qurl.engines.sglang.launcher import Server, launch_env, on_cpu, server_nccl
 from qurl.engines.sglang.protocol import (NO_TENSORS, QUANTIZATION, RESTORE_QUANTIZATIONS,
                                           SGLangError, SGLangUnavailable)
 from qurl.engines.sglang.verified_sync import SGLangDeltaMixin, is_stale_refusal
@@ -103,8 +103,13 @@ class WeightUpdates(SGLangDeltaMixin):
             return wait
 
         try:
+            # SGLang's ranks cannot report their NCCL settings at the join: those of the
+            # servers qurl launched are known from their launch (attached ones: not checked)
+            known = {f"sglang {s.spec.url}": server_nccl(s.spec.command,
+                                                         launch_env(s.spec.command, s.spec.tp))
+                     for s in self.servers if s.spec.command is not None}
             self.weights.form(1 + sum(s.spec.tp for s in self.servers), invite,
-                              timeout_s=self.timeouts.group_s)
+                              timeout_s=self.timeouts.group_s, reporters=(), known=known)
         except GroupFormError as e:
             raise SGLangError(str(e)) from e
 

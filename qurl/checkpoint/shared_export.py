@@ -1,6 +1,7 @@
 """One 8-bit export per directory, however many processes (nodes) ask for it at the same time.
 
-Why. `qurl launch` runs the export command (`python -m qurl.models.export8bit`) on every node that
+Why. `qurl launch` runs the export command (`python -m qurl.checkpoint.shared_export`, which
+wraps qurl/models/export8bit.py) on every node that
 starts SGLang servers, and on a shared filesystem they all name one directory. `export_8bit` alone
 writes `<out>.tmp`, deletes `<out>` and renames: several nodes at once delete each other's temp
 files, and the checkpoint a server on another node is already loading (issue 59, item 1).
@@ -25,6 +26,7 @@ it is replaced only by a lock holder exporting a different request.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -37,6 +39,7 @@ from typing import Callable
 import torch
 
 from qurl.checkpoint.checksums import damage, has_manifest, write_manifest
+from qurl.models.export8bit import FORMATS, export_8bit
 
 REQUEST = "export.json"
 BEAT_S = 2.0
@@ -205,3 +208,25 @@ def _export(out: Path, want: dict, lock: _Lock, write: Callable[[Path], object])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m qurl.checkpoint.shared_export`: export_8bit's command line, once per --out."""
+    p = argparse.ArgumentParser(prog="python -m qurl.checkpoint.shared_export", description=(
+        "write an HF checkpoint as an SGLang 8-bit checkpoint, once per --out however many "
+        "processes ask at once"))
+    p.add_argument("--src", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--fmt", choices=FORMATS + ("bf16",), default="int8")
+    p.add_argument("--uaq-scale", type=float, default=1.0)
+    p.add_argument("--wait-s", type=float, default=3600.0,
+                   help="how long to wait for another process exporting the same --out")
+    args = p.parse_args(argv)
+    print(export_shared(args.src, args.out, args.fmt, uaq_scale=args.uaq_scale,
+                        wait_s=args.wait_s, write=lambda staging: export_8bit(
+                            args.src, staging, args.fmt, uaq_scale=args.uaq_scale)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
