@@ -37,6 +37,10 @@ version goes in full (counted as `unsupported`). A worker that gets a delta anyw
 to the last one (a step without gradient: an empty delta) sends its smallest tensor whole, since
 a broadcast needs a tensor.
 
+A group whose members advertised addresses that cannot reach each other (a loopback address
+toward another node: qurl/wire/group.py) fails at once with one line naming every member's
+address (an InputError: the command prints it and exits 2), not after MAX attempts.
+
 A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
 whose hello comes from a new pid is *replaced*: its socket is closed (queued messages to the dead
 process are discarded) and `take_replaced()` reports it once so the controller re-dispatches
@@ -62,7 +66,9 @@ from qurl.pipeline.session import write_session
 from qurl.errors import RunHalted
 from qurl.sync.plan import SyncPlan, SyncPlanner, broadcast_chunks
 from qurl.sync.publish import unverified
-from qurl.wire.broadcaster import Broadcaster, GroupSpec
+from qurl.errors import InputError
+from qurl.wire.broadcaster import Broadcaster, GroupFormError, GroupSpec
+from qurl.wire.group import GroupAddressError
 
 log = logging.getLogger("qurl.fleet")
 
@@ -104,10 +110,8 @@ class Fleet:
         # A worker stops its SGLang server itself (SIGTERM to the worker, then `finally`; the server
         # runs in its own session, so a SIGKILLed worker would leave it running): wait that long.
         grace = 2 * STOP_WAIT_S + 10.0 if cfg.rollout.engine == "sglang" else 5.0
-        from qurl.node.placement import spawned_worker_env
-
-        self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads, grace_s=grace,
-                                 extra_env=spawned_worker_env(cfg)) if spawn else None
+        self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads,
+                                 grace_s=grace) if spawn else None
         self.weights = Broadcaster(d.host, d.weight_port, d.worker_backend,
                                    name=f"qurl_weights_{self.session}",
                                    bucket_bytes=int(d.bucket_mb * (1 << 20)),
@@ -337,6 +341,8 @@ class Fleet:
                     self.need_group = False
                 return self.broadcast(chunks, version)
             except Exception as e:  # a worker died or hung mid-sync: restart it, re-form, resend
+                if isinstance(e, GroupFormError) and isinstance(e.__cause__, GroupAddressError):
+                    raise InputError(str(e)) from None  # addresses that cannot meet: no retry
                 log.warning("weight push v%d attempt %d failed: %s", version, attempt + 1, e)
                 self.counts["push_failures"] += 1
                 self.need_group = True

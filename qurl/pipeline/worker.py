@@ -13,7 +13,9 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    at a TP size whose cut qurl maps, qurl/engines/sglang/inside/tp_cut.py), every
    second until the controller answers with a weight group to join; the controller connects to
    that inbox;
-2. joins the weight-update group (qurl/wire/group.py) as rank slot+1 and receives the current
+2. joins the weight-update group (qurl/wire/group.py: advertising its address toward the
+   controller; if the group cannot form from here it logs one line and exits 2) as rank slot+1
+   and receives the current
    weights — every version after that arrives the same way: bucket announcements on the control
    channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
@@ -74,13 +76,15 @@ def _wait_for_session(run_dir: Path, timeout_s: float = 600.0) -> dict[str, Any]
 
 
 def _default_host(controller_endpoint: str) -> str:
-    """127.0.0.1 when the controller is on this machine's loopback, else our own address."""
-    import socket
+    """127.0.0.1 when the controller is on this machine's loopback, else the address of the
+    interface this machine reaches the controller through (qurl/node/netif.py), as the
+    learner's ranks pick theirs: the hostname's address is loopback on many nodes."""
+    from qurl.node.netif import source_address
 
     host = controller_endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
     if host in ("127.0.0.1", "localhost"):
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    return source_address(host)
 
 
 class RolloutWorker(WeightClient):
@@ -106,9 +110,7 @@ class RolloutWorker(WeightClient):
         if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
             from qurl.node.placement import worker_gpu  # one GPU per worker, after the learner's
 
-            # spawned: among the learner's GPUs; planned by `qurl launch`: its one GPU is cuda:0
-            torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count())
-                                  if self.parent_pid else 0)
+            torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count()))
         self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
         self.codec = PromptCodec(self.engine.tokenizer, self.cfg.data.template)
         self.tasks: deque[tuple[Any, dict[str, Any], float]] = deque()  # (PromptTask, extra, t_recv)
@@ -118,6 +120,7 @@ class RolloutWorker(WeightClient):
         self.joined = False
         self.gen_seen = -1  # latest weight-group generation we were invited to
         self.stop = False
+        self.exit_code = 0  # 2: the weight group cannot form from here (one line logged)
         self.weights_ok = True  # False after a failed verification, until a sync verifies
         self.counts = {"batches": 0, "trajectories": 0, "syncs": 0, "sync_failures": 0,
                        "bad_control": 0, "delta_refused": 0, "verify_mismatches": 0,
@@ -293,7 +296,7 @@ class RolloutWorker(WeightClient):
                     self._rollout(batch)
             except Abort:
                 continue
-        return 0
+        return self.exit_code
 
     def close(self) -> None:
         self._leave_group()
@@ -323,9 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from qurl.wire.nccl_env import apply_nccl_defaults
-
-    apply_nccl_defaults()  # before any communicator: the same settings as its weight groups' peers
     worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host,
                            reconnect_s=args.reconnect_s, threads=args.threads)
     # the controller ends workers with SIGTERM: exit through `finally`, so the SGLang servers this

@@ -45,7 +45,7 @@ class WeightClient:
 
     def _join_group(self, meta: dict[str, Any]) -> None:
         from qurl.sync.receiver import WeightReceiver
-        from qurl.wire.group import WeightGroup
+        from qurl.wire.group import GroupAddressError, WeightGroup
 
         self._leave_group()
         gen = meta.get("gen")
@@ -55,6 +55,11 @@ class WeightClient:
                                      int(meta["world"]), backend=str(meta.get("backend", "gloo")),
                                      group_name=str(meta.get("name", "qurl_weights")),
                                      timeout_s=float(meta.get("timeout_s", 300.0)))
+        except GroupAddressError as e:  # cannot ever form from here: say why once, exit
+            log.error("slot %d: %s", self.slot, e)
+            self._leave_group()
+            self.stop, self.exit_code = True, 2
+            return
         except Exception as e:  # the controller times out too and forms a new group
             log.warning("slot %d: joining weight group gen %s failed: %s", self.slot,
                         meta.get("gen"), e)
