@@ -178,7 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if bad:
             raise InputError(f"--delta-shapes: unknown {bad[0]!r} (known: "
                              f"{', '.join(DELTA_SHAPES)})")
-        bench_delta(shapes=shapes, flips_from=tuple(args.flips_from),
+        bench_delta(shapes=shapes, flips_from=tuple(args.flips_from), link=args.link,
                     bucket_mb=args.bucket_mb or 64.0, repeats=args.repeats,
                     layers=args.layers or None)
     else:
@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=0,
                    help="sync --delta: only the first N decoder layers of each shape (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="sync --delta: timed rounds")
+    p.add_argument("--link", default="", help="sync --delta: over tc-shaped veth links instead, "
+                   "e.g. 10gbit,1gbit,100mbit[:10ms] (root; qurl/bench/sync_link.py)")
     p.add_argument("--memory", action="store_true",
                    help="learner: peak memory per row and tokens/s vs L, attention/recompute arms "
                         "side by side (qurl/bench/learner_long.py; --layers, default 2)")

@@ -147,10 +147,18 @@ class _Sink:
     delta in place (validated first, as LocalEngine does)."""
 
     adopts_chunks = True
+    # what the engine protocols (qurl/engines/base.py) ask of it besides the weights
+    tokenizer, vocab_size, digest, can_verify = None, 0, None, True
 
     def __init__(self) -> None:
         self.version, self.adopted = 0, False
         self.tensors: dict[str, torch.Tensor] = {}
+
+    def generate(self, requests, between_steps=None):
+        raise NotImplementedError("a weight sink does not generate")
+
+    def close(self) -> None:
+        pass
 
     def verify(self, digests: dict[str, str]) -> list[str]:  # marks it delta-capable
         return []
@@ -167,6 +175,9 @@ class _Sink:
         for n, (pos, val) in checked.items():
             apply_positions(self.tensors[n], pos, val)
         self.version, self.adopted = version, take
+
+
+Sink = _Sink  # the bare receiver qurl/bench/sync_link.py reuses
 
 
 def _receiver(port: int, ctl: Any, ann_q: Any, ack_q: Any) -> None:
@@ -208,8 +219,14 @@ def flip_settings(flips: tuple[float, ...], flips_from: tuple[str, ...]
 
 def bench_delta(shapes: tuple[str, ...] = ("qwen2.5-0.5b", "qwen2.5-1.5b"),
                 flips: tuple[float, ...] = FLIPS, flips_from: tuple[str, ...] = (),
-                bucket_mb: float = 64.0, repeats: int = 3, layers: int | None = None) -> list[dict]:
-    """Print and return one row per (shape, flip setting); see the module docstring."""
+                bucket_mb: float = 64.0, repeats: int = 3, layers: int | None = None,
+                link: str = "") -> list[dict]:
+    """Print and return one row per (shape, flip setting); see the module docstring. link:
+    over tc-shaped links between two network namespaces instead (qurl/bench/sync_link.py)."""
+    if link:
+        from qurl.bench.sync_link import bench_link_spec
+
+        return bench_link_spec(link, shapes, flips, bucket_mb, layers)
     settings = flip_settings(flips, flips_from)
     print("bytes per sync, closed form (qurl.bench.sync_delta.bytes_model):")
     print_bytes_table(settings)
