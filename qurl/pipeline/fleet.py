@@ -110,8 +110,10 @@ class Fleet:
         # A worker stops its SGLang server itself (SIGTERM to the worker, then `finally`; the server
         # runs in its own session, so a SIGKILLed worker would leave it running): wait that long.
         grace = 2 * STOP_WAIT_S + 10.0 if cfg.rollout.engine == "sglang" else 5.0
-        self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads,
-                                 grace_s=grace) if spawn else None
+        from qurl.node.placement import spawned_worker_env
+
+        self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads, grace_s=grace,
+                                 extra_env=spawned_worker_env(cfg)) if spawn else None
         self.weights = Broadcaster(d.host, d.weight_port, d.worker_backend,
                                    name=f"qurl_weights_{self.session}",
                                    bucket_bytes=int(d.bucket_mb * (1 << 20)),

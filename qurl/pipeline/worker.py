@@ -110,7 +110,9 @@ class RolloutWorker(WeightClient):
         if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
             from qurl.node.placement import worker_gpu  # one GPU per worker, after the learner's
 
-            torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count()))
+            # spawned: among the learner's GPUs; planned by `qurl launch`: its one GPU is cuda:0
+            torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count())
+                                  if self.parent_pid else 0)
         self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
         self.codec = PromptCodec(self.engine.tokenizer, self.cfg.data.template)
         self.tasks: deque[tuple[Any, dict[str, Any], float]] = deque()  # (PromptTask, extra, t_recv)
@@ -326,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from qurl.wire.nccl_env import apply_nccl_defaults
+
+    apply_nccl_defaults()  # before any communicator: the same settings as its weight groups' peers
     worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host,
                            reconnect_s=args.reconnect_s, threads=args.threads)
     # the controller ends workers with SIGTERM: exit through `finally`, so the SGLang servers this
