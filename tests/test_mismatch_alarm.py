@@ -102,7 +102,7 @@ def test_alarm_quiet_on_a_healthy_run_and_fires_on_a_quantizer_fault(runs_root, 
     recs = _records(runs_root / "healthy")
     assert [r["alarm/kl"] for r in recs] == [0.0] * 5 and recs[-1]["alarm/kl_fired"] == 0.0
     assert "mismatch alarm" not in capsys.readouterr().out
-    quiet = [(round(r["kl_behav_prox"], 6), round(r["alarm/kl_ratio"], 2)) for r in recs[3:]]
+    quiet = [(r["kl_behav_prox"], r["alarm/kl_ratio"]) for r in recs[3:]]  # NaN: null in JSON
 
     import qurl.quant.named as named
     import qurl.sync.arena as arena
@@ -123,8 +123,7 @@ def test_alarm_quiet_on_a_healthy_run_and_fires_on_a_quantizer_fault(runs_root, 
     recs = _records(runs_root / "faulty")
     with capsys.disabled():  # the numbers docs/delta_sync.md quotes (run with -s)
         print("\nhealthy kl_behav_prox / alarm/kl_ratio steps 4-5:", quiet,
-              "\nfaulty steps 1-5:", [(round(r["kl_behav_prox"], 6), round(r["alarm/kl_ratio"], 2))
-                                      for r in recs])
+              "\nfaulty steps 1-5:", [(r["kl_behav_prox"], r["alarm/kl_ratio"]) for r in recs])
     assert all(r["sync/verified"] == 1.0 for r in recs)  # the digests vouch for the wrong weights
     assert [r["alarm/kl"] for r in recs] == [0.0, 0.0, 0.0, 0.0, 1.0]
     assert recs[3]["alarm/kl_streak"] == 1.0 and recs[-1]["alarm/kl_fired"] == 1.0
