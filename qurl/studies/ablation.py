@@ -54,7 +54,9 @@ eval_every steps with K samples.
 What it writes into `<out>/` (see qurl/studies/tables.py for the exact definitions):
 `ablation.md` / `ablation.csv` (one row per arm over seeds), `ablation_seeds.csv` (one row per
 seed and arm), `ablation_pairs.csv` (paired differences with their standard errors) and
-`ablation_step.png` (reward, accuracy and KL(behav‖prox) against step, mean over seeds).
+`ablation_step.png` (reward, accuracy and KL(behav‖prox) against step, mean over seeds). A study
+packed with `qurl study pack` (its records in `<out>.tar.xz`, qurl/studies/records.py) is read
+from its archive, and its CSVs are written back into it.
 """
 from __future__ import annotations
 

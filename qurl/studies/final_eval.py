@@ -45,11 +45,14 @@ def eval_sets(k: int) -> list[str]:
 
 def read_final(arm_dir: Path, k: int | None = None, step: int | None = None) -> dict[str, Any] | None:
     """The committed final evaluation of an arm (at k samples, of the step-`step` checkpoint, where
-    given), else None: an arm extended to more steps keeps its shorter run's until scored again."""
-    path = Path(arm_dir) / FINAL
-    if not path.exists():
+    given), else None: an arm extended to more steps keeps its shorter run's until scored again.
+    The arm may be packed in its study's archive (qurl/studies/records.py)."""
+    from qurl.studies.records import open_records
+
+    rec = open_records(arm_dir)
+    if not rec.exists(FINAL):
         return None
-    got = json.loads(path.read_text())
+    got = json.loads(rec.read_text(FINAL))
     return got if k in (None, got.get("k")) and step in (None, got.get("step")) else None
 
 

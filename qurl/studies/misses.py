@@ -66,12 +66,16 @@ def tally(misses: list[Miss]) -> dict[str, tuple[int, int]]:
 def report(run_dir: Path, records: list[Path]) -> list[str]:
     """Lines: for each record, each set's kinds (count, of which run on) and accuracy."""
     from qurl.api import load_eval_sets, read_config, validate
+    from qurl.studies.records import open_records
 
-    recs = {path: json.loads(Path(path).read_text()) for path in records}
+    # the run's config and the records may be packed in a study's archive (qurl/studies/records.py)
+    recs = {path: json.loads(open_records(Path(path).parent).read_text(Path(path).name))
+            for path in records}
     for path, rec in recs.items():
         if not rec.get("eval_answers"):
             raise ValueError(f"{path}: no eval_answers; write it with `qurl eval --answers --out`")
-    sets = load_eval_sets(validate(read_config(run_dir)))
+    with open_records(run_dir).on_disk("config.toml") as where:
+        sets = load_eval_sets(validate(read_config(where)))
     lines = []
     for path, rec in recs.items():
         for key, texts in sorted(rec["eval_answers"].items()):

@@ -11,7 +11,10 @@ the run directories (which hold base models and checkpoints, gigabytes that are 
                                         (`start_record`); absent for a checkpoint used as given
 
 `<out>` also holds the tables and the plot, rebuilt from these files alone, so a later session
-(or `qurl study ablation --table-only`) reproduces them without any run directory.
+(or `qurl study ablation --table-only`) reproduces them without any run directory. A finished
+study's records are packed into one archive beside its pages, `<out>.tar.xz` (`qurl study pack`),
+and read from there as if loose: every reader here opens them through
+qurl.studies.records.open_records (qurl/studies/records.py).
 
 **Finished** (`finished`): the metrics hold one train record for every step 1..run.steps, in order,
 and end with the evaluation record at step run.steps, the last thing a run writes. Anything else
@@ -55,11 +58,12 @@ from pathlib import Path
 from typing import Any
 
 from qurl.config import TRAINING_SECTIONS, Config, ConfigError, leaves, override
+from qurl.studies.records import open_records
 from qurl.train.metrics_log import read_metrics
 
 FILES = ("config.toml", "metrics.jsonl")
 START = "base.json"
-_SEED_DIR = re.compile(r"seed(\d+)$")
+_ARM_FILE = re.compile(r"([^/]+)/seed(\d+)/([^/]+)")  # <arm>/seed<S>/<file>, a record's name
 
 
 def arm_dir(out: Path, arm: str, seed: int) -> Path:
@@ -76,13 +80,16 @@ def finished(records: list[dict[str, Any]], steps: int) -> bool:
 
 
 def read_run(run_dir: Path) -> tuple[Config, list[dict[str, Any]]] | None:
-    """(config, records) of a run or committed directory if it holds a finished run, else None."""
+    """(config, records) of a run or committed directory if it holds a finished run, else None.
+    A committed directory may be packed into its study's archive (qurl/studies/records.py)."""
     from qurl.checkpoint.rundir import read_config
 
-    if not all((Path(run_dir) / f).exists() for f in FILES):
+    rec = open_records(run_dir)
+    if not all(rec.exists(f) for f in FILES):
         return None
-    cfg = read_config(Path(run_dir))
-    records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    with rec.on_disk(*FILES) as where:
+        cfg = read_config(where)
+        records = read_metrics(where / "metrics.jsonl")
     return (cfg, records) if finished(records, cfg.run.steps) else None
 
 
@@ -143,8 +150,9 @@ def check_start(out: Path, seed: int, base: Path) -> str | None:
     kernels rounding differently) is allowed, as the tables already flag it: returned as a warning.
     None where the start matches, or no committed arm of the seed recorded one."""
     here = base_record(base)
-    there = [(f.parent.parent.name, json.loads(f.read_text()))
-             for f in sorted(Path(out).glob(f"*/seed{seed}/{START}"))]
+    rec = open_records(out)
+    there = [(m.group(1), json.loads(rec.read_text(name))) for name in rec.names()
+             if (m := _ARM_FILE.fullmatch(name)) and m.group(2) == str(seed) and m.group(3) == START]
     if here is None or not there or any(r["sha256"] == here["sha256"] for _, r in there):
         return None
 
@@ -183,33 +191,45 @@ def commit(run_dir: Path, dest: Path) -> None:
         _write(dest, START, json.dumps(start, indent=1) + "\n")
 
 
+def _seed_dirs(out: Path) -> list[tuple[str, int, set[str]]]:
+    """[(arm, seed, {file names})] of every <arm>/seed<S>/ under out holding files, loose or packed
+    (qurl/studies/records.py), in path order as a glob of out's directories would list them."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for name in open_records(out).names():
+        m = _ARM_FILE.fullmatch(name)
+        if m:
+            found.setdefault((m.group(1), m.group(2)), set()).add(m.group(3))
+    return [(arm, int(seed), files) for (arm, seed), files in
+            sorted(found.items(), key=lambda kv: (kv[0][0], f"seed{kv[0][1]}"))]
+
+
 def starts(out: Path) -> dict[int, dict[str | None, list[str]]]:
     """{seed: {sha256 of the starting weights (None: not recorded): [arms]}} over out's committed
     arms (finished or not), arms in name order."""
+    rec = open_records(out)
     found: dict[int, dict[str | None, list[str]]] = {}
-    for seed_dir in sorted(Path(out).glob("*/seed*")):
-        m = _SEED_DIR.match(seed_dir.name)
-        if not (m and all((seed_dir / f).exists() for f in FILES)):
+    for arm, seed, files in _seed_dirs(out):
+        if not all(f in files for f in FILES):
             continue
-        f = seed_dir / START
-        sha = json.loads(f.read_text())["sha256"] if f.exists() else None
-        found.setdefault(int(m.group(1)), {}).setdefault(sha, []).append(seed_dir.parent.name)
+        sha = json.loads(rec.read_text(f"{arm}/seed{seed}/{START}"))["sha256"] \
+            if START in files else None
+        found.setdefault(seed, {}).setdefault(sha, []).append(arm)
     return found
 
 
 def committed(out: Path) -> dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]:
-    """Every finished (arm, seed) under out: {(arm, seed): (config, records)}. An arm's final
-    evaluation (qurl/studies/final_eval.py), when committed for its last step, is its last record:
-    {"kind": "final_eval", "step": N, "k": K, eval/... keys, "n": questions}."""
+    """Every finished (arm, seed) under out, loose or packed in its archive: {(arm, seed): (config,
+    records)}. An arm's final evaluation (qurl/studies/final_eval.py), when committed for its last
+    step, is its last record: {"kind": "final_eval", "step": N, "k": K, eval/... keys, "n": ...}."""
     from qurl.studies.final_eval import read_final
 
     found = {}
-    for seed_dir in sorted(Path(out).glob("*/seed*")):
-        m = _SEED_DIR.match(seed_dir.name)
-        run = read_run(seed_dir) if m and seed_dir.is_dir() else None
+    for arm, seed, _ in _seed_dirs(out):
+        seed_dir = arm_dir(out, arm, seed)
+        run = read_run(seed_dir)
         if run is not None:
             final = read_final(seed_dir)
             if final is not None and final["step"] == run[0].run.steps:
                 run[1].append({**final["record"], "kind": "final_eval", "k": final["k"]})
-            found[(seed_dir.parent.name, int(m.group(1)))] = run
+            found[(arm, seed)] = run
     return found

@@ -60,6 +60,7 @@ Definitions (every mean over steps is over the run's train records, NaN-free val
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -294,12 +295,12 @@ def pair_rows(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]
     return out
 
 
-def _csv(rows: list[dict[str, Any]], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if not k.startswith("_")])
-        w.writeheader()
-        w.writerows({k: ("" if v is None else v) for k, v in r.items() if not k.startswith("_")}
-                    for r in rows)
+def _csv(rows: list[dict[str, Any]]) -> str:
+    w = csv.DictWriter(f := io.StringIO(newline=""), [k for k in rows[0] if not k.startswith("_")])
+    w.writeheader()
+    w.writerows({k: ("" if v is None else v) for k, v in r.items() if not k.startswith("_")}
+                for r in rows)
+    return f.getvalue()
 
 
 def _pm(mean: float, sd: float) -> str:
@@ -380,18 +381,17 @@ def starts_markdown(found: dict[int, dict[str | None, list[str]]]) -> str:
 
 
 def write_tables(records: dict[int, dict[str, list[dict]]], out: Path, *, baseline: str) -> Path:
-    """ablation.md / .csv, ablation_seeds.csv, ablation_pairs.csv into out; returns ablation.md."""
+    """ablation.md into out, its CSVs with the study's records (records.write_records); returns it."""
     from qurl.studies.claims import claims_markdown
+    from qurl.studies.records import write_records
     from qurl.studies.store import starts
     from qurl.studies.trajectories import trajectories_markdown
 
     rows = seed_rows(records)
     summary, pairs = summarize(rows, baseline), pair_rows(rows, baseline)
     out.mkdir(parents=True, exist_ok=True)
-    _csv(rows, out / "ablation_seeds.csv")
-    _csv(summary, out / "ablation.csv")
-    if pairs:
-        _csv(pairs, out / "ablation_pairs.csv")
+    write_records(out, {"ablation_seeds.csv": _csv(rows), "ablation.csv": _csv(summary),
+                        **({"ablation_pairs.csv": _csv(pairs)} if pairs else {})})
     path = out / "ablation.md"
     eval_ses = {r["arm"]: r["acc_vs_base_eval_se"] for r in summary}
     path.write_text("# qurl study ablation\n\n" + markdown(summary, pairs, list(records))

@@ -87,18 +87,27 @@ def trajectories_markdown(records: dict[Any, dict[str, list[dict]]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Print the table for metrics.jsonl files or run directories (one row each)."""
+    """Print the table for metrics.jsonl files or run directories (one row each), loose or packed in
+    a study's archive (qurl/studies/records.py)."""
+    from qurl.studies.records import open_records
+
     if not argv:
         print("usage: python -m qurl.studies.trajectories METRICS_OR_RUN_DIR...", file=sys.stderr)
         return 2
     records: dict[Any, dict[str, list[dict]]] = {}
     for arg in argv:
         path = Path(arg)
-        path = path / "metrics.jsonl" if path.is_dir() else path
-        if not path.is_file():
+        rec = open_records(path)
+        if path.is_dir() or rec.exists("metrics.jsonl"):
+            where, name = path, "metrics.jsonl"
+        else:
+            where, name = path.parent, path.name
+            rec = open_records(where)
+        if not rec.exists(name):
             print(f"{arg}: no metrics.jsonl", file=sys.stderr)
             return 2
-        records.setdefault("—", {})[str(path.parent)] = read_metrics(path)
+        with rec.on_disk(name) as d:
+            records.setdefault("—", {})[str(where)] = read_metrics(d / name)
     print(trajectories_markdown(records))
     return 0
 
