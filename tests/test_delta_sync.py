@@ -209,6 +209,25 @@ def test_corrupted_engine_is_caught_and_resynced(model_dir):
     assert _same(engine, fresh) and engine.digest == fresh.digest
 
 
+def test_a_bit_below_the_wire_precision_is_caught(model_dir):
+    """The local engine holds fp32; a sync in bf16 fills it with bf16 values. A corrupted low
+    bit of the fp32 mantissa vanishes in the cast to bf16, so hashing the cast would pass: the
+    engine checks every bit it holds (issue 60: verify what the kernels read)."""
+    (named,) = _versions(model_dir, 1, seed=3)
+    engine = LocalEngine(model_dir, precision="int8")
+    sync = WeightSync("int8", wire_dtype=torch.bfloat16, mode="full")
+    assert sync.push(iter(named), engine, 0)["sync/verified"] == 1.0
+    digests = named_digests(WeightSync("int8", wire_dtype=torch.bfloat16).quantize(iter(named))[0])
+    assert engine.verify(digests) == []
+    live = dict(engine.model.state_dict(keep_vars=True))["model.norm.weight"]
+    assert live.dtype == torch.float32
+    before = live.to(torch.bfloat16)
+    with torch.no_grad():
+        live.view(torch.int32).view(-1)[3] ^= 1  # the lowest mantissa bit: bf16 cannot see it
+    assert torch.equal(live.to(torch.bfloat16), before)
+    assert engine.verify(digests) == ["model.norm.weight"] and engine.digest is None
+
+
 def test_corrupted_delta_is_caught(model_dir, monkeypatch):
     versions = _versions(model_dir, 2, seed=2)
     engine = LocalEngine(model_dir, precision="int8")

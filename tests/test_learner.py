@@ -15,12 +15,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_hf import build, hf_state
 
 from qurl.algo.loss import policy_loss
 from qurl.config import (AlgoConfig, CorrectionConfig, DeployConfig, LearnerConfig, ModelConfig,
                          OptimConfig)
 from qurl.learner import optim as lopt
-from tiny_hf import build, hf_state
 
 ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, clip=(0.2, 0.2),
                   correction=CorrectionConfig(cap=2.0))

@@ -18,14 +18,12 @@ path rounds its scores to bf16).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from tiny_hf import build, hf_state
 
 from qurl.config import (AlgoConfig, CorrectionConfig, DeployConfig, LearnerConfig, ModelConfig,
                          OptimConfig)
-from tiny_hf import build, hf_state
 
 ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, clip=(0.2, 0.2),
                   correction=CorrectionConfig(cap=2.0))

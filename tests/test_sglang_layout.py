@@ -104,3 +104,28 @@ def test_kept_copy_follows_deltas_in_place():
     assert kept["c"].data_ptr() == ptr  # in place
     for n in v1:
         assert torch.equal(kept[n], v1[n]) and torch.equal(kept[n], apply_named(v0, wire)[n])
+
+
+def test_verification_hashes_every_copy_of_a_tied_embedding():
+    """An SGLang model whose lm_head ties to the embedding but holds storage of its own: the
+    in-server check hashes both regions, so a stale or corrupted head cannot hide behind a
+    correct embedding (issue 60: every view of every parameter)."""
+    from types import SimpleNamespace
+
+    from qurl.engines.sglang.inside.apply import held_digests
+    from qurl.wire.digest import tensor_digest
+
+    vocab, pad, hidden = 10, 64, 4
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(tie_word_embeddings=True)
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(pad, hidden)
+    model.lm_head = torch.nn.Linear(hidden, pad, bias=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    hf = model.model.embed_tokens.weight.detach()[:vocab].clone()
+    spec = {"model.embed_tokens.weight": [tensor_digest(hf), [vocab, hidden], "float32"]}
+    assert held_digests(model, spec) == {"model.embed_tokens.weight": tensor_digest(hf)}
+    with torch.no_grad():
+        model.lm_head.weight[3, 1] += 1.0  # the head's copy only
+    assert held_digests(model, spec) == {"model.embed_tokens.weight": "views-differ"}

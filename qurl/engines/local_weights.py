@@ -32,6 +32,15 @@ CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE = "_scale"
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads and signed zeros included), for same-dtype tensors."""
+    as_int = _INT_OF_SIZE[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
 class LocalWeights:
     """LocalEngine's weight loading and verification (see the module docstring)."""
 
@@ -91,13 +100,17 @@ class LocalWeights:
     def verify(self, digests: dict[str, str]) -> list[str]:
         """Hash the tensors named in `digests` (the sender's, of the version just loaded) as the
         engine holds them, cast to the dtype they were sent in; [] and `digest` set when all
-        match, else the names that differ (`digest` stays None: no delta builds on them)."""
+        match, else the names that differ (`digest` stays None: no delta builds on them).
+        A tensor held wider than it was sent (fp32 from bf16) must also hold nothing the wire
+        could not carry — every held bit is checked, not only those the cast keeps."""
         got = {}
         for name in digests:
             t = self._tensors.get(name)
             if t is not None:
                 want = self._wire_dtype.get(name, t.dtype)
-                got[name] = tensor_digest(t if t.dtype == want else t.to(want))
+                sent = t if t.dtype == want else t.to(want)
+                exact = sent is t or _same_bits(sent.to(t.dtype), t)
+                got[name] = tensor_digest(sent) if exact else "beyond-wire-precision"
         bad = mismatches(digests, got)
         self._digest = None if bad else combine(digests)
         return bad

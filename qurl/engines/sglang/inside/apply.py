@@ -280,16 +280,19 @@ def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None
 
 def held_digests(model: torch.nn.Module, spec: dict[str, list]) -> dict[str, str]:
     """{HF name: digest of this rank's box of it, as held}, spec {name: [_, shape, dtype]};
-    a tensor the server cannot find gets the digest "missing"."""
+    a tensor the server cannot find gets the digest "missing". Every region that holds it is
+    hashed (the embedding's tied lm_head with storage of its own too): regions that disagree
+    give "views-differ", so a stale second copy cannot hide behind a correct first one."""
     out = {}
     for name, (_, shape, dtype) in spec.items():
         try:
-            view = targets_of(model, name, shape)[0][0]
+            views = targets_of(model, name, shape)[0]
         except ValueError:
             out[name] = "missing"
             continue
         want = getattr(torch, dtype)
-        out[name] = tensor_digest(view if view.dtype == want else view.to(want))
+        digests = {tensor_digest(v if v.dtype == want else v.to(want)) for v in views}
+        out[name] = digests.pop() if len(digests) == 1 else "views-differ"
     return out
 
 
