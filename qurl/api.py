@@ -102,6 +102,7 @@ FACE: dict[str, str] = {
     "read_metrics": "qurl.train.metrics_log",
     "plot_runs": "qurl.train.report",
     "apply_positions": "qurl.wire.delta",
+    "sync_memory": "qurl.wire.host",
     "changed_positions": "qurl.wire.delta",
     "check_delta": "qurl.wire.delta",
     "delta_nbytes": "qurl.wire.delta",

@@ -42,7 +42,8 @@ Test-only extras (never used by qurl): `--dump-dir` writes the received weights 
 `/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses, or
 (`refuse_update`) makes `/update_weights_from_distributed` refuse every bucket as real SGLang
 refuses one outside a session: 400 at once, without joining the broadcast;
-`/_fake/requests` lists the /generate bodies received; `/_fake/state` the session flags; `--die-once-at-bucket-2 FILE` makes the
+`/_fake/requests` lists the /generate bodies received; `/_fake/state` the session flags;
+`/_fake/peak` the most requests that generated at once; `--die-once-at-bucket-2 FILE` makes the
 process exit in the middle of its first sync (when FILE does not exist yet; it creates it).
 """
 from __future__ import annotations
@@ -105,6 +106,8 @@ class FakeSGLang:
         self.paused = False
         self.pause_mode = "abort"
         self.running: dict[str, dict] = {}  # rid -> {"abort": bool}
+        self.peak_running = 0  # the most requests generating at once (SGLang would cap it at
+        # max_running_requests and queue the rest; the fake runs them all, so tests can count)
         self.session = False
         self.groups: dict[str, object] = {}
         self.weights: dict[str, torch.Tensor] = {}
@@ -140,6 +143,7 @@ class FakeSGLang:
                 self.cond.wait()
             state = {"abort": False}
             self.running[rid] = state
+            self.peak_running = max(self.peak_running, len(self.running))
         out, lps, spans = [], [], []
         finish = {"type": "length", "length": sp.get("max_new_tokens", 128)}
         stops = set(sp.get("stop_token_ids") or [])
@@ -417,12 +421,21 @@ def make_handler(app: FakeSGLang):
                                  "custom_weight_loader": [
                                      x for x in app.args.custom_weight_loader
                                      if x != "qurl.engines.sglang.inside.loader.prepare_sync"],
-                                 "tp_size": app.args.tp_size, "version": "0.5.23"})
+                                 "tp_size": app.args.tp_size, "version": "0.5.23",
+                                 # the flag as given (null unless set), the KV pool, and the
+                                 # scheduler's effective cap per DP rank (SGLang sizes it from
+                                 # the pool when the flag is unset; the fake: 64)
+                                 "max_running_requests": app.args.max_running_requests,
+                                 "dp_size": 1, "max_total_num_tokens": 8192,
+                                 "internal_states": [{"effective_max_running_requests_per_dp":
+                                                      app.args.max_running_requests or 64}]})
             elif path == "/_fake/requests":
                 self._send(200, app.requests)
             elif path == "/_fake/state":
                 self._send(200, {"session": app.session, "restored": app.restored,
                                  "transposed_twice": app.transposed_twice, "paused": app.paused})
+            elif path == "/_fake/peak":
+                self._send(200, {"peak_running": app.peak_running})
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -486,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--die-once-at-bucket-2", default="", metavar="MARKER_FILE")
     p.add_argument("--custom-weight-loader", nargs="*", default=[])
     p.add_argument("--health-pause-timeout", type=float, default=20.0)
+    p.add_argument("--max-running-requests", type=int, default=None)
     args = p.parse_args(argv)
     if args.tp_size != 1:
         sys.exit("fake_sglang: only --tp-size 1")

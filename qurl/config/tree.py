@@ -247,6 +247,10 @@ class SGLangConfig:
     """Learner -> servers weight-update group: auto = nccl when the learner has a GPU, else gloo;
     gloo moves the bytes through host memory (a one-GPU or colocated setup, where NCCL refuses
     two ranks on one GPU); nccl needs every member on a GPU of its own."""
+    max_running: Count = 0
+    """Rollout requests sent to EACH server at once; 0 = as many as the server runs at once, read
+    from its /server_info (SGLang's effective max_running_requests, which it sizes from its KV
+    pool; 256 for a server that reports none). A deployment setting: the samples are the same."""
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,11 @@ class DeployConfig:
     """Minutes a learner rank waits for rank 0 at a control point (the next batch while rank 0
     generates and evaluates, the base model it prepares, checkpoints). These waits go through a
     gloo side group with this timeout, so NCCL's 30-minute watchdog never sees them."""
+    eval_gpu_gb: Annotated[float, Min(0)] = 8.0
+    """GB a local evaluation engine may take on learner rank 0's GPU (weights + fp32 KV cache of
+    its largest batch): the full-precision policy (eval.fp_policy) and, in asynchronous runs, the
+    controller's 8-bit actor. An evaluation estimated over it is refused at start in one line
+    (qurl/evaluation/placement.py); 0 = no local evaluation on the GPU. Not checked on CPU."""
     # ---- addresses
     host: str = "127.0.0.1"
     """Node 0's address as the others reach it: the learner's rendezvous, the controller's

@@ -110,12 +110,29 @@ def summary(rec: dict[str, Any]) -> str:
             + f" over {len(sets)} set(s), {int(rec['n'])} problems")
 
 
+def _check_placement(cfg: Config, model_dir: str, asynchronous: bool, n_problems: int) -> None:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from qurl.evaluation.placement import check_eval, eval_placement
+
+    placement = eval_placement(cfg, cuda=torch.cuda.is_available(), asynchronous=asynchronous)
+    path = Path(model_dir) / "config.json"
+    fields = json.loads(path.read_text()) if path.is_file() else None
+    check_eval(cfg, placement, fields, n_problems)
+
+
 class Evaluator:
     """Scores the rollout engine and, side by side, the full-precision policy on data.eval."""
 
     def __init__(self, cfg: Config, model_dir: str, *, main: bool,
                  max_examples: int | None = None, per_question: bool = False,
-                 answers: bool = False) -> None:
+                 answers: bool = False, asynchronous: bool = False) -> None:
+        """asynchronous: the actor is scored by a local decoder on rank 0 (the async controller);
+        local evaluation engines on a GPU are checked against deploy.eval_gpu_gb first
+        (qurl/evaluation/placement.py), on rank 0 (`main`)."""
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
         from qurl.sync.publish import WeightSync
@@ -127,6 +144,7 @@ class Evaluator:
         if main:
             self.sets = {k: v[:max_examples] if max_examples else v
                          for k, v in load_eval_sets(cfg).items()}
+            _check_placement(cfg, model_dir, asynchronous, sum(map(len, self.sets.values())))
             if self.fp:
                 self.fp_engine = make_engine(cfg, model_dir, local=True, precision="bf16")
         self.fp_sync = WeightSync("bf16") if self.fp else None

@@ -7,9 +7,11 @@ learner rank with the checked cost model (membudget.py) before anything starts:
 - weights (model dtype), gradients (plus a tied head's second gradient), fp32 master weights and
   AdamW moments (DP-sharded with deploy.distributed_optimizer) and the step's flat fp32 gradient;
 - the frozen reference model when algo.kl_coef > 0;
-- on learner rank 0, the weight sync's 8-bit staging: two alternating arenas of the quantized
-  model and the copy a delta is taken against (qurl/sync/: ~3 bytes per parameter of the whole
-  model);
+- on learner rank 0, the weight sync's device staging: its copies of the 8-bit model (two
+  alternating arenas, the SGLang adapter's kept copy: ~3 bytes per parameter of the whole model)
+  live in pinned host memory (qurl/wire/host.py), so the GPU holds only the two buffers a bucket is
+  staged through: each max(deploy.bucket_mb, the largest single tensor on the wire — the
+  embedding or head in the engines' dtype);
 - one micro-batch of one row at the run's length L = `prompt_tokens` + rollout.max_new_tokens,
   at the run's attention (TE or SDPA: no L x L scores; unfused) and learner.recompute.
 
@@ -51,7 +53,7 @@ class RankPlan:
     rank: int
     weights: float  # model weights, their gradients, a KL reference copy
     optimizer: float  # fp32 masters, AdamW moments, the step's flat gradient
-    sync: float  # rank 0: the 8-bit staging of the weight sync
+    sync: float  # rank 0: the weight sync's two device staging buffers (host copies not counted)
     row: float  # one micro-batch of one row at width L
     L: int
     rows: int  # rows per micro-batch the remaining memory allows (>= 1 even when it does not fit)
@@ -104,14 +106,18 @@ def plan_ranks(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: boo
     elem = 2 if cfg.model.dtype == "bfloat16" else 4
     cost = token_cost_from_fields(fields, tp=tp, elem=elem, attention=attention_kind(cfg, te),
                                   recompute=cfg.learner.recompute)
-    per_rank, whole, tied = _params(fields, tp, padded_vocab_size(int(fields["vocab_size"]), tp))
+    per_rank, _, tied = _params(fields, tp, padded_vocab_size(int(fields["vocab_size"]), tp))
     L = prompt_tokens + cfg.rollout.max_new_tokens
     ref = per_rank * elem if cfg.algo.kl_coef > 0 else 0
     weights = per_rank * elem + grad_bytes(per_rank, elem, tied) + ref
     optimizer = fixed_bytes(per_rank, elem, dp, cfg.deploy.distributed_optimizer) - 2 * per_rank * elem
+    # the largest wire tensor: embedding / head rows in bf16 (SGLang) or fp32 (the local engine)
+    wire_elem = 2 if cfg.rollout.engine == "sglang" else 4
+    largest = int(fields["vocab_size"]) * int(fields["hidden_size"]) * wire_elem
+    staging = 2.0 * max(cfg.deploy.bucket_mb * 2**20, largest)
     out = []
     for rank in range(tp * dp):
-        sync = 3.0 * whole if rank == 0 else 0.0
+        sync = staging if rank == 0 else 0.0
         left = gpu_bytes - reserve - weights - optimizer - sync
         fits = cost.micro_bytes(1, L) <= GPU_FRACTION * left
         rows = rows_per_micro(L, cost, max(left, 0), 0)

@@ -19,6 +19,11 @@ an SGLang adapter keeps the last version to resend it to a restarted server) nee
 until the next version is in place, so `ArenaQuantizer` alternates two arenas: version v+1 never
 overwrites version v.
 
+The arenas are in host memory, pinned when CUDA is available (qurl/wire/host.py): quantizing
+runs on the weights' device and each code lands in its host view; the sender stages one bucket at
+a time back onto the device for the broadcast. The learner's GPU holds no copy of the 8-bit model
+between syncs (issue 59 item 5: two arenas there were ~15 GB at 7B).
+
 Values are exactly `quantize_named`'s (the same functions write into the views); a weight whose
 name, shape or dtype differs from the layout is a ValueError, never a silent re-layout.
 """
@@ -32,12 +37,14 @@ import torch
 from qurl.quant.formats import FORMATS, code_dtype, quantize_per_channel
 from qurl.quant.named import SCALE_SUFFIX, is_quantized_linear, quantize_named, travels_as
 from qurl.wire.buckets import plan_buckets, timed_items, unpack
+from qurl.wire.host import host_empty
 
 Chunks = list[tuple[str, torch.Tensor]]
 
 
 class ChunkArena:
-    """One uint8 buffer per bucket of `plan_buckets(chunks, budget_bytes)`, and a view per chunk."""
+    """One uint8 buffer per bucket of `plan_buckets(chunks, budget_bytes)`, and a view per chunk;
+    the buffers are in host memory (pinned when CUDA is available), wherever `chunks` are."""
 
     def __init__(self, chunks: Sequence[tuple[str, torch.Tensor]], budget_bytes: int) -> None:
         self.budget_bytes = int(budget_bytes)
@@ -45,7 +52,7 @@ class ChunkArena:
         self.views: dict[str, torch.Tensor] = {}
         self.buffers: list[torch.Tensor] = []
         for bucket in plan_buckets(chunks, self.budget_bytes):
-            buf = torch.empty(bucket.layout.nbytes, dtype=torch.uint8, device=chunks[0][1].device)
+            buf = host_empty(bucket.layout.nbytes)
             self.views.update(unpack(buf, bucket.layout))
             self.buffers.append(buf)
 
@@ -115,3 +122,7 @@ class ArenaQuantizer:
             out = self._arenas[self._next].fill(named, self.fmt, timing, self.wire_dtype)
         self._next = (self._next + 1) % 2
         return out, timing[0], timing[1]
+
+    def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The arenas' buffers (qurl/wire/host.py `sync_memory`)."""
+        return {"arenas": [b for a in self._arenas for b in a.buffers]}

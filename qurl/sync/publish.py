@@ -46,6 +46,10 @@ class WeightSync:
         self.quantizer = ArenaQuantizer(precision, bucket_bytes, wire_dtype)
         self.planner = SyncPlanner(mode, full_every)
 
+    def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this sync keeps between versions: its arenas (qurl/wire/host.py `sync_memory`)."""
+        return self.quantizer.sync_tensors()
+
     def quantize(self, named: Iterable[tuple[str, torch.Tensor]],
                  ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
         """Gather (a collective on every TP rank) and quantize one version into wire chunks;

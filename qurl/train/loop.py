@@ -126,7 +126,8 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
     run = open_run(cfg, resume=resume, rank=rank, world_size=world_size)
     learner, start, version = run.learner, run.start, run.start
     source: BatchSource | None = None
-    evaluator = Evaluator(cfg, run.model_dir, main=run.main)  # before the source starts workers
+    evaluator = Evaluator(cfg, run.model_dir, main=run.main,  # before the source starts workers
+                          asynchronous=local_engine)
     logger = codec = None
     pad_id = 0
     if run.main:

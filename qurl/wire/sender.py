@@ -95,6 +95,7 @@ class SyncStats:
     version: int
     buckets: int = 0
     packed: int = 0  # buckets copied into a send buffer (0 when the chunks come from an arena)
+    staged: int = 0  # arena buckets copied whole from host memory to the group's device
     tensors: int = 0
     bytes: int = 0
     gather_s: float = 0.0
@@ -185,15 +186,22 @@ class WeightSender:
         buckets = plan_buckets(self._timed_chunks(chunks, stats), self.bucket_bytes)
         for index, bucket in enumerate(buckets):
             t0 = time.perf_counter()
-            tensors = [(n, t.to(self.group.device)) for n, t in bucket.tensors]
+            tensors = bucket.tensors
             if self.load_format == "flattened_bucket":
                 buf = bucket_buffer(tensors, bucket.layout)  # already in place (sync/arena.py)
-                if buf is None:
+                if buf is not None and buf.device != self.group.device:
+                    # a host arena's bucket (qurl/wire/host.py): one copy onto the device, into
+                    # the staging buffer bucket i-1 is not using
+                    staging = self._buffer(index % 2, bucket)[:bucket.layout.nbytes]
+                    buf = staging.copy_(buf, non_blocking=True)
+                    stats.staged += 1
+                elif buf is None:
+                    tensors = [(n, t.to(self.group.device)) for n, t in tensors]
                     buf = pack(tensors, bucket.layout, out=self._buffer(index % 2, bucket))
                     stats.packed += 1
                 payload = [buf]
             else:
-                payload = [t.contiguous() for _, t in tensors]
+                payload = [t.to(self.group.device).contiguous() for _, t in tensors]
             if self.group.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # copies done before NCCL reads them
             stats.pack_s += time.perf_counter() - t0
@@ -213,3 +221,7 @@ class WeightSender:
         if stats.buckets == 0:
             raise ValueError("send: no tensors to sync")
         return stats
+
+    def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The two staging / packing buffers, on the group's device (qurl/wire/host.py)."""
+        return {"staging": [b for b in self._bufs if b is not None]}

@@ -21,6 +21,14 @@ route and what is wrong. Limits: with NCCL, servers that survive a peer dying in
 broadcast stay blocked in it until SGLang's group timeout (30 min by default); gloo reports the
 broken connection at once.
 
+Concurrency is per server: each gets as many requests at once as it runs itself (its /server_info
+`internal_states[*].effective_max_running_requests_per_dp`, summed over DP ranks, or its
+`--max-running-requests`; protocol.py `running_limit`), or `max_running` when the config sets
+sglang.max_running, or UNREPORTED_RUNNING when the server reports neither. More would only wait
+in the server's queue (and be aborted by the next sync's pause); fewer leaves it idle. Before
+issue 59 one cap of 256 threads served every server together: 36-43 requests per server at the
+paper's scale, 2-5x below what each could run.
+
 The protocol facts this relies on are qurl/engines/sglang/protocol.py; one server process is
 server.py; the weight group and update sessions are update.py (`WeightUpdates`, which this class
 extends); this module builds the engine, routes and resumes generation requests and recovers
@@ -49,6 +57,9 @@ from qurl.types import GenRequest, GenResult
 from qurl.wire.broadcaster import Broadcaster
 from qurl.wire.group import free_port
 from qurl.wire.sender import SyncStats
+
+
+UNREPORTED_RUNNING = 256  # requests at once to a server whose /server_info reports no cap
 
 
 @dataclass
@@ -80,14 +91,16 @@ class SGLangEngine(WeightUpdates):
                  timeouts: Timeouts | None = None, log_dir: str | Path | None = None,
                  max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
                  tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health",
-                 layout: Layout | None = None) -> None:
+                 layout: Layout | None = None, max_running: int = 0) -> None:
         """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
         validate token ids against it); from_section reads both from the model directory.
         `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
         one-token generation) or "/model_info" (model loaded; for servers that cannot generate,
         such as 8-bit SGLang on a CPU). `layout`: the model's head counts, which map a TP > 1
         server's cut for delta and verified syncs (qurl/engines/sglang/inside/tp_cut.py; without it,
-        read from the config.json of the model path the server reports, when readable here)."""
+        read from the config.json of the model path the server reports, when readable here).
+        `max_running`: requests sent to each server at once; 0 = what the server reports it runs
+        (module docstring)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         if precision not in QUANTIZATION:
@@ -111,8 +124,11 @@ class SGLangEngine(WeightUpdates):
         if log:
             log.mkdir(parents=True, exist_ok=True)
         self.servers = [Server(s, log, ready_probe) for s in servers]
+        if max_running < 0:
+            raise ValueError(f"max_running={max_running}: must be >= 0 (0 = the server's own)")
+        self.max_running = max_running
         self._lock = threading.RLock()  # syncs and recoveries, one at a time
-        self._pick_lock = threading.Lock()  # request routing counters only
+        self._pick_lock = threading.Condition()  # request routing counters only
         self._resume = threading.Event()  # cleared while weights change: no new submissions
         self._resume.set()
         self._holds = 0
@@ -131,6 +147,7 @@ class SGLangEngine(WeightUpdates):
             for s in self.servers:
                 s.wait_healthy(self.timeouts.launch_s, self.timeouts.health_s)
             self._each(self._check_server, self.timeouts.control_s * 2)
+            self._set_limits()
             self._set_version_all(0)
             self._form_group()
         except BaseException:
@@ -178,11 +195,32 @@ class SGLangEngine(WeightUpdates):
         hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
         return cls(specs, precision=precision, group_host=group_host, group_port=group_port,
                    backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
-                   tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf))
+                   tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf),
+                   max_running=sg.max_running)
 
     @property
     def version(self) -> int:
         return self._version
+
+    def _set_limits(self) -> None:
+        """Each server's share of requests at once (module docstring); after every /server_info."""
+        with self._pick_lock:
+            for s in self.servers:
+                s.max_running = self.max_running or s.reported_running or UNREPORTED_RUNNING
+            self._pick_lock.notify_all()
+
+    def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The kept copy of the last version and the sender's staging buffers
+        (qurl/wire/host.py `sync_memory`; the arenas are the WeightSync's)."""
+        sender = self.weights.sender
+        kept = list(self._kept.values()) if self._kept is not None else \
+            [t for _, t in self._weights or []]
+        return {"kept": kept, **(sender.sync_tensors() if sender is not None else {})}
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine keeps in flight at once over all its servers."""
+        return sum(s.max_running for s in self.servers)
 
     @contextmanager
     def _hold(self) -> Iterator[None]:
@@ -243,6 +281,8 @@ class SGLangEngine(WeightUpdates):
                     s.post_json("/continue_generation", {}, self.timeouts.control_s)
                 except SGLangError:
                     pass
+            self._each(self._check_server, self.timeouts.control_s * 2)  # restarted: limits anew
+            self._set_limits()
             self._form_group()
             self._set_version_all(self._version)
             if resend and self._weights is not None:  # (with qurl's header: a qurl sync)
@@ -258,7 +298,7 @@ class SGLangEngine(WeightUpdates):
         `poll_s` while requests run; a `load_weights` from it interrupts and resumes them."""
         if not requests:
             return []
-        with ThreadPoolExecutor(max_workers=min(len(requests), 256)) as ex:
+        with ThreadPoolExecutor(max_workers=min(len(requests), self.capacity)) as ex:
             futs = [ex.submit(self._run, r) for r in requests]
             while not all(f.done() for f in futs):
                 time.sleep(self.poll_s)
@@ -267,10 +307,14 @@ class SGLangEngine(WeightUpdates):
             return [f.result() for f in futs]
 
     def _pick(self) -> Server:
+        """The server with the most free room; waits while every server runs its max_running."""
         with self._pick_lock:
-            s = min(self.servers, key=lambda x: x.inflight)
-            s.inflight += 1
-            return s
+            while True:
+                s = max(self.servers, key=lambda x: x.max_running - x.inflight)
+                if s.inflight < s.max_running:
+                    s.inflight += 1
+                    return s
+                self._pick_lock.wait()
 
     def _run(self, req: GenRequest) -> GenResult:
         p = _Pending(req)
@@ -302,6 +346,7 @@ class SGLangEngine(WeightUpdates):
             finally:
                 with self._pick_lock:
                     server.inflight -= 1
+                    self._pick_lock.notify()
             if status != 200:
                 raise SGLangError(f"{where}: HTTP {status}: {raw[:300]!r}")
             try:

@@ -115,6 +115,8 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.log_path = (log_dir / f"sglang_{self.port}.log") if log_dir else None
         self.inflight = 0
+        self.reported_running: int | None = None  # the server's own cap, from /server_info
+        self.max_running = 0  # requests qurl sends it at once (SGLangEngine._set_limits)
         self.custom_loaders: tuple[str, ...] = ()  # from /server_info (WeightUpdates._check_server)
         self.layout = None  # TP > 1: the head counts that map each rank's cut (inside/tp_cut.py Layout)
         self.device: str | None = None  # TP > 1: from /server_info ("cpu" pads uneven cuts)

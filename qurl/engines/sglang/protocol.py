@@ -44,6 +44,14 @@ weight_updater.py`); recheck them when the pinned release changes:
   `weight_block_size` [128, 128] (FP8 `weight` + fp32 `weight_scale_inv`). SGLang's `fp8` method
   without blocks is per-TENSOR, so per-channel FP8 is `w8a8_fp8`. Weight names are HF names;
   SGLang's loader fuses q/k/v and gate/up itself. Unknown names are ignored by SGLang, silently.
+- `GET /server_info` (`srt/entrypoints/http_server.py` `server_info`, `srt/utils/common.py`
+  `build_server_info`) answers the resolved server args (`tp_size`, `dp_size`, `quantization`,
+  `custom_weight_loader`, `max_running_requests`: the flag as given, null when unset), the
+  scheduler's handshake (`srt/managers/scheduler.py` `get_init_info`: `max_total_num_tokens`, the
+  KV pool in tokens, and `max_req_input_len`) and `internal_states`, one dict per DP rank
+  (`srt/managers/scheduler_components/internal_state.py` `_add_topology`:
+  `effective_max_running_requests_per_dp`, the scheduler's own cap after it sized the KV pool).
+  `/get_server_info` is the deprecated alias. Requests beyond the cap wait in the server's queue.
 """
 from __future__ import annotations
 
@@ -68,6 +76,25 @@ class SGLangError(RuntimeError):
 class SGLangUnavailable(SGLangError):
     """The server did not answer (refused, reset, timed out): it may need a restart."""
 
+
+
+def running_limit(info: Any) -> int | None:
+    """How many requests a server runs at once, from its /server_info reply: the sum over its DP
+    ranks of `internal_states[i].effective_max_running_requests_per_dp`, else the
+    `max_running_requests` flag it was started with; None when it reports neither (older
+    releases, or a reply that is not SGLang's)."""
+    if not isinstance(info, dict):
+        return None
+    states = info.get("internal_states")
+    if isinstance(states, list) and states:
+        caps = [st.get("effective_max_running_requests_per_dp") for st in states
+                if isinstance(st, dict)]
+        if caps and all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in caps):
+            return sum(caps)
+    flag = info.get("max_running_requests")
+    if isinstance(flag, int) and not isinstance(flag, bool) and flag > 0:
+        return flag
+    return None
 
 
 def parse_generate(reply: Any, where: str) -> tuple[list[int], list[float], list[int], str]:

@@ -27,7 +27,7 @@ from qurl.engines.base import StaleBase
 from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.engines.sglang.launcher import Server, launch_env, on_cpu, server_nccl
 from qurl.engines.sglang.protocol import (NO_TENSORS, QUANTIZATION, RESTORE_QUANTIZATIONS,
-                                          SGLangError, SGLangUnavailable)
+                                          SGLangError, SGLangUnavailable, running_limit)
 from qurl.engines.sglang.verified_sync import SGLangDeltaMixin, is_stale_refusal
 from qurl.wire.broadcaster import GroupFormError, GroupSpec
 from qurl.wire.sender import BucketAnnouncement, SyncStats
@@ -189,6 +189,7 @@ class WeightUpdates(SGLangDeltaMixin):
             info = json.loads(raw) if status == 200 else None
         except json.JSONDecodeError:
             info = None
+        s.reported_running = running_limit(info)  # None without a usable /server_info
         if not isinstance(info, dict):
             return
         tp = info.get("tp_size")

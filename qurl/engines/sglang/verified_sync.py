@@ -23,7 +23,8 @@ the server reports in /model_info). For such engines:
   counts it (`sync/verify_mismatches`, `sync/fallbacks/mismatch`).
 - the adapter keeps its own copy of the last version's chunks (to re-send to a restarted server),
   updated in place by each delta (O(changes)); a restarted server gets that full version and is
-  unverified until the next sync (so the next sync is full: reason `holder`).
+  unverified until the next sync (so the next sync is full: reason `holder`). The copy is in host
+  memory, pinned when CUDA is available (qurl/wire/host.py): not on the learner's GPU.
 
 Engines without the loader on every server, or with a TP > 1 server whose cut cannot be mapped
 (head counts unknown; a tensor the map does not know, found at the first full sync: then
@@ -44,6 +45,7 @@ from qurl.engines.sglang.inside.loader import SYNC_LOAD_FORMAT
 from qurl.engines.sglang.inside.tp_cut import Layout, cpu_padding, rank_digests, shard_box
 from qurl.wire.delta import apply_positions, check_delta, group_delta_chunks
 from qurl.wire.digest import combine, tensor_digest
+from qurl.wire.host import to_host
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ def apply_to_kept(kept: dict[str, torch.Tensor], chunks: Chunks) -> None:
             raise ValueError(f"{name}: delta for a tensor the kept copy does not hold")
         checked.append((kept[name], *check_delta(name, kept[name], parts)))
     for name, t in whole.items():
-        kept[name] = t.detach().clone()
+        kept[name] = to_host(t)
     for target, pos, val in checked:
         apply_positions(target, pos, val)
 
@@ -212,7 +214,7 @@ class SGLangDeltaMixin:
         if not self.delta_capable:
             return chunks
         if base is None:
-            self._kept = {n: t.detach().clone() for n, t in chunks}
+            self._kept = {n: to_host(t) for n, t in chunks}  # host, pinned on CUDA hosts
         elif self._kept is not None:
             apply_to_kept(self._kept, chunks)
         return None if self._kept is None else list(self._kept.items())
