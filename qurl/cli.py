@@ -2,11 +2,9 @@
 
     qurl train [--preset cpu-tiny] [--config run.toml] [--set section.field=value ...]
     qurl train --resume runs/<run> [--set run.steps=80]
-    qurl eval runs/<run> [--set eval.samples=32]  greedy / Avg@k / pass@k of the latest
-                                    checkpoint (or --step N's) on every eval set, 8-bit engine and
-                                    fp policy; --answers keeps the greedy answers' text
-    qurl export runs/<run> --out DIR [--step N] [--format hf|int8|fp8|fp8_block]
-                                    the trained policy as an HF (or SGLang 8-bit) checkpoint
+    qurl eval runs/<run> [--set eval.samples=32]  greedy / Avg@k / pass@k of a checkpoint (latest
+                                    or --step N) on every eval set; --answers keeps the answers
+    qurl export runs/<run> --out DIR [--step N] [--format hf|int8|fp8|fp8_block]  HF / 8-bit
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
     qurl study ablation --seeds 0,1,2 [--arms int8] [--jobs 2] [--final-eval K] [--set ...] --out DIR [--runs DIR]

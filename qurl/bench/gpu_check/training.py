@@ -53,10 +53,9 @@ def _build_learner(layers: int, dtype: str, shape: dict[str, Any]) -> Any:
     """A MegatronLearner (TP 1, SDPA attention) over a random Qwen2 of Qwen2.5-1.5B's shapes."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from qurl.api import (AlgoConfig, DeployConfig, LearnerConfig, MegatronLearner, ModelConfig,
+                          OptimConfig, free_port, init_learner_dist)
     from qurl.bench.learner_long import QWEN25_1P5B
-    from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
-    from qurl.learner.dist import free_port, init_learner_dist
-    from qurl.learner.megatron import MegatronLearner
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -165,7 +164,7 @@ def _qurl_train(root: Path, name: str, sets: dict[str, Any], timeout: float,
         print(f"qurl train {name} failed:\n" + text[-4000:])
         raise RuntimeError(f"qurl train {name}{' --resume' if resume else ''} exit "
                            f"{proc.returncode}: {' | '.join(tail)[:300]}")
-    from qurl.train.metrics_log import read_metrics
+    from qurl.api import read_metrics
 
     recs = read_metrics(root / name / "metrics.jsonl")
     return {"wall_s": wall, "train": [r for r in recs if r.get("kind") == "train"]}
