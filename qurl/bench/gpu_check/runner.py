@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,10 +74,19 @@ def _line(name: str, rec: dict) -> str:
     return f"{name:10s} {rec['status'].upper()} ({rec['seconds']:.0f} s): {rec['reason']}"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _launch(name: str, work: Path, dry: bool, timeout: float, env: dict) -> dict:
     cmd = [sys.executable, "-m", "qurl.bench.gpu_check.runner", "--section", name,
            "--out", str(work)] + (["--cpu-dry-run"] if dry else [])
     t0 = time.perf_counter()
+    # a rendezvous port of the section's own: one inherited from the caller (a test process that
+    # already hosts a torch.distributed store on it) would be taken
+    env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     with open(work / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)
