@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
+from qurl.engines.sglang.inside.loader import KERNELS_LOAD_FORMAT
 from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import NO_TENSORS
@@ -39,6 +40,7 @@ DUMP = "qurl_sglang_dump.dump_params"
 DUMP_PTRS = "qurl_sglang_dump.dump_ptrs"
 CORRUPT = "qurl_sglang_dump.corrupt_one_code"
 CORRUPT_KV_LAST = "qurl_sglang_dump.corrupt_kv_code_last_rank"
+BREAK_REPACK = "qurl_sglang_dump.corrupt_next_verified_repack"
 TIMEOUTS = Timeouts(control_s=60, generate_s=120, group_s=120, launch_s=1200, health_s=10)
 
 needs_sglang = [
@@ -63,7 +65,8 @@ def tp_env(tp: int) -> dict[str, str]:
 
 
 def cpu_server_args(generates: bool) -> tuple[str, ...]:
-    return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS, CORRUPT, CORRUPT_KV_LAST) + (
+    return CPU_FLAGS + ("--custom-weight-loader", DUMP, DUMP_PTRS, CORRUPT, CORRUPT_KV_LAST,
+                        BREAK_REPACK, KERNELS_LOAD_FORMAT) + (
         () if generates else ("--skip-server-warmup",))
 
 

@@ -68,3 +68,34 @@ def corrupt_kv_code_last_rank(model: torch.nn.Module, named_tensors: list) -> No
             with open(os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], "corrupted.txt"), "w") as f:
                 f.write(name.replace("qkv_proj", "k_proj") + ".weight")
             return
+
+
+def corrupt_next_verified_repack(model: torch.nn.Module, named_tensors: list) -> None:
+    """A repack that is not layout-only, once: the first `process_weights_after_loading` of the
+    first 8-bit qkv_proj that runs after the server verified a NEW version (the closing repack
+    of qurl's verification session, i.e. after its in-session check) runs SGLang's own, then
+    flips one bit of the repacked weight the kernel reads (its first byte). Writes the HF name
+    (the q part) to corrupted.txt when it fires."""
+    from qurl.engines.sglang.inside import apply
+
+    seen = apply.STATE.verified
+    for name, module in model.named_modules():
+        p = getattr(module, "weight", None)
+        if not (name.endswith("qkv_proj") and p is not None
+                and p.dtype in (torch.int8, torch.float8_e4m3fn)):
+            continue
+        method = module.quant_method
+        original = method.process_weights_after_loading
+
+        def repack(layer: torch.nn.Module, _module=module, _name=name) -> None:
+            original(layer)
+            now = apply.STATE.verified
+            if layer is not _module or now is None or now == seen:
+                return
+            bits = layer.weight.data.view(torch.uint8)  # [in, out]: a view of the same storage
+            bits[0, 0] = bits[0, 0] ^ 1
+            del method.process_weights_after_loading  # once
+            with open(os.path.join(os.environ["QURL_SGLANG_DUMP_DIR"], "corrupted.txt"), "w") as f:
+                f.write(_name.replace("qkv_proj", "q_proj") + ".weight")
+        method.process_weights_after_loading = repack
+        return

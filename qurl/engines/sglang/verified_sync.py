@@ -21,6 +21,14 @@ the server reports in /model_info). For such engines:
   nothing is sampled from weights that are not the learner's until the next sync, which
   continues them). The sync loop resyncs in full and
   counts it (`sync/verify_mismatches`, `sync/fallbacks/mismatch`).
+- after a full sync and every `verify_kernels_every`-th delta (deploy.verify_kernels_every; 0 =
+  never), once the in-session check passed, a second short session reads back what the kernels
+  read AFTER SGLang's closing repack (qurl/engines/sglang/inside/kernels.py: the W8A8 weights in
+  their transposed [in, out] layout, recomputed to the HF values and hashed, every region of a
+  tied head too) against the same digests; a difference is a mismatch like any other, named
+  `<name> (kernel layout)`. Servers launched without that loader
+  (`qurl.engines.sglang.inside.loader.read_kernels`) are not read back (`kernel_checks` counts
+  the read-backs that passed).
 - the adapter keeps its own copy of the last version's chunks (to re-send to a restarted server),
   updated in place by each delta (O(changes)); a restarted server gets that full version and is
   unverified until the next sync (so the next sync is full: reason `holder`). The copy is in host
@@ -40,8 +48,9 @@ from typing import Any
 
 import torch
 
-from qurl.engines.sglang.inside.layout import HEADER, MISMATCH_MARK, STALE_MARK, VERIFY, json_chunk
-from qurl.engines.sglang.inside.loader import SYNC_LOAD_FORMAT
+from qurl.engines.sglang.inside.layout import (HEADER, KERNELS, MISMATCH_MARK, STALE_MARK, VERIFY,
+                                               json_chunk)
+from qurl.engines.sglang.inside.loader import KERNELS_LOAD_FORMAT, SYNC_LOAD_FORMAT
 from qurl.engines.sglang.inside.tp_cut import Layout, cpu_padding, rank_digests, shard_box
 from qurl.wire.delta import apply_positions, check_delta, group_delta_chunks
 from qurl.wire.digest import combine, tensor_digest
@@ -76,14 +85,15 @@ def header_chunk(version: int, base: tuple[int, str] | None,
 
 
 def verify_chunk(version: int, digests: dict[str, str], meta: dict[str, tuple[list[int], str]],
-                 tp: dict[int, dict[str, list[str]]] | None = None) -> tuple[str, torch.Tensor]:
+                 tp: dict[int, dict[str, list[str]]] | None = None, name: str = VERIFY
+                 ) -> tuple[str, torch.Tensor]:
     """The verification request; a name the adapter never sent is a KeyError (caller's bug).
     tp: {T: {name: [digest of rank r's box]}} for the TP sizes > 1 among the servers."""
     msg: dict[str, Any] = {"version": int(version),
                            "digests": {n: [d, *meta[n]] for n, d in digests.items()}}
     if tp:
         msg["tp"] = {str(t): d for t, d in tp.items()}
-    return VERIFY, json_chunk(msg)
+    return name, json_chunk(msg)
 
 
 def check_cuts(meta: dict[str, tuple[list[int], str]], tp: int, layout: Layout | None,
@@ -145,6 +155,16 @@ class SGLangDeltaMixin:
     _kept: dict[str, torch.Tensor] | None = None
     layout: Layout | None = None  # the model's head counts, when the engine was told them
     tp_refusal: str | None = None  # why a TP > 1 server's cut cannot be mapped (then: full)
+    verify_kernels_every: int = 10  # deploy.verify_kernels_every (module docstring); 0 = never
+    kernel_checks = 0  # post-repack read-backs that passed
+    _kernels_due = False
+    _deltas_unread = 0  # deltas since the last kernel read-back
+
+    @property
+    def can_read_kernels(self) -> bool:
+        """Every server has qurl's post-repack read-back loader (and takes verified syncs)."""
+        return self.delta_capable and all(
+            KERNELS_LOAD_FORMAT in (getattr(s, "custom_loaders", None) or ()) for s in self.servers)
 
     @property
     def delta_capable(self) -> bool:
@@ -205,6 +225,9 @@ class SGLangDeltaMixin:
                     return chunks
         elif self._meta is None:
             raise ValueError("a delta before any full sync")
+        self._deltas_unread = 0 if base is None else self._deltas_unread + 1
+        k = self.verify_kernels_every
+        self._kernels_due = k > 0 and (base is None or self._deltas_unread >= k)
         self._digest = None
         return [header_chunk(version, base, self._meta), *chunks]
 
@@ -263,10 +286,38 @@ class SGLangDeltaMixin:
                 bad = names
             finally:
                 self._each(lambda s: s.post_json("/end_weight_update", {}, c), 2 * c)
+            if not bad and self._kernels_due and self.can_read_kernels:
+                bad = self._read_kernels(digests, tp)
             if bad:  # the refused bucket closed our side of the group: form it anew; stay paused
                 self._digest = None
                 self._form_group()
                 return bad
             self._each(lambda s: s.post_json("/continue_generation", {}, c), 2 * c)
         self._digest = combine(digests)
+        return []
+
+    def _read_kernels(self, digests: dict[str, str], tp: dict) -> list[str]:
+        """The post-repack read-back session on every server (module docstring): [] when the
+        kernels read the learner's values, else the names that differ (`... (kernel layout)`)."""
+        from qurl.engines.sglang.protocol import NO_TENSORS, SGLangError
+
+        assert self._meta is not None
+        chunk = verify_chunk(self._version, digests, self._meta, tp, name=KERNELS)
+        c = self.timeouts.control_s
+        self._each(lambda s: s.post_json("/begin_weight_update", {}, c), 2 * c)
+        try:
+            self._each(lambda s: s.post_json("/update_weights_from_tensor", {
+                "serialized_named_tensors": [NO_TENSORS] * s.spec.tp,
+                "load_format": KERNELS_LOAD_FORMAT, "flush_cache": False,
+                "abort_all_requests": False}, c), 2 * c)
+            self.weights.send([chunk], self._version, announce=self._announce(self._version))
+        except SGLangError as e:
+            names = parse_mismatch(str(e))
+            if names is None:
+                raise
+            return names
+        finally:  # the read-back loader made this session's closing repack a no-op
+            self._each(lambda s: s.post_json("/end_weight_update", {}, c), 2 * c)
+        self._kernels_due, self._deltas_unread = False, 0
+        self.kernel_checks += 1
         return []

@@ -58,8 +58,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from qurl.engines.sglang.inside.layout import (CONTROL, HEADER, MISMATCH_MARK, STALE_MARK, VERIFY,
-                                               hf_view, read_json_chunk, sglang_name)
+from qurl.engines.sglang.inside.layout import (CONTROL, HEADER, KERNELS, MISMATCH_MARK, STALE_MARK,
+                                               VERIFY, hf_view, read_json_chunk, sglang_name)
 from qurl.engines.sglang.inside.tp_cut import Box, Layout, local_positions, shard_box, slice_shape
 from qurl.wire.delta import apply_positions, check_delta, delta_owner, is_delta_name
 from qurl.wire.digest import combine, tensor_digest
@@ -103,6 +103,9 @@ def prepare(model: torch.nn.Module, named_tensors: list, restore: Callable) -> N
     try:
         if named_tensors:
             raise ValueError(f"the qurl prepare loader takes no tensors (got {len(named_tensors)})")
+        from qurl.engines.sglang.inside.kernels import clear_skips
+
+        clear_skips(model)  # a read-back session that never ended must not skip this repack
         _bind_ranks(model)
         restore(model, [])
         _install(model)
@@ -229,6 +232,10 @@ def _load_bucket(model: torch.nn.Module, inner: Callable,
             apply_positions(t, pos, val)
     if VERIFY in control:
         verify(model, read_json_chunk(control[VERIFY]))
+    if KERNELS in control:  # the post-repack read-back (qurl/engines/sglang/inside/kernels.py)
+        from qurl.engines.sglang.inside.kernels import check
+
+        check(model, read_json_chunk(control[KERNELS]))
     return out
 
 
@@ -246,17 +253,18 @@ def _open(header: dict) -> None:
     st.loaded, st.open, st.refused, st.verified = int(header["version"]), True, False, None
 
 
-def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None
-               ) -> tuple[list[torch.Tensor], Box]:
+def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None,
+               params: dict[str, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], Box]:
     """(views of every parameter region that holds this rank's box of the HF tensor — the
     embedding also in a tied lm_head with storage of its own —, the box); ValueError when the
-    server has no place for it."""
+    server has no place for it. params: {name: tensor in the loading orientation} to read
+    instead of the model's parameters (the kernels' tensors: qurl/engines/sglang/inside/kernels.py)."""
     st = STATE
     if hf_shape is None:
         raise ValueError(f"{hf_name}: no shape in the sync's header")
     box = shard_box(hf_name, hf_shape, st.rank, st.tp, st.layout)
     shape = slice_shape(hf_shape, box)
-    params = dict(model.named_parameters())
+    params = params if params is not None else {n: p.data for n, p in model.named_parameters()}
     pname, part = sglang_name(hf_name)
     if pname not in params:
         raise ValueError(f"{hf_name}: this server has no parameter {pname}")
@@ -270,15 +278,16 @@ def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None
         raise ValueError(f"{hf_name}: qurl's vocabulary rows {box.rows} on TP rank {st.rank} are "
                          f"not the layer's [{idx.org_vocab_start_index}, "
                          f"{idx.org_vocab_end_index})")
-    views = [hf_view(params[pname].data, part, sizes, shape)]
+    views = [hf_view(params[pname], part, sizes, shape)]
     if hf_name == TIED[0] and TIED[1] in params and \
             params[TIED[1]].data_ptr() != params[TIED[0]].data_ptr() and \
             getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        views.append(hf_view(params[TIED[1]].data, None, None, shape))
+        views.append(hf_view(params[TIED[1]], None, None, shape))
     return views, box
 
 
-def held_digests(model: torch.nn.Module, spec: dict[str, list]) -> dict[str, str]:
+def held_digests(model: torch.nn.Module, spec: dict[str, list],
+                 params: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """{HF name: digest of this rank's box of it, as held}, spec {name: [_, shape, dtype]};
     a tensor the server cannot find gets the digest "missing". Every region that holds it is
     hashed (the embedding's tied lm_head with storage of its own too): regions that disagree
@@ -286,7 +295,7 @@ def held_digests(model: torch.nn.Module, spec: dict[str, list]) -> dict[str, str
     out = {}
     for name, (_, shape, dtype) in spec.items():
         try:
-            views = targets_of(model, name, shape)[0]
+            views = targets_of(model, name, shape, params)[0]
         except ValueError:
             out[name] = "missing"
             continue

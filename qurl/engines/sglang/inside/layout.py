@@ -35,6 +35,8 @@ through the same `update_weights_from_distributed` path as the weights:
     qurl.sync.verify  {"version": v, "digests": {hf name: [hex digest, shape, dtype]},
                        "tp": {T: {hf name: [hex digest of rank r's box, r = 0..T-1]}}}
                       ("tp" only for servers with TP size T > 1)
+    qurl.sync.kernels the same message, in a session of its own after the sync: the server
+                      compares the tensors its kernels read, after the repack (kernels.py)
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ import torch
 
 HEADER = "qurl.sync.header"
 VERIFY = "qurl.sync.verify"
-CONTROL = (HEADER, VERIFY)
+KERNELS = "qurl.sync.kernels"  # the post-repack read-back (qurl/engines/sglang/inside/kernels.py)
+CONTROL = (HEADER, VERIFY, KERNELS)
 # the server's refusals, as they come back in the HTTP reply's message
 STALE_MARK = "qurl-stale-base:"
 MISMATCH_MARK = "qurl-mismatch:"

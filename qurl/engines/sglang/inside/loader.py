@@ -64,6 +64,8 @@ RESTORED_METHODS = ("W8A8Int8LinearMethod", "W8A8Fp8LinearMethod")
 LOAD_FORMAT = "qurl.engines.sglang.inside.loader.restore_w8a8"
 # delta and verified syncs (qurl/engines/sglang/inside/apply.py): restore + the load_weights wrapper
 SYNC_LOAD_FORMAT = "qurl.engines.sglang.inside.loader.prepare_sync"
+# the post-repack read-back of what the kernels read (qurl/engines/sglang/inside/kernels.py)
+KERNELS_LOAD_FORMAT = "qurl.engines.sglang.inside.loader.read_kernels"
 
 
 def _processed_w8a8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -140,3 +142,13 @@ def prepare_sync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
     from qurl.engines.sglang.inside.apply import prepare
 
     prepare(model, named_tensors, restore_w8a8)
+
+
+def read_kernels(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
+    """SGLang custom weight loader opening qurl's read-back session (first act after
+    `begin_weight_update`, no restore): the session's closing repack becomes a no-op, so the
+    `qurl.sync.kernels` bucket that follows reads the tensors the kernels read
+    (qurl/engines/sglang/inside/kernels.py). Never raises."""
+    from qurl.engines.sglang.inside.kernels import read_kernels as body
+
+    body(model, named_tensors)
