@@ -104,6 +104,7 @@ FACE: dict[str, str] = {
     "apply_positions": "qurl.wire.delta",
     "sync_memory": "qurl.wire.host",
     "changed_positions": "qurl.wire.delta",
+    "changed_positions_bytewise": "qurl.wire.delta",
     "check_delta": "qurl.wire.delta",
     "delta_nbytes": "qurl.wire.delta",
     "diff_named": "qurl.wire.delta",

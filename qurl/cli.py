@@ -179,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              f"{', '.join(DELTA_SHAPES)})")
         bench_delta(shapes=shapes, flips_from=tuple(args.flips_from), link=args.link,
                     bucket_mb=args.bucket_mb or 64.0, repeats=args.repeats,
-                    layers=args.layers or None)
+                    layers=args.layers or None, encode_only=args.encode_only)
     else:
         from qurl.bench.sync import bench_sync
 
@@ -349,9 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flips-from", action="append", default=[], metavar="JSON",
                    help="sync --delta: also the per-kind change fractions of a real run "
                         "(rows of python -m qurl.bench.run_flips --out); repeatable")
-    p.add_argument("--layers", type=int, default=0,
-                   help="sync --delta: only the first N decoder layers of each shape (0: all)")
+    p.add_argument("--layers", type=int, default=0, help="sync --delta: first N layers (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="sync --delta: timed rounds")
+    p.add_argument("--encode-only", action="store_true", help="sync --delta: encode, old vs new")
     p.add_argument("--link", default="", help="sync --delta: over tc-shaped veth links instead, "
                    "e.g. 10gbit,1gbit,100mbit[:10ms] (root; qurl/bench/sync_link.py)")
     p.add_argument("--memory", action="store_true",

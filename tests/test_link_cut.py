@@ -52,3 +52,15 @@ def test_link_cut_mid_sync_keeps_the_verified_version_and_the_next_sync_succeeds
     assert out["receiver_fail_s"] is None or out["receiver_fail_s"] < down_until, out
     assert out["kept"], "the receiver does not hold its last verified version after the cut"
     assert out["next_ok"], "the sync after the link came back did not verify"
+
+
+@pytest.mark.parametrize("spec", ["10gbt", "1gbit,,100mbit", "1gbit:10"])
+def test_a_bad_link_spec_is_one_line_and_exit_2(spec, capsys):
+    """A mistyped rate, an empty entry or a delay without unit: the command prints one line
+    naming --link and exits 2 (qurl.errors.InputError), not a traceback. No root needed: the
+    spec is checked before any namespace is made."""
+    from qurl.cli import main
+
+    assert main(["bench", "sync", "--delta", "--link", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qurl: error: --link") and err.count("\n") == 1

@@ -220,9 +220,14 @@ def flip_settings(flips: tuple[float, ...], flips_from: tuple[str, ...]
 def bench_delta(shapes: tuple[str, ...] = ("qwen2.5-0.5b", "qwen2.5-1.5b"),
                 flips: tuple[float, ...] = FLIPS, flips_from: tuple[str, ...] = (),
                 bucket_mb: float = 64.0, repeats: int = 3, layers: int | None = None,
-                link: str = "") -> list[dict]:
+                link: str = "", encode_only: bool = False) -> list[dict]:
     """Print and return one row per (shape, flip setting); see the module docstring. link:
-    over tc-shaped links between two network namespaces instead (qurl/bench/sync_link.py)."""
+    over tc-shaped links between two network namespaces instead (qurl/bench/sync_link.py);
+    encode_only: only the sender's encode, old vs new code (qurl/bench/sync_encode.py)."""
+    if encode_only:
+        from qurl.bench.sync_encode import bench_encode
+
+        return bench_encode(shapes, flips, repeats, layers, bucket_mb)
     if link:
         from qurl.bench.sync_link import bench_link_spec
 

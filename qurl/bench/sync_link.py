@@ -27,6 +27,7 @@ against that version) must succeed and verify.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 from qurl.api import (ChunkArena, WeightGroup, WeightReceiver, WeightSender, combine, diff_named,
                       encode_named, free_port, named_digests)
 from qurl.bench import netns
+from qurl.errors import InputError
 from qurl.bench.sync_delta import FLIPS, KINDS, Sink, engine_chunks_at, perturb
 
 LINK_TIMEOUT_S = 120.0  # the bench's group timeout (one bucket's broadcast must fit in it)
@@ -198,12 +200,23 @@ def bench_link(links: list[tuple[str, str | None]], shapes: tuple[str, ...],
 
 def bench_link_spec(spec: str, shapes: tuple[str, ...], flips: tuple[float, ...] = FLIPS,
                     bucket_mb: float = 64.0, layers: int | None = None) -> list[dict]:
-    """bench_link from `--link`'s text ('10gbit,1gbit,100mbit:10ms'); ValueError (one line)
-    for a bad spec or where namespaces cannot be made."""
-    links = netns.parse_links(spec)
+    """bench_link from `--link`'s text ('10gbit,1gbit,100mbit:10ms'); InputError (one line:
+    the command exits 2) for a bad spec, where namespaces cannot be made, or for a delay where
+    the kernel cannot emulate one (tried on a scratch pair before anything is measured)."""
+    try:
+        links = netns.parse_links(spec)
+    except ValueError as e:
+        raise InputError(f"--link {spec!r}: {e}") from None
     why = netns.unavailable()
     if why:
-        raise ValueError(f"--link: {why}")
+        raise InputError(f"--link: {why}")
+    for rate, delay in links:
+        if delay:
+            try:
+                with netns.NodePair(tag=f"q{os.getpid() % 100000}p") as probe:
+                    probe.shape(rate, delay)
+            except RuntimeError as e:
+                raise InputError(f"--link {rate}:{delay}: {e}") from None
     return bench_link(links, shapes, flips, bucket_mb, layers)
 
 
