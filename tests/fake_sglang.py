@@ -41,7 +41,11 @@ W8A8 weights transposed); `/weights_checker` and `/get_weights_by_name` are not 
 Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
 `/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses, or
 (`refuse_update`) makes `/update_weights_from_distributed` refuse every bucket as real SGLang
-refuses one outside a session: 400 at once, without joining the broadcast;
+refuses one outside a session: 400 at once, without joining the broadcast, or (`wedge`) makes it
+a server whose scheduler is stuck, as a real one is when its scheduler process is SIGSTOPped
+(tests/test_sglang_real_stall.py does that to one): /generate calls, running and new, make no
+progress, /health and /health_generate answer 503 after `--health-pause-timeout` (SGLang's
+SGLANG_HEALTH_CHECK_TIMEOUT), /model_info and /server_info still answer;
 `/_fake/requests` lists the /generate bodies received; `/_fake/state` the session flags;
 `/_fake/peak` the most requests that generated at once; `--die-once-at-bucket-2 FILE` makes the
 process exit in the middle of its first sync (when FILE does not exist yet; it creates it).
@@ -151,6 +155,8 @@ class FakeSGLang:
             for _ in range(sp.get("max_new_tokens", 128)):
                 time.sleep(self.args.token_delay)
                 with self.cond:
+                    while self.fault == "wedge":  # a stuck scheduler: no token, no abort
+                        self.cond.wait()
                     while self.paused and self.pause_mode == "in_place" and not state["abort"]:
                         self.cond.wait()
                     if state["abort"]:
@@ -404,9 +410,9 @@ def make_handler(app: FakeSGLang):
             if path in ("/health", "/health_generate"):  # a one-token generation in SGLang
                 deadline = time.time() + app.args.health_pause_timeout
                 with app.cond:
-                    while app.paused and time.time() < deadline:
+                    while (app.paused or app.fault == "wedge") and time.time() < deadline:
                         app.cond.wait(deadline - time.time())
-                    ok = not app.paused and time.time() >= app.ready_at
+                    ok = not app.paused and app.fault != "wedge" and time.time() >= app.ready_at
                 self._send(200 if ok else 503, b"")
             elif path == "/model_info":
                 self._send(200, {"model_path": app.args.model_path, "weight_version": app.version,
@@ -471,7 +477,9 @@ def make_handler(app: FakeSGLang):
                                 st["abort"] = True
                     self._send(200, b"")
                 elif path == "/_fake/fault":
-                    app.fault = body.get("fault")
+                    with app.cond:
+                        app.fault = body.get("fault")
+                        app.cond.notify_all()  # an un-wedged server goes on
                     self._send(200, {"fault": app.fault})
                 elif path in routes:
                     self._send(*routes[path](body))

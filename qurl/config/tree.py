@@ -251,6 +251,11 @@ class SGLangConfig:
     """Rollout requests sent to EACH server at once; 0 = as many as the server runs at once, read
     from its /server_info (SGLang's effective max_running_requests, which it sizes from its KV
     pool; 256 for a server that reports none). A deployment setting: the samples are the same."""
+    stall_s: Annotated[float, Min(0)] = 120.0
+    """A server with requests in flight whose scheduler sends no output for this long (its
+    /health_generate probes get none; /model_info would still answer) is stalled: its requests are
+    cut and resubmitted, and it is restarted (launched by qurl) or dropped (attached; the last one
+    stops the run with a one-line error). 0 = no watchdog (qurl/engines/sglang/watchdog.py)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ update.py          the weight group and weight-update sessions (8-bit broadcasts
 verified_sync.py   deltas and per-sync verification against servers (mixed into the engine)
 engine.py          `SGLangEngine`: N servers as one Engine; request routing, partial rollout,
                    recovery
+watchdog.py        finds a server whose requests stopped moving (within sglang.stall_s), cuts its
+                   calls; the engine restarts or drops it
 
 inside/ runs INSIDE an SGLang server process (servers import it by dotted path through
 `--custom-weight-loader`); the client side imports only its shared descriptions (layout.py,

@@ -17,9 +17,10 @@ qurl/node/placement.py); the weight group's backend is sglang.backend. A server 
 answering is restarted (when qurl launched it), the weight group is formed anew, and the current
 weights are sent again (so the engine keeps the last synced chunks in CPU memory: the size of the
 8-bit model). Every HTTP call has a timeout; a malformed reply is an SGLangError naming the server,
-route and what is wrong. Limits: with NCCL, servers that survive a peer dying in the middle of a
-broadcast stay blocked in it until SGLang's group timeout (30 min by default); gloo reports the
-broken connection at once.
+route and what is wrong. A server whose requests stop moving is found within `Timeouts.stall_s`
+(qurl/engines/sglang/watchdog.py), its calls cut, and it is restarted or dropped. Limits: syncs
+are not watched: with NCCL, servers that survive a peer dying in the middle of a broadcast stay
+blocked in it until SGLang's group timeout (30 min by default); gloo reports it at once.
 
 Concurrency is per server: each gets as many requests at once as it runs itself (its /server_info
 `internal_states[*].effective_max_running_requests_per_dp`, summed over DP ranks, or its
@@ -53,6 +54,7 @@ from qurl.engines.sglang.launcher import Server, ServerSpec, server_command
 from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError,
                                           SGLangUnavailable, parse_generate)
 from qurl.engines.sglang.update import WeightUpdates
+from qurl.engines.sglang.watchdog import StallHandling, Watchdog
 from qurl.types import GenRequest, GenResult
 from qurl.wire.broadcaster import Broadcaster
 from qurl.wire.group import free_port
@@ -69,6 +71,7 @@ class Timeouts:
     group_s: float = 600.0  # forming the group; one bucket's broadcast + load
     launch_s: float = 900.0  # process start until /health answers 200
     health_s: float = 10.0  # one /health probe
+    stall_s: float = 120.0  # a busy server without progress this long is stalled; 0 = no watchdog
 
 
 @dataclass
@@ -82,7 +85,7 @@ class _Pending:
     calls: int = 0
 
 
-class SGLangEngine(WeightUpdates):
+class SGLangEngine(StallHandling, WeightUpdates):
     """Engine (engines/base.py) over SGLang servers; see the module docstring."""
 
     def __init__(self, servers: list[ServerSpec], *, precision: str = "int8",
@@ -137,7 +140,9 @@ class SGLangEngine(WeightUpdates):
         self._version = 0
         self._weights: list[tuple[str, torch.Tensor]] | None = None  # last synced chunks
         self._disk: str | None = None  # or: last update_weights_from_disk path
-        self.restarts = 0
+        self.restarts = self.stalls = 0  # stalls: found by the watchdog (`stats`)
+        self.dropped: list[str] = []  # attached servers dropped from routing (stalled or dead)
+        self._watchdog: Watchdog | None = None
         self.last_sync: SyncStats | None = None
         self._group_name: str | None = None  # the servers' current weight group
         try:
@@ -150,6 +155,9 @@ class SGLangEngine(WeightUpdates):
             self._set_limits()
             self._set_version_all(0)
             self._form_group()
+            if self.timeouts.stall_s > 0:
+                self._watchdog = Watchdog(self.timeouts.stall_s, lambda: self.servers,
+                                          lambda: not self._resume.is_set(), self._stalled)
         except BaseException:
             self.close()
             raise
@@ -196,7 +204,7 @@ class SGLangEngine(WeightUpdates):
         return cls(specs, precision=precision, group_host=group_host, group_port=group_port,
                    backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
                    tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf),
-                   max_running=sg.max_running)
+                   max_running=sg.max_running, timeouts=Timeouts(stall_s=sg.stall_s))
 
     @property
     def version(self) -> int:
@@ -249,15 +257,13 @@ class SGLangEngine(WeightUpdates):
 
         Dead means the process does not answer /model_info (or has exited): a server paused by a
         sync that failed half-way is alive, and must not be judged by /health, which waits
-        behind the pause (see `Server.healthy`)."""
+        behind the pause (see `Server.healthy`). A stalled one (the watchdog's) is dead too. An
+        attached dead server is dropped, or, the last one, a one-line error."""
         with self._hold():
             self._recoveries += 1
             self._digest = None  # a restarted server holds its checkpoint until resent: unverified
-            dead = [s for s in self.servers if not s.alive(self.timeouts.health_s)]
-            for s in dead:
-                if s.spec.command is None:
-                    raise SGLangError(f"server {s.spec.url} stopped answering and was attached, "
-                                      f"not launched by qurl, so it cannot be restarted ({cause})")
+            dead = self._drop_attached([s for s in self.servers
+                                        if s.stalled or not s.alive(self.timeouts.health_s)], cause)
             if dead and self.restarts + len(dead) > self.max_restarts * len(self.servers):
                 raise SGLangError(f"giving up after {self.restarts} restarts; last error: {cause}")
             for s in dead:
@@ -306,12 +312,18 @@ class SGLangEngine(WeightUpdates):
                     between_steps()
             return [f.result() for f in futs]
 
-    def _pick(self) -> Server:
-        """The server with the most free room; waits while every server runs its max_running."""
+    def _pick(self) -> Server | None:
+        """The server with the most free room; waits while every server runs its max_running.
+        Stalled servers get nothing; None when every server is stalled (recover first)."""
         with self._pick_lock:
             while True:
-                s = max(self.servers, key=lambda x: x.max_running - x.inflight)
+                ok = [x for x in self.servers if x.stalled is None]
+                if not ok:
+                    return None
+                s = max(ok, key=lambda x: x.max_running - x.inflight)
                 if s.inflight < s.max_running:
+                    if s.inflight == 0:  # turns busy: the watchdog's clock starts now
+                        s.progress_at = time.monotonic()
                     s.inflight += 1
                     return s
                 self._pick_lock.wait()
@@ -323,7 +335,13 @@ class SGLangEngine(WeightUpdates):
         while len(p.ids) < budget:
             self._resume.wait()
             pauses, recoveries = self._pauses, self._recoveries
-            server = self._pick()
+            server = self._pick() if not any(s.stalled for s in self.servers) else None
+            if server is None:  # the watchdog found a server stalled: restart or drop it
+                with self._lock:
+                    if self._recoveries == recoveries:
+                        self._recover(SGLangUnavailable("; ".join(
+                            s.stalled for s in self.servers if s.stalled)))
+                continue
             sp = {"max_new_tokens": budget - len(p.ids), "temperature": req.params.temperature,
                   "top_p": req.params.top_p}
             if req.params.seed is not None:
@@ -375,6 +393,8 @@ class SGLangEngine(WeightUpdates):
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:
         """Leave the weight group and stop the servers qurl launched (attached ones keep running)."""
+        if self._watchdog is not None:
+            self._watchdog.close()
         self._leave_group(5.0)
         for s in self.servers:
             s.stop()

@@ -12,8 +12,10 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,20 +122,43 @@ class Server:
         self.custom_loaders: tuple[str, ...] = ()  # from /server_info (WeightUpdates._check_server)
         self.layout = None  # TP > 1: the head counts that map each rank's cut (inside/tp_cut.py Layout)
         self.device: str | None = None  # TP > 1: from /server_info ("cpu" pads uneven cuts)
+        # the progress watchdog's (qurl/engines/sglang/watchdog.py): when the server last made
+        # progress (time.monotonic), and why it is stalled (None: it is not)
+        self.progress_at = time.monotonic()
+        self.stalled: str | None = None
+        self._calls: set[http.client.HTTPConnection] = set()  # in flight: `abort_calls` cuts them
+        self._calls_lock = threading.Lock()
 
     def call(self, method: str, route: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        with self._calls_lock:
+            self._calls.add(conn)
         try:
             data = json.dumps(body).encode() if body is not None else None
             headers = {"Content-Type": "application/json"} if data is not None else {}
             conn.request(method, route, body=data, headers=headers)
             resp = conn.getresponse()
             return resp.status, resp.read()
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, timeout
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timeout, cut
+            why = f"cut: {self.stalled}" if self.stalled else f"{type(e).__name__}: {e}"
             raise SGLangUnavailable(f"{method} {route} on {self.spec.url}: no answer "
-                                    f"({type(e).__name__}: {e})") from e
+                                    f"({why})") from e
         finally:
+            with self._calls_lock:
+                self._calls.discard(conn)
             conn.close()
+
+    def abort_calls(self) -> None:
+        """Cut every HTTP call to this server in flight: shutting a socket down wakes the thread
+        blocked reading it (closing it would not), which then raises SGLangUnavailable. A call
+        not yet connected is missed (the watchdog cuts again while the server is stalled)."""
+        with self._calls_lock:
+            socks = [c.sock for c in self._calls if c.sock is not None]
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
 
     def post_json(self, route: str, body: dict, timeout: float, ok_404: bool = False) -> dict | None:
         """POST and parse a JSON object reply; non-2xx or `success: false` -> SGLangError."""
@@ -180,6 +205,7 @@ class Server:
             raise SGLangError(f"server {self.spec.url} was attached, not launched by qurl: "
                               "cannot (re)start it")
         self.stop()
+        self.stalled, self.progress_at = None, time.monotonic()  # a new process
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # own session: stopping the server also stops its scheduler/detokenizer children
         self.proc = subprocess.Popen(self.spec.command, stdout=out, stderr=subprocess.STDOUT,

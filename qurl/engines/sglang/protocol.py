@@ -52,6 +52,11 @@ weight_updater.py`); recheck them when the pinned release changes:
   (`srt/managers/scheduler_components/internal_state.py` `_add_topology`:
   `effective_max_running_requests_per_dp`, the scheduler's own cap after it sized the KV pool).
   `/get_server_info` is the deprecated alias. Requests beyond the cap wait in the server's queue.
+- `GET /health_generate` (and `/health`, the same handler: `health_generate`) answers 200 once
+  the tokenizer manager got ANY output from the scheduler after the probe began, running a
+  one-token request of its own, else 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); `/model_info`
+  is answered without the scheduler. A stuck scheduler is seen by the first, never by the second
+  (qurl/engines/sglang/watchdog.py cites the lines).
 """
 from __future__ import annotations
 
