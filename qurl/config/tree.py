@@ -199,9 +199,9 @@ class EvalConfig:
     fp_policy: bool = True
     """Also score the full-precision policy (the master weights in an unquantized local engine)
     beside the rollout engine, and their difference (eval_gap/...); skipped for bf16 rollout.
-    That engine is qurl's fp32 torch decoder in learner rank 0's process (on its GPU): cheap for
-    the CPU presets, out of memory or hours for long GPU evaluations, so the paper presets turn
-    it off (qurl eval on a checkpoint scores the policy instead)."""
+    An fp32 decoder in learner rank 0's process: runs as is on CPU; on a GPU opt-in (off in the GPU
+    presets) and bounded (refused at start over deploy.eval_gpu_gb). The actor is scored on the
+    rollout engines (async: the workers')."""
 
 
 @dataclass(frozen=True)
@@ -305,9 +305,9 @@ class DeployConfig:
     generates and evaluates, the base model it prepares, checkpoints). These waits go through a
     gloo side group with this timeout, so NCCL's 30-minute watchdog never sees them."""
     eval_gpu_gb: Annotated[float, Min(0)] = 8.0
-    """GB a local evaluation engine may take on learner rank 0's GPU (weights + fp32 KV cache of
-    its largest batch): the full-precision policy (eval.fp_policy) and, in asynchronous runs, the
-    controller's 8-bit actor. An evaluation estimated over it is refused at start in one line
+    """GB the fp policy's local engine (eval.fp_policy; weights + fp32 KV cache of its largest
+    batch) may take on learner rank 0's GPU; the actor is scored on the rollout engines and takes
+    none. An evaluation estimated over it is refused at start in one line
     (qurl/evaluation/placement.py); 0 = no local evaluation on the GPU. Not checked on CPU."""
     # ---- addresses
     host: str = "127.0.0.1"

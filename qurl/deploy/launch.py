@@ -30,8 +30,8 @@ Placement:
   defaults), the same in every member of a weight group; the groups check it when they form.
 - every GPU holds one process: the plan refuses a layout that would put two on one GPU (a learner
   rank and a server each take most of its memory; NCCL refuses two ranks of a group on one GPU).
-  Rank 0 also runs its own evaluation engine in-process on its GPU (the local engine, and the
-  full-precision policy with eval.fp_policy): one process, the memory is the learner's.
+  Rank 0's only engine is the fp policy's (eval.fp_policy, opt-in on GPU, bounded by
+  deploy.eval_gpu_gb) in-process on its GPU; the workers' servers answer the actor's evaluation.
 - the learner, its servers and workers talk to node 0 (`deploy.host`) over gloo and NCCL, which
   advertise the address of GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (else of the hostname: a
   loopback address on many nodes). Every planned command sets both to the interface that node

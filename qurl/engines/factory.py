@@ -1,7 +1,7 @@
 """The engine a run's config asks for: the local torch decoder or an SGLang server adapter.
 
-`make_engine` builds the rollout engine (of the sync loop, or of async worker `slot`) or the async
-controller's evaluation engine; `engine_wire_dtype` is the dtype those engines hold full-precision
+`make_engine` builds the rollout engine (of the sync loop, or of async worker `slot`) or the
+fp policy's local evaluation engine; `engine_wire_dtype` is the dtype those engines hold full-precision
 tensors in, which the weight sync sends them in.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
                 local: bool = False, precision: str | None = None) -> Engine:
     """The rollout engine of the sync loop (slot None) or of async worker `slot` (`host`: the
     worker's address, where SGLang servers reach its weight group). local=True: a LocalEngine
-    whatever rollout.engine says — the async controller's evaluation engine, which must not take
-    the workers' SGLang servers; block-scaled FP8, which it does not run, becomes per-channel FP8.
+    whatever rollout.engine says (the fp policy's evaluation engine, which must not take the
+    rollout's SGLang servers); block-scaled FP8, which it does not run, becomes per-channel FP8.
     The local engine runs on this process's current GPU when there is one; SGLang servers
     launched here get GPUs of their own after the learner's (qurl/node/placement.py). precision: overrides
     rollout.precision (with local=True; "bf16" = the unquantized policy, for evaluation)."""

@@ -5,17 +5,17 @@ eval.fp_policy, the full-precision master weights (`eval_fp/...`). Where:
 
 - the synchronous loop scores the actor on its own rollout engine (SGLang servers, or the local
   engine it rolls out with): nothing new is loaded anywhere;
-- the asynchronous controller holds no rollout engine (its workers do) and scores the actor with
-  a LOCAL decoder in learner rank 0's process, on its GPU when it has one;
-- the fp policy is always a local fp32 decoder in rank 0's process.
+- the asynchronous controller holds no engine: it sends the evaluation requests to its rollout
+  workers as generation tasks (qurl/pipeline/remote_eval.py), which answer with the engines they
+  roll out with, at the version just published; on CPU and GPU alike (one path);
+- the fp policy (eval.fp_policy) is always a local fp32 decoder in rank 0's process.
 
 A local decoder on the learner's GPU takes the weights plus the KV cache of its largest batch
 (LocalEngine: up to 256 rows, fp32 cache): Avg@32 at 8k tokens is ~120 GB at 1.5B, far beyond
-what the learner leaves free. So on CUDA every local evaluation engine is checked at start
-against deploy.eval_gpu_gb and refused in one line (`check_eval`) naming what it would take and
-what to change; on CPU nothing is checked (host memory, the small CPU presets: `make run` is
-unchanged, its fp policy included). `eval_placement` is the decision, pure and testable without
-a GPU.
+what the learner leaves free. So on CUDA the fp policy's engine is checked at start against
+deploy.eval_gpu_gb and refused in one line (`check_eval`) naming what it would take and what to
+change; on CPU nothing is checked (host memory, the small CPU presets: `make run` is unchanged,
+its fp policy included). `eval_placement` is the decision, pure and testable without a GPU.
 """
 from __future__ import annotations
 
@@ -31,23 +31,24 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class EvalPlacement:
-    """actor: "rollout" (the sync loop's rollout engine) or "local" (a decoder in rank 0's
-    process); fp: whether the full-precision policy is scored; on_gpu: whether local engines sit
-    on the learner's GPU (then they are checked against deploy.eval_gpu_gb)."""
+    """actor: "rollout" (the sync loop's rollout engine) or "workers" (the async controller's
+    rollout workers); fp: whether the full-precision policy is scored (a local decoder in rank 0's
+    process); on_gpu: whether that decoder sits on the learner's GPU (then it is checked against
+    deploy.eval_gpu_gb)."""
     actor: str
     fp: bool
     on_gpu: bool
 
     @property
     def local_engines(self) -> list[str]:
-        """The local evaluation engines on rank 0: "actor" (8-bit), "fp" (fp32)."""
-        return (["actor"] if self.actor == "local" else []) + (["fp"] if self.fp else [])
+        """The local evaluation engines on rank 0: "fp" (fp32) or none; the actor never is one."""
+        return ["fp"] if self.fp else []
 
 
 def eval_placement(cfg: Config, *, cuda: bool, asynchronous: bool) -> EvalPlacement:
     """Which engine scores which policy (module docstring)."""
     fp = cfg.eval.fp_policy and cfg.rollout.precision != "bf16"
-    return EvalPlacement(actor="local" if asynchronous else "rollout", fp=fp, on_gpu=cuda)
+    return EvalPlacement(actor="workers" if asynchronous else "rollout", fp=fp, on_gpu=cuda)
 
 
 def local_eval_bytes(fields: dict[str, Any], *, rows: int, tokens: int, weight_bytes: float
@@ -68,8 +69,8 @@ def local_eval_bytes(fields: dict[str, Any], *, rows: int, tokens: int, weight_b
 
 def check_eval(cfg: Config, placement: EvalPlacement, fields: dict[str, Any] | None,
                n_problems: int) -> None:
-    """Refuse, in one line, a local evaluation engine on the learner's GPU estimated over
-    deploy.eval_gpu_gb. `fields`: the model's config.json fields (None: cannot estimate, so
+    """Refuse, in one line, the fp policy's local engine on the learner's GPU when it is estimated
+    over deploy.eval_gpu_gb. `fields`: the model's config.json fields (None: cannot estimate, so
     nothing is checked); n_problems: problems over all eval sets."""
     if not placement.on_gpu or fields is None or not placement.local_engines:
         return
@@ -77,21 +78,14 @@ def check_eval(cfg: Config, placement: EvalPlacement, fields: dict[str, Any] | N
     requests = n_problems * max(1 if e.greedy else 0, e.samples)
     rows = max(1, min(LOCAL_MAX_BATCH, requests))
     tokens = PROMPT_TOKENS + e.max_new_tokens
-    budget = cfg.deploy.eval_gpu_gb * GB
-    for who in placement.local_engines:
-        try:
-            need = local_eval_bytes(fields, rows=rows, tokens=tokens,
-                                    weight_bytes=4.0 if who == "fp" else 1.0)
-        except (KeyError, TypeError, ValueError):
-            return  # a config.json without the usual shape fields: cannot estimate
-        if need > budget:
-            what = ("the full-precision policy (eval.fp_policy)" if who == "fp" else
-                    "the async controller's 8-bit actor")
-            fix = "set eval.fp_policy=false" if who == "fp" else \
-                "evaluate with the synchronous loop's rollout servers (deploy.rollout=inline)"
-            raise ConfigError(
-                f"evaluation: {what} would take ~{need / GB:.1f} GB on learner rank 0's GPU (a "
-                f"local decoder: weights + fp32 KV of {rows} rows x {tokens} tokens) but "
-                f"deploy.eval_gpu_gb={cfg.deploy.eval_gpu_gb:g}: {fix}, lower eval.samples "
-                f"(now {e.samples}) or eval.max_new_tokens (now {e.max_new_tokens}), or raise "
-                f"deploy.eval_gpu_gb")
+    try:
+        need = local_eval_bytes(fields, rows=rows, tokens=tokens, weight_bytes=4.0)  # fp32
+    except (KeyError, TypeError, ValueError):
+        return  # a config.json without the usual shape fields: cannot estimate
+    if need > cfg.deploy.eval_gpu_gb * GB:
+        raise ConfigError(
+            f"evaluation: the full-precision policy (eval.fp_policy) would take ~{need / GB:.1f} "
+            f"GB on learner rank 0's GPU (a local decoder: weights + fp32 KV of {rows} rows x "
+            f"{tokens} tokens) but deploy.eval_gpu_gb={cfg.deploy.eval_gpu_gb:g}: set "
+            f"eval.fp_policy=false, lower eval.samples (now {e.samples}) or eval.max_new_tokens "
+            f"(now {e.max_new_tokens}), or raise deploy.eval_gpu_gb")

@@ -20,12 +20,16 @@ Sampled answers use seeds derived from (run seed, uid, sample index) only, so bo
 evaluation of a run, see the same random numbers: differences between them and over steps are not
 sampling noise of the seeds. Pushing the master weights to the full-precision engine is a collective
 over the learner ranks (`learner.named_weights()`): every rank calls `Evaluator.run`.
+
+The actor's answers come from a `Generator`: the sync loop's rollout engine, or the async
+controller's workers (qurl/pipeline/remote_eval.py, which run the very requests built here on
+their engines). Either way the answers are scored here, by the same code, into the same keys.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from qurl.config import Config, EvalConfig
 from qurl.data.datasets import Example
@@ -33,9 +37,18 @@ from qurl.engines.base import Engine
 from qurl.evaluation.metrics import mean_over_sets, set_metrics
 from qurl.rollout.generate import to_trajectories
 from qurl.rollout.requests import PromptCodec, request_seed
-from qurl.types import GenRequest, SamplingParams
+from qurl.types import GenRequest, GenResult, SamplingParams
 
 EVAL_STEP = -1  # the `step` of request_seed for evaluation samples: fixed, so every eval agrees
+
+
+class Generator(Protocol):
+    """What answers evaluation requests: any `Engine`, or the async workers. `generate` returns
+    one result per request, in request order (rids kept); `tokenizer` encodes the prompts."""
+
+    tokenizer: Any
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...
 
 
 def needs_fp_policy(cfg: Config) -> bool:
@@ -43,7 +56,7 @@ def needs_fp_policy(cfg: Config) -> bool:
     return cfg.eval.fp_policy and cfg.rollout.precision != "bf16"
 
 
-def _correct(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
+def _correct(engine: Generator, sets: dict[str, list[Example]], codec: PromptCodec,
              params: SamplingParams, n: int, *, run_seed: int, reward_timeout_s: float,
              texts: dict[str, list[str]] | None = None) -> dict[str, list[int]]:
     """{set: right answers among n samples, per problem}; n=1 with temperature 0 is greedy. A dict
@@ -65,7 +78,7 @@ def _correct(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
     return {name: [right[ex.uid] for ex in exs] for name, exs in sets.items()}
 
 
-def score_engine(engine: Engine, sets: dict[str, list[Example]], codec: PromptCodec,
+def score_engine(engine: Generator, sets: dict[str, list[Example]], codec: PromptCodec,
                  ecfg: EvalConfig, *, max_new_tokens: int, run_seed: int,
                  reward_timeout_s: float, counts: dict[str, list[int]] | None = None,
                  answers: dict[str, list[str]] | None = None) -> dict[str, float]:
@@ -130,9 +143,9 @@ class Evaluator:
     def __init__(self, cfg: Config, model_dir: str, *, main: bool,
                  max_examples: int | None = None, per_question: bool = False,
                  answers: bool = False, asynchronous: bool = False) -> None:
-        """asynchronous: the actor is scored by a local decoder on rank 0 (the async controller);
-        local evaluation engines on a GPU are checked against deploy.eval_gpu_gb first
-        (qurl/evaluation/placement.py), on rank 0 (`main`)."""
+        """asynchronous: the actor is scored on the async controller's workers, not on rank 0;
+        the local evaluation engine (the fp policy) on a GPU is checked against
+        deploy.eval_gpu_gb first (qurl/evaluation/placement.py), on rank 0 (`main`)."""
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
         from qurl.sync.publish import WeightSync
@@ -149,10 +162,10 @@ class Evaluator:
                 self.fp_engine = make_engine(cfg, model_dir, local=True, precision="bf16")
         self.fp_sync = WeightSync("bf16") if self.fp else None
 
-    def run(self, step: int, version: int, engine: Engine | None, learner: Any) -> dict | None:
-        """Evaluate at `step`. `engine`: the rollout engine holding this version's weights (None on
-        learner ranks other than 0, which only take part in the weight gather). Returns the
-        record on rank 0 (module docstring), None elsewhere."""
+    def run(self, step: int, version: int, engine: Generator | None, learner: Any) -> dict | None:
+        """Evaluate at `step`. `engine`: what answers with this version's actor (the rollout
+        engine, or the async workers; None on learner ranks other than 0, which only take part
+        in the weight gather). Returns the record on rank 0 (module docstring), None elsewhere."""
         t0 = time.perf_counter()
         if self.fp_sync is not None:
             self.fp_sync.push(learner.named_weights(), self.fp_engine, version)

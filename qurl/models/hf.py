@@ -178,17 +178,26 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32):
     """Load (model, tokenizer) from an HF Qwen2/Llama checkpoint directory, offline, in eval mode.
 
     The model is an `AutoModelForCausalLM` instance with parameters in `dtype`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     p = Path(path)
     check_checkpoint(p)
     _offline()
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    if tok.pad_token_id is None:  # Llama tokenizers often have none; padding is masked anyway
-        tok.pad_token = tok.eos_token
     model.eval()
-    return model, tok
+    return model, load_tokenizer(p)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of an HF checkpoint directory, offline, as `load_checkpoint` returns it (a
+    pad token set to EOS when it has none: Llama tokenizers often do not; padding is masked)."""
+    from transformers import AutoTokenizer
+
+    _offline()
+    tok = AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -244,3 +253,12 @@ def write_state_dict(
 def param_count(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied embeddings counted once)."""
     return sum(t.numel() for t in model.parameters())
+
+
+def vocab_size(path: str | Path) -> int:
+    """Token ids the checkpoint's model accepts, [0, vocab_size), from its config (as the engines
+    read it: LocalEngine from the loaded model, SGLang's adapter from AutoConfig)."""
+    from transformers import AutoConfig
+
+    _offline()
+    return int(AutoConfig.from_pretrained(Path(path), local_files_only=True).vocab_size)

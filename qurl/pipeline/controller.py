@@ -23,9 +23,10 @@ prompts that were in flight go back to the cursor. `trained.jsonl` lists the pro
 metrics.jsonl), so exactly-once can be checked.
 
 Re-broadcasts to replaced workers use the chunks cached on rank 0, so they need no collective of the
-TP ranks (which run the loop without a source). Evaluation (qurl/train/loop.py, qurl/evaluation/suite.py)
-scores an engine on rank 0 loaded with the same cached chunks the workers received (exactly the
-8-bit actor they run), and beside it the full-precision policy.
+TP ranks (which run the loop without a source). Rank 0 builds no engine: evaluation
+(qurl/train/loop.py, qurl/evaluation/suite.py) asks the workers, through their task path, for the
+answers of the 8-bit actor they run at the version just published (qurl/pipeline/remote_eval.py),
+and scores beside it the full-precision policy (a local decoder, eval.fp_policy).
 """
 from __future__ import annotations
 
@@ -38,12 +39,11 @@ from typing import Any, Iterable
 import torch
 
 from qurl.config import Config
-from qurl.engines.base import Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.node.placement import learner_threads
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats
-from qurl.quant.named import dequantize_named
+from qurl.pipeline.remote_eval import WorkerEval
 from qurl.sync.publish import WeightSync
 from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
@@ -56,9 +56,9 @@ TRAINED_FILE = "trained.jsonl"
 
 def train_async(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
     """Run (or resume) the asynchronous loop. Returns the final eval record on rank 0."""
-    # rank 0's engine only evaluates: local, so it never takes the workers' SGLang servers
+    # rank 0 builds no engine: the workers generate the rollouts and answer the evaluations
     return train_loop(cfg, Controller, resume=resume, rank=rank, world_size=world_size,
-                      local_engine=True)
+                      engine=False)
 
 
 class Controller:
@@ -70,7 +70,7 @@ class Controller:
 
         cfg = self.cfg = z.cfg
         self.run_dir, self.version = Path(z.run.run_dir), z.run.start
-        self.engine, self.codec = z.engine, z.codec
+        self.codec = z.codec
         self.work = Dispatcher(z.train_set, batch_size=cfg.rollout.prompts_per_step,
                                group_size=cfg.rollout.group_size,
                                max_staleness=cfg.rollout.max_staleness,
@@ -83,19 +83,18 @@ class Controller:
         self.trained_log = TrainedLog(self.run_dir / TRAINED_FILE, z.run.start)
         key = load_or_create_key(self.run_dir, cfg.deploy.stream_key)
         self.chunks: list[tuple[str, torch.Tensor]] = []
-        # What passes through is sent in the workers' engines' dtype (bf16/fp16 for SGLang); the
-        # evaluation engine loads the same chunks, so it scores the actor the workers run.
+        # What passes through is sent in the workers' engines' dtype (bf16/fp16 for SGLang)
         self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.bucket_mb * (1 << 20)),
                                engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync_mode,
                                full_every=cfg.deploy.full_sync_every)
         self.fleet = Fleet(cfg, self.run_dir, key, z.run.model_dir,
-                           vocab_size=self.engine.vocab_size,
+                           vocab_size=z.vocab_size,
                            spawn=cfg.deploy.rollout == "workers",
                            # each local worker gets the learner's share of the node's cores
                            worker_threads=learner_threads(cfg),
                            planner=self.sync.planner)  # one compare pass: flips + delta
         self.fleet.inbox.current_version = self.version
-        self.eval_version: int | None = None  # the version the evaluation engine holds
+        self.evals = WorkerEval(self.fleet, z.tokenizer, self._tend, self._accept)
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
         self._trained: list = []  # the dispatches of the batch being trained
         self._last_progress = time.monotonic()
@@ -146,7 +145,11 @@ class Controller:
         return self.fleet.send_prompt(slot, meta, tensors)
 
     def _accept(self, msg: Any) -> None:
-        """File one trajectory message (channel.py has already authenticated and validated it)."""
+        """File one trajectory message (channel.py has already authenticated and validated it);
+        answers to evaluation requests go to the evaluation, never to training."""
+        if msg.meta.get("eval"):
+            self.evals.file(msg)
+            return
         for k in ("gen_s", "new_tokens"):
             if isinstance(msg.meta.get(k), (int, float)):
                 self._since[k] += msg.meta[k]
@@ -158,14 +161,7 @@ class Controller:
         order, their dispatches, and the seconds spent waiting."""
         t0 = time.perf_counter()
         while True:
-            if self.fleet.halted is not None:  # a worker failed verification twice in a row
-                raise self.fleet.halted
-            self.fleet.check_procs()
-            for slot in self.fleet.take_replaced():
-                self.work.reclaim(slot)
-            if self.fleet.need_group or self.fleet.need_full:
-                self._push()
-                continue
+            self._tend()
             self.work.dispatch(self.version, self.fleet.ready_slots(), self._send)
             for msg in self.fleet.poll(timeout_ms=20):
                 self._accept(msg)
@@ -194,7 +190,7 @@ class Controller:
                **ack_stats(self.fleet.sync_acks)}
         self.fleet.sync_acks = []
         w = self.work
-        counts = Counter(w.ledger.stats) + self.fleet.counts + w.counts
+        counts = Counter(w.ledger.stats) + self.fleet.counts + w.counts + self.evals.counts
         rec.update({f"async/{k}": float(v) for k, v in counts.items()})
         rec.update({f"async/rejects/{k}": float(v) for k, v in self.fleet.rejects().items()})
         rec.update({"async/buffered": float(w.ledger.num_buffered),
@@ -206,15 +202,28 @@ class Controller:
         self.trained_log.write(step, self._trained)
         return rec
 
-    def eval_engine(self, version: int) -> Engine:
-        """The local evaluation engine, loaded with the chunks the workers received."""
-        if self.eval_version != version:
-            chunks = self.chunks
-            if self.cfg.rollout.precision == "fp8_block":  # the local engine is per-channel FP8
-                chunks = list(dequantize_named(dict(chunks)).items())
-            self.engine.load_weights(iter(chunks), version)
-            self.eval_version = version
-        return self.engine
+    def _tend(self) -> list[int]:
+        """Housekeeping between polls: raise a halt, restart dead workers (their prompts go back
+        to the cursor), re-push the version when the group or a worker needs it. Returns the
+        slots replaced."""
+        if self.fleet.halted is not None:  # a worker failed verification twice in a row
+            raise self.fleet.halted
+        self.fleet.check_procs()
+        replaced = self.fleet.take_replaced()
+        for slot in replaced:
+            self.work.reclaim(slot)
+        while self.fleet.need_group or self.fleet.need_full:
+            self._push()
+            self.fleet.check_procs()
+            for slot in self.fleet.take_replaced():  # died during the push
+                self.work.reclaim(slot)
+                replaced.append(slot)
+        return replaced
+
+    def eval_engine(self, version: int) -> WorkerEval:
+        """The workers, answering the evaluation of `version` (qurl/pipeline/remote_eval.py)."""
+        self.evals.version = version
+        return self.evals
 
     def close(self) -> None:
         self.fleet.close()

@@ -100,8 +100,8 @@ class Fleet:
         self.senders: list[Sender | None] = [None] * self.n  # connected on the worker's hello
         self.inbox = Receiver(f"tcp://{d.host}:{d.inbox_port}", key, bind=True,
                               kinds=("trajectory", "control"), hwm=d.stream_hwm,
-                              vocab_size=vocab_size,
-                              max_len=cfg.rollout.max_new_tokens)
+                              vocab_size=vocab_size,  # answers: rollouts or evaluations
+                              max_len=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens))
         self.session = secrets.token_hex(8)
         write_session(self.run_dir, {
             "session": self.session, "inbound": self.inbox.endpoint, "model_dir": str(model_dir),

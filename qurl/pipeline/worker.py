@@ -22,7 +22,9 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    last prompt of a burst), builds G requests per prompt with the sync loop's `make_requests`
    (seeded by run seed, dispatch version + 1, dataset uid, sample index), generates and scores them
    (qurl/rollout/generate.py `generate_groups`), and sends the whole batch back as one trajectory
-   message whose prompt_uids are the dispatch keys (`uid@did`).
+   message whose prompt_uids are the dispatch keys (`uid@did`); a task marked `eval` is one
+   evaluation request of the controller, run as given and answered unscored, never trained
+   (qurl/pipeline/remote_eval.py).
 
 Receiving and verifying weights is qurl/pipeline/worker_sync.py (`WeightClient`).
 
@@ -126,7 +128,7 @@ class RolloutWorker(WeightClient):
         self.weights_ok = True  # False after a failed verification, until a sync verifies
         self.counts = {"batches": 0, "trajectories": 0, "syncs": 0, "sync_failures": 0,
                        "bad_control": 0, "delta_refused": 0, "verify_mismatches": 0,
-                       "unverified_redone": 0}
+                       "unverified_redone": 0, "eval_answers": 0}
         self._connect(info)
 
     # ------------------------------------------------------------------ connection
@@ -239,6 +241,46 @@ class RolloutWorker(WeightClient):
         return batch
 
     def _rollout(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
+        """Generate a batch of tasks, each kind as its own generation: training prompts, and the
+        controller's evaluation requests (meta `eval`; qurl/pipeline/remote_eval.py)."""
+        evals = [b for b in batch if b[1].get("eval")]
+        train = [b for b in batch if not b[1].get("eval")]
+        if train:
+            self._rollout_train(train)
+        if evals:
+            self._answer_eval(evals)
+
+    def _redo(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
+        """Sampled partly from unverified weights: queue again, to redo after the resync."""
+        self.tasks.extendleft(reversed(batch))
+        self.counts["unverified_redone"] += len(batch)
+        self._send_control({"op": "redone", "prompts": len(batch)})
+
+    def _answer_eval(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
+        """Evaluation requests: each task is one request, run as given (its params carry the
+        evaluator's seed), answered unscored under its key in a trajectory message marked
+        `eval`, which the controller hands to the evaluator: never trained, never scored here."""
+        from qurl.rollout.generate import unscored
+        from qurl.stream.payload import pack_trajectories
+        from qurl.types import GenRequest
+
+        requests = [GenRequest(rid=f"{meta['key']}#0", prompt_ids=task.prompt_ids.tolist(),
+                               params=task.params) for task, meta, _ in batch]
+        t0 = time.perf_counter()
+        try:
+            results = self.engine.generate(requests, between_steps=self._between_steps)
+        except Unverified:
+            self._redo(batch)
+            return
+        meta, tensors = pack_trajectories(unscored(results))
+        meta.update({"slot": self.slot, "session": self.session, "eval": 1,
+                     "gen_s": time.perf_counter() - t0})
+        if not self.outbox.send("trajectory", meta, tensors, timeout_ms=60_000):
+            log.warning("slot %d: evaluation answers not sent (controller queue full)", self.slot)
+            return
+        self.counts["eval_answers"] += len(results)
+
+    def _rollout_train(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
         from qurl.data.datasets import Example
         from qurl.pipeline.ledger import split_key
         from qurl.rollout.generate import generate_groups
@@ -259,10 +301,8 @@ class RolloutWorker(WeightClient):
             groups, gen = generate_groups(self.engine, requests, examples, self.codec,
                                           reward_timeout_s=self.cfg.deploy.reward_timeout_s,
                                           between_steps=self._between_steps)
-        except Unverified:  # sampled partly from unverified weights: redo after the resync
-            self.tasks.extendleft(reversed(batch))
-            self.counts["unverified_redone"] += len(batch)
-            self._send_control({"op": "redone", "prompts": len(batch)})
+        except Unverified:
+            self._redo(batch)
             return
         trajs = [t for g in groups for t in g]
         meta, tensors = pack_trajectories(trajs)

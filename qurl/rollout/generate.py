@@ -28,14 +28,25 @@ def to_trajectories(results: list[GenResult], examples: list[Example], codec: Pr
                          kinds=[ex.answer_kind for ex in asked])
     groups: dict[str, list[Trajectory]] = {}
     for res, sc in zip(results, scores):
-        uid, j = res.rid.rsplit("#", 1)
-        groups.setdefault(uid, []).append(Trajectory(
-            prompt_uid=uid, sample_idx=int(j),
-            prompt_ids=torch.tensor(res.prompt_ids, dtype=torch.int64),
-            response_ids=res.output_ids.to(torch.int64), behav_logp=res.logprobs.float(),
-            versions=res.versions.to(torch.int64), reward=float(sc.reward),
-            finish_reason=res.finish_reason, reward_timed_out=sc.timed_out))
+        t = _trajectory(res, float(sc.reward), sc.timed_out)
+        groups.setdefault(t.prompt_uid, []).append(t)
     return [groups[ex.uid] for ex in examples if ex.uid in groups]
+
+
+def _trajectory(res: GenResult, reward: float, timed_out: bool) -> Trajectory:
+    uid, j = res.rid.rsplit("#", 1)
+    return Trajectory(prompt_uid=uid, sample_idx=int(j),
+                      prompt_ids=torch.tensor(res.prompt_ids, dtype=torch.int64),
+                      response_ids=res.output_ids.to(torch.int64), behav_logp=res.logprobs.float(),
+                      versions=res.versions.to(torch.int64), reward=reward,
+                      finish_reason=res.finish_reason, reward_timed_out=timed_out)
+
+
+def unscored(results: list[GenResult]) -> list[Trajectory]:
+    """Results (rids `<key>#<j>`) as trajectories with reward 0, for whoever scores them itself:
+    an async worker's answers to evaluation requests travel so to the evaluator
+    (qurl/pipeline/remote_eval.py)."""
+    return [_trajectory(res, 0.0, False) for res in results]
 
 
 def generate_groups(engine: Engine, requests: list[GenRequest], examples: list[Example],

@@ -30,6 +30,9 @@ class InProcessRollout:
 
     def __init__(self, z: RankZero) -> None:
         cfg = z.cfg
+        if z.engine is None:
+            raise ValueError("the synchronous loop generates with rank 0's engine: train_loop "
+                             "must build it (engine=True)")
         self.z, self.engine = z, z.engine
         self.cursor = DataCursor(len(z.train_set), seed=cfg.run.seed)
         if z.run.state is not None:

@@ -1,6 +1,7 @@
 """The training loop of every mode: ask a batch source for groups, train, hand it the new weights.
 
-    open the run (qurl/train/run_setup.py); rank 0 loads the data and builds an engine and the batch source
+    open the run (qurl/train/run_setup.py); rank 0 loads the data and builds the sync loop's engine
+    and the batch source
     source.publish(v0)                      the UAQ-scaled master weights, quantized, to the actor
     evaluate at step 0 (fresh run)
     for step in start+1 .. run.steps:
@@ -44,8 +45,9 @@ from qurl.data.splits import load_datasets
 from qurl.engines.base import Engine
 from qurl.engines.factory import make_engine
 from qurl.errors import RunHalted
-from qurl.evaluation.suite import Evaluator, summary
+from qurl.evaluation.suite import Evaluator, Generator, summary
 from qurl.learner.dist import broadcast_object
+from qurl.models.hf import load_tokenizer, vocab_size
 from qurl.rollout.batch import build_batch
 from qurl.rollout.generate import group_stats
 from qurl.rollout.requests import PromptCodec
@@ -57,12 +59,16 @@ from qurl.types import SamplingParams, Trajectory
 
 @dataclass
 class RankZero:
-    """What rank 0 runs on: the opened run, its data, an engine, and the sampling parameters."""
+    """What rank 0 runs on: the opened run, its data, an engine (the sync loop's; None for the
+    async controller, whose workers generate and evaluate), the model's tokenizer (it pads the
+    batches) and vocabulary size, and the sampling parameters."""
 
     cfg: Config
     run: OpenedRun
     train_set: list[Example]
-    engine: Engine  # generates (sync) or only evaluates (async); its tokenizer pads the batches
+    engine: Engine | None
+    tokenizer: Any
+    vocab_size: int
     codec: PromptCodec
     params: SamplingParams  # rollout sampling (temperature, top_p, length, stop at EOS)
 
@@ -82,8 +88,9 @@ class BatchSource(Protocol):
     def step_stats(self, step: int) -> dict[str, float]:
         """Statistics known once the step's weights are published (logged with its train record)."""
 
-    def eval_engine(self, version: int) -> Engine:
-        """An engine holding the actor of `version` (the 8-bit weights the rollouts use)."""
+    def eval_engine(self, version: int) -> Generator:
+        """What answers the evaluation of the actor of `version` (the 8-bit weights the rollouts
+        use): the sync loop's engine, or the async workers (qurl/pipeline/remote_eval.py)."""
 
     def clock(self) -> dict[str, float]:
         """Extra fields stamped on every record (async: the run's wall clock)."""
@@ -119,26 +126,29 @@ def mismatch_alarm(cfg: Config, state: dict | None) -> MismatchAlarm | None:
 
 
 def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: int,
-               world_size: int, local_engine: bool = False) -> dict:
+               world_size: int, engine: bool = True) -> dict:
     """Run (or resume) training on this rank with the source `make_source` builds on rank 0.
-    local_engine: rank 0's engine is a LocalEngine whatever rollout.engine says (the async
-    controller only evaluates with it). Returns the final eval record on rank 0, {} elsewhere."""
+    engine=False: rank 0 builds no engine, only the tokenizer (the async controller: its workers'
+    engines generate the rollouts and the actor's evaluations). Returns the final eval record on
+    rank 0, {} elsewhere."""
     run = open_run(cfg, resume=resume, rank=rank, world_size=world_size)
     learner, start, version = run.learner, run.start, run.start
     source: BatchSource | None = None
     evaluator = Evaluator(cfg, run.model_dir, main=run.main,  # before the source starts workers
-                          asynchronous=local_engine)
+                          asynchronous=not engine)
     logger = codec = None
     pad_id = 0
     if run.main:
         train_set, _ = load_datasets(cfg)  # the eval sets are the Evaluator's
-        engine = make_engine(cfg, run.model_dir, local=local_engine)
-        codec = PromptCodec(engine.tokenizer, cfg.data.template)
+        eng = make_engine(cfg, run.model_dir) if engine else None
+        tok = eng.tokenizer if eng is not None else load_tokenizer(run.model_dir)
+        vocab = eng.vocab_size if eng is not None else vocab_size(run.model_dir)
+        codec = PromptCodec(tok, cfg.data.template)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                stop_token_ids=(engine.tokenizer.eos_token_id,))
-        pad_id = engine.tokenizer.pad_token_id
-        source = make_source(RankZero(cfg, run, train_set, engine, codec, params))
+                                stop_token_ids=(tok.eos_token_id,))
+        pad_id = tok.pad_token_id
+        source = make_source(RankZero(cfg, run, train_set, eng, tok, vocab, codec, params))
         if run.state is not None:
             set_rng_state(run.state["rng"])
 
