@@ -122,3 +122,38 @@ def test_int8_export_is_byte_equal_to_what_the_sync_sends(runs, tmp_path):
 def test_export_errors_are_one_line(runs, tmp_path, capsys):
     assert main(["export", str(runs / "qwen3"), "--out", str(tmp_path / "x"), "--step", "7"]) == 2
     assert "no checkpoint of step 7" in capsys.readouterr().err
+
+
+def test_the_exported_policy_answers_as_the_run_does(runs, runs_dir, tmp_path):
+    """A trained policy leaves qurl and comes back: the HF export of the run's last checkpoint,
+    made the base of a new run (same precision and UAQ scale, no warm start, a learning rate too
+    small to move an fp32 weight), gives `qurl eval` the same greedy answers, word for word, and
+    the same accuracies as the run's own last checkpoint (issue 58: export, then re-evaluate)."""
+    from qurl.evaluation.run_eval import eval_run
+
+    out = tmp_path / "hf"
+    assert main(["export", str(runs / "qwen3"), "--out", str(out), "--dtype", "float32"]) == 0
+    root = runs_dir("export_again")
+    train(_cfg(root, "again", **{"model.base": str(out), "model.dtype": "float32",
+                                  "run.steps": 1, "model.warmstart_steps": 0,
+                                  "optim.lr": 1e-30}))
+    trained, again = (eval_run(d, answers=True) for d in (runs / "qwen3", root / "again"))
+    texts = trained["eval_answers"]["synthetic/greedy"]
+    assert len(texts) == 4 and any(t.strip() for t in texts)  # answers to compare, not blanks
+    assert again["eval_answers"] == trained["eval_answers"]
+    scores = [k for k in trained if k.startswith("eval/") and k.endswith("/greedy")]
+    assert scores and {k: again[k] for k in scores} == {k: trained[k] for k in scores}
+    # what the engines were given: the 8-bit weights of both runs agree, scales to fp32 rounding
+    # (UAQ re-applied: x * s / s) and codes but for the odd one on a rounding tie
+    from qurl.models.hf import read_state_dict
+
+    for run, where in ((runs / "qwen3", tmp_path / "a8"), (root / "again", tmp_path / "b8")):
+        assert main(["export", str(run), "--out", str(where), "--format", "int8"]) == 0
+    a8, b8 = read_state_dict(tmp_path / "a8"), read_state_dict(tmp_path / "b8")
+    assert sorted(a8) == sorted(b8)
+    codes = [n for n, t in a8.items() if t.dtype == torch.int8]
+    same = sum(int((a8[n] == b8[n]).sum()) for n in codes) / sum(a8[n].numel() for n in codes)
+    assert same > 0.9999, same
+    for n, t in a8.items():
+        if t.dtype != torch.int8:
+            torch.testing.assert_close(b8[n].float(), t.float(), rtol=1e-6, atol=0, msg=n)
