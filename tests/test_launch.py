@@ -48,6 +48,7 @@ def test_dry_run_two_node_example(capsys):
                      # W8A8 servers need qurl's restore for 8-bit updates (engines/sglang_loader)
                      "--custom-weight-loader", "qurl.engines.sglang.inside.loader.restore_w8a8",
                      "qurl.engines.sglang.inside.loader.prepare_sync",
+                     "qurl.engines.sglang.inside.loader.read_kernels",
                      "--mem-fraction-static", "0.85"]
 
 

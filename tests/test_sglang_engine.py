@@ -118,20 +118,23 @@ def test_server_command_flags():
                    "--quantization", "w8a8_fp8",
                    "--custom-weight-loader", "qurl.engines.sglang.inside.loader.restore_w8a8",
                    "qurl.engines.sglang.inside.loader.prepare_sync",
+                   "qurl.engines.sglang.inside.loader.read_kernels",
                    "--mem-fraction-static", "0.7"]
     # bf16 and block fp8 keep their loaders after loading: no restore, only the sync loader
     for q in (None, "fp8"):
         cmd = server_command("/c", port=1, quantization=q)
         assert cmd[cmd.index("--custom-weight-loader"):] == [
-            "--custom-weight-loader", "qurl.engines.sglang.inside.loader.prepare_sync"]
+            "--custom-weight-loader", "qurl.engines.sglang.inside.loader.prepare_sync",
+            "qurl.engines.sglang.inside.loader.read_kernels"]
     # a user's own custom loaders are merged into the one flag (argparse nargs="*": the last
     # occurrence would replace the first)
     cmd = server_command("/c", port=1, quantization="w8a8_int8",
                          extra=("--custom-weight-loader", "a.b", "--dtype", "bfloat16"))
     i = cmd.index("--custom-weight-loader")
     assert cmd.count("--custom-weight-loader") == 1
-    assert cmd[i + 1:i + 4] == ["qurl.engines.sglang.inside.loader.restore_w8a8",
-                                "qurl.engines.sglang.inside.loader.prepare_sync", "a.b"]
+    assert cmd[i + 1:i + 5] == ["qurl.engines.sglang.inside.loader.restore_w8a8",
+                                "qurl.engines.sglang.inside.loader.prepare_sync",
+                                "qurl.engines.sglang.inside.loader.read_kernels", "a.b"]
     assert cmd[-2:] == ["--dtype", "bfloat16"]
 
 

@@ -333,6 +333,11 @@ class DeployConfig:
     every time. Both are verified by digests at every sync (docs/delta_sync.md)."""
     full_sync_every: Count = 0
     """With sync_mode = delta: every this many syncs one is full anyway; 0 = only when needed."""
+    verify_kernels_every: Count = 10
+    """SGLang servers: after every full sync and every this many delta syncs, read back what the
+    kernels read, after SGLang's closing repack (the transposed W8A8 weights, every copy of a tied
+    head), against the learner's digests: one more short update session and hash pass per server
+    (qurl/engines/sglang/inside/kernels.py); a difference is a verification mismatch. 0 = never."""
     worker_backend: Literal["gloo", "nccl"] = "gloo"
     """Controller -> workers weight group: gloo (CPU tensors; right for SGLang workers, which
     forward to their servers) or nccl (each worker on a GPU of its own with a local engine)."""

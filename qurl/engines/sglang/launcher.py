@@ -23,7 +23,7 @@ from typing import Iterable
 from urllib.parse import urlparse
 
 from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
-from qurl.engines.sglang.inside.loader import SYNC_LOAD_FORMAT
+from qurl.engines.sglang.inside.loader import KERNELS_LOAD_FORMAT, SYNC_LOAD_FORMAT
 from qurl.engines.sglang.protocol import RESTORE_QUANTIZATIONS, SGLangError, SGLangUnavailable
 from qurl.wire.nccl_env import settings, with_nccl_defaults
 
@@ -49,7 +49,7 @@ def server_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
     if base_gpu is not None and not any(a.split("=")[0] == "--base-gpu-id" for a in extra):
         cmd += ["--base-gpu-id", str(base_gpu)]
     loaders = [RESTORE_LOAD_FORMAT] if quantization in RESTORE_QUANTIZATIONS else []
-    loaders.append(SYNC_LOAD_FORMAT)
+    loaders += [SYNC_LOAD_FORMAT, KERNELS_LOAD_FORMAT]
     if "--custom-weight-loader" in extra:  # nargs="*": merge, or the last flag would win
         i = j = extra.index("--custom-weight-loader")
         while j + 1 < len(extra) and not extra[j + 1].startswith("--"):
