@@ -320,6 +320,11 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
         proc.wait()
     assert final["n"] == 4
     assert len(served) >= 2 * 4 * 2 + 2 * 4  # 2 steps x 4 prompts x 2 samples + 2 evals of 4
+    from qurl.train.metrics_log import read_metrics
+
+    trains = [r for r in read_metrics(tmp_path / "sg" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["rollout/stalls"], r["rollout/restarts"], r["rollout/dropped"]) for r in trains] \
+        == [(0, 0, 0)] * 2  # the engine's health counters reach every train record
     dump = load_file(str(tmp_path / "dump" / f"port{port}_v2.safetensors"))
     run = tmp_path / "sg"
     state = torch.load(run / "ckpt" / "step_000002" / "model_rank0.pt", weights_only=False)["model"]

@@ -102,6 +102,16 @@ class AdoptingEngine(Engine, Protocol):
         ...
 
 
+@runtime_checkable
+class CountingEngine(Engine, Protocol):
+    """An engine that keeps counters of its own health (an SGLang engine: servers found stalled,
+    restarted, dropped), reported in every train record."""
+
+    def stats(self) -> dict[str, float]:
+        """{record key: count since the engine started}."""
+        ...
+
+
 def verifiable(engine: Engine) -> VerifiableEngine | None:
     """`engine` when it can take deltas and verify right now, else None."""
     return engine if isinstance(engine, VerifiableEngine) and engine.can_verify else None

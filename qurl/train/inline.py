@@ -17,7 +17,7 @@ import torch
 
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
-from qurl.engines.base import Engine
+from qurl.engines.base import CountingEngine, Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.rollout.dynamic_sampling import sample_groups
 from qurl.sync.publish import WeightSync
@@ -50,7 +50,7 @@ class InProcessRollout:
                              self.z.params, self.z.cfg, step=step)
 
     def step_stats(self, step: int) -> dict[str, float]:
-        return {}
+        return self.engine.stats() if isinstance(self.engine, CountingEngine) else {}
 
     def eval_engine(self, version: int) -> Engine:
         return self.engine  # loaded with every version as it is published
