@@ -268,3 +268,12 @@ def test_nested_leaves_round_trip_through_toml(tmp_path):
     assert from_toml(Config(), path) == cfg
     assert [d for d, *_ in leaves(cfg.algo, "algo.")][:4] == [
         "algo.loss", "algo.clip", "algo.correction.cap", "algo.correction.bounds"]
+
+
+def test_every_field_is_named_on_the_config_page():
+    """docs/config.md is where a user looks a field up: every field of every section is on it."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    missing = [f"{section.name}.{f.name}" for section in dataclasses.fields(Config())
+               for f in dataclasses.fields(getattr(Config(), section.name))
+               if f"`{f.name}`" not in page]
+    assert missing == []
