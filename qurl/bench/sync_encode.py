@@ -1,4 +1,4 @@
-"""`qurl bench sync --delta --encode-only`: the sender's delta encode, before and after, side by side.
+"""`qurl bench sync --delta --encode-only`: the sender's delta encode, old vs new, side by side.
 
 A delta sync starts on the learner with the encode: compare version v1 with v0 bit for bit
 (`diff_named`: the changed positions of every chunk, also the flip fraction's count) and build
