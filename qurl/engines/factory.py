@@ -41,13 +41,12 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     d = cfg.deploy
     gpus = None if cfg.sglang.urls else sglang_base_gpus(  # launched here: after the learner's
         cfg, d.engines, torch.cuda.device_count(), slot=slot)
-    engine = SGLangEngine.from_section(
+    return SGLangEngine.from_section(
         cfg.sglang, model_dir, precision=cfg.rollout.precision, run_dir=run_dir_for(cfg),
         count=d.engines, uaq_scale=cfg.algo.uaq_scale, group_host=host or d.host,
         group_port=d.weight_port if slot is None else 0,  # async workers: one group each
-        bucket_bytes=int(d.bucket_mb * (1 << 20)), slot=slot, base_gpus=gpus)
-    engine.verify_kernels_every = d.verify_kernels_every  # the post-repack read-back
-    return engine
+        bucket_bytes=int(d.bucket_mb * (1 << 20)), slot=slot, base_gpus=gpus,
+        verify_kernels_every=d.verify_kernels_every)  # the post-repack read-back
 
 
 _SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",

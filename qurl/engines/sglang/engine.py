@@ -26,14 +26,11 @@ Concurrency is per server: each gets as many requests at once as it runs itself 
 `internal_states[*].effective_max_running_requests_per_dp`, summed over DP ranks, or its
 `--max-running-requests`; protocol.py `running_limit`), or `max_running` when the config sets
 sglang.max_running, or UNREPORTED_RUNNING when the server reports neither. More would only wait
-in the server's queue (and be aborted by the next sync's pause); fewer leaves it idle. Before
-issue 59 one cap of 256 threads served every server together: 36-43 requests per server at the
-paper's scale, 2-5x below what each could run.
+in the server's queue (and be aborted by the next sync's pause); fewer leaves it idle.
 
 The protocol facts this relies on are qurl/engines/sglang/protocol.py; one server process is
-server.py; the weight group and update sessions are update.py (`WeightUpdates`, which this class
-extends); this module builds the engine, routes and resumes generation requests and recovers
-dead servers.
+launcher.py; the weight group and update sessions are update.py (`WeightUpdates`, which this
+class extends); this module builds the engine, routes and resumes requests, recovers servers.
 """
 from __future__ import annotations
 
@@ -166,14 +163,15 @@ class SGLangEngine(StallHandling, WeightUpdates):
     @classmethod
     def from_section(cls, sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: Path,
                      count: int, uaq_scale: float, group_host: str, group_port: int,
-                     bucket_bytes: int, slot: int | None = None,
-                     base_gpus: list[int] | None = None) -> "SGLangEngine":
+                     bucket_bytes: int, slot: int | None = None, base_gpus: list[int] | None = None,
+                     verify_kernels_every: int = 10) -> "SGLangEngine":
         """Attach to `sg.urls`, or export `model_dir` as an 8-bit checkpoint (UAQ-scaled, under
         run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
         None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
         group_port: where the servers reach this process's weight group (port 0 = a free one).
         base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/node/placement.py
-        `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU)."""
+        `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU).
+        verify_kernels_every: deploy.verify_kernels_every (verified_sync.py)."""
         quant, fmt = QUANTIZATION[precision]
         urls = list(sg.urls)
         if slot is not None:
@@ -201,10 +199,12 @@ class SGLangEngine(StallHandling, WeightUpdates):
 
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        return cls(specs, precision=precision, group_host=group_host, group_port=group_port,
-                   backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
-                   tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf),
-                   max_running=sg.max_running, timeouts=Timeouts(stall_s=sg.stall_s))
+        engine = cls(specs, precision=precision, group_host=group_host, group_port=group_port,
+                     backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
+                     tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf),
+                     max_running=sg.max_running, timeouts=Timeouts(stall_s=sg.stall_s))
+        engine.verify_kernels_every = verify_kernels_every
+        return engine
 
     @property
     def version(self) -> int:
