@@ -36,7 +36,11 @@ class GenResult:
 
     output_ids: [T] int64 sampled token ids; logprobs: [T] float32 log-prob of each sampled token under
     the engine's own weights at sampling time (after temperature, see engines/base.py);
-    versions: [T] int64 policy version of the weights that sampled each token.
+    versions: [T] int64 policy version of the weights that sampled each token;
+    entropy: [T] float32 entropy of the distribution each token was drawn from (after temperature,
+    before top-p), or None when the engine does not see it: the local engine gives the whole
+    vocabulary's; SGLang, asked for its top k (sglang.top_logprobs), a lower bound from those k
+    (qurl/engines/sglang/protocol.py `topk_entropy`).
     """
 
     rid: str
@@ -45,6 +49,7 @@ class GenResult:
     logprobs: torch.Tensor
     versions: torch.Tensor
     finish_reason: str  # "stop" (EOS/stop token) | "length" | "abort"
+    entropy: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,3 +66,4 @@ class Trajectory:
     reward: float
     finish_reason: str
     reward_timed_out: bool = False
+    behav_entropy: torch.Tensor | None = None  # [T] float32, the engine's (GenResult.entropy)

@@ -78,6 +78,25 @@ def test_bf16_logprobs_equal_transformers_forward(model_dir, engines, temperatur
         assert r.versions.tolist() == [0] * len(r.output_ids)
 
 
+def test_entropy_of_each_sampled_token_equals_transformers_forward(model_dir, engines):
+    """GenResult.entropy: the entropy of softmax(logits / T) at every sampled position, the
+    engine's own (int8 here: its 8-bit weights, so the reference is its own teacher-forced forward
+    in float64) and, for the bf16 engine, transformers' forward of the checkpoint."""
+    hf, _ = load_checkpoint(model_dir)
+    for precision in ("bf16", "int8"):
+        eng = engines(precision)
+        results = eng.generate(_reqs(eng.tokenizer, SamplingParams(max_new_tokens=10, temperature=0.7,
+                                                                     top_p=0.9)))
+        for r in results:
+            assert r.entropy is not None and r.entropy.shape == r.output_ids.shape
+            ids = torch.tensor([list(r.prompt_ids) + r.output_ids.tolist()])
+            with torch.no_grad():
+                ref_model = hf if precision == "bf16" else eng.model
+                z = ref_model(input_ids=ids).logits[0, len(r.prompt_ids) - 1:-1].double() / 0.7
+            want = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+            torch.testing.assert_close(r.entropy.double(), want, rtol=1e-3, atol=1e-4)
+
+
 def test_bf16_greedy_equals_generate(model_dir, engines):
     eng = engines("bf16")
     tok = eng.tokenizer

@@ -180,6 +180,8 @@ def test_eta0_async_reproduces_sync(run_root):
     assert any(r["reward"] > 0 for r in train_recs) and any(r["grad_norm"] > 0 for r in train_recs)
     assert any(r.get("flip_frac", 0) > 0 for r in train_recs)
     assert all(r["staleness_max"] == 0 for r in train_recs)
+    # the engine's entropy crossed the stream with every trajectory (equal to sync's, above)
+    assert all(r["behav_entropy"] > 0 for r in train_recs)
     assert train_recs[-1]["async/dispatched"] == steps * 4  # η = 0: never more than one batch out
     assert trained_uids(run_root / "async0") == [u for r in _trained_rows(run_root / "sync")
                                                  for u in r]

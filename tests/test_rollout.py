@@ -46,6 +46,11 @@ def test_group_stats_by_hand():
     assert s["truncated_frac"] == 0.25 and s["reward_timeouts"] == 1.0
     # staleness per token: [0,0], [1,1,0], [2], [0,0] -> 4/8
     assert s["staleness_mean"] == 0.5 and s["staleness_max"] == 2.0
+    assert "behav_entropy" not in s  # no engine reported one: no key, never a 0
+    # the engine's entropy: a token mean over the trajectories that carry it
+    groups[0][0].behav_entropy = torch.tensor([1.0, 2.0])
+    groups[1][1].behav_entropy = torch.tensor([0.5, 0.5])
+    assert group_stats(groups, trained_version=3)["behav_entropy"] == 1.0
     with pytest.raises(ValueError, match="empty"):
         group_stats([], trained_version=0)
 

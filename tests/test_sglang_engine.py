@@ -3,6 +3,7 @@ process that follows SGLang 0.5.23's schema and joins a real gloo weight group).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -108,6 +109,34 @@ def test_parse_generate_spans_and_errors():
         parse_generate(bad, "test")
     with pytest.raises(SGLangError, match="finish_reason"):
         parse_generate(reply | {"meta_info": reply["meta_info"] | {"finish_reason": None}}, "t")
+
+
+def test_topk_entropy_is_a_lower_bound_exact_with_the_whole_vocabulary():
+    """protocol.topk_entropy against hand-worked values and a float64 entropy: the top k's own
+    -p log p terms plus the rest of the mass as one token."""
+    from qurl.engines.sglang.protocol import topk_entropy
+
+    p = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625], dtype=torch.float64)
+    exact = float(-(p * p.log()).sum())  # 1.875 bits = 1.2997 nats
+    top = [[math.log(x), i, None] for i, x in enumerate(p.tolist())]
+    reply = {"output_ids": [0, 1], "meta_info": {"output_top_logprobs": [top, top[:2]]}}
+    whole, two = topk_entropy(reply, "t")
+    assert whole == pytest.approx(exact, rel=1e-12)
+    # top 2: 0.5 ln 2 + 0.25 ln 4, and the remaining 0.25 as one token: 0.25 ln 4
+    assert two == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(4), rel=1e-12)
+    assert two < exact
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # a bound for any distribution and any k
+        q = torch.softmax(torch.randn(50, generator=g, dtype=torch.float64) * 3, 0)
+        lq, order = q.log().sort(descending=True)
+        k = int(torch.randint(1, 50, (1,), generator=g))
+        rep = {"output_ids": [0], "meta_info": {"output_top_logprobs": [
+            [[float(lq[j]), int(order[j]), None] for j in range(k)]]}}
+        assert topk_entropy(rep, "t")[0] <= float(-(q * q.log()).sum()) + 1e-12
+    with pytest.raises(SGLangError, match="was top_logprobs_num set"):
+        topk_entropy({"output_ids": [0], "meta_info": {}}, "t")
+    with pytest.raises(SGLangError, match=r"output_top_logprobs\[0\]"):
+        topk_entropy({"output_ids": [0], "meta_info": {"output_top_logprobs": [[[0.5, 1, None]]]}}, "t")
 
 
 def test_server_command_flags():

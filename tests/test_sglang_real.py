@@ -91,6 +91,34 @@ def test_bf16_generate_logprobs_match_local_engine(bf16_server):
     assert all(int(v) == 0 for r in res for v in r.versions)
 
 
+def test_top_logprobs_give_the_behaviour_entropy(bf16_server):
+    """sglang.top_logprobs = k: each result carries, per token, the entropy bound from the
+    server's top k (protocol.py topk_entropy). With k = the whole vocabulary (100) it is the
+    entropy itself and matches the local engine's teacher-forced one on the same bf16 weights;
+    with k = 3 it stays below it."""
+    eng, ckpt = bf16_server
+    ref = LocalEngine(ckpt, precision="bf16", dtype=torch.float32)
+    try:
+        for k in (100, 3):
+            eng.top_logprobs = k
+            res = eng.generate([_req(f"h{k}.{i}", p, 16, temperature=0.8) for i, p in enumerate(PROMPTS)])
+            for r in res:
+                z = ref.token_logits(r.prompt_ids, r.output_ids.tolist()).double() / 0.8
+                exact = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+                assert r.entropy is not None and r.entropy.shape == exact.shape
+                dev = (r.entropy.double() - exact)
+                print(f"k={k}: server entropy - local: max {float(dev.max()):+.4f}, "
+                      f"min {float(dev.min()):+.4f}, mean local {float(exact.mean()):.3f}")
+                if k == 100:
+                    assert float(dev.abs().max()) < LOGPROB_TOL
+                else:
+                    assert float(dev.max()) < LOGPROB_TOL and float(dev.mean()) < 0
+    finally:
+        eng.top_logprobs = 0
+    (plain,) = eng.generate([_req("plain", PROMPTS[0], 4)])
+    assert plain.entropy is None  # not asked: not reported
+
+
 def test_stop_token_ends_generation_and_is_kept(bf16_server):
     eng, _ = bf16_server
     (free,) = eng.generate([_req("free", PROMPTS[0], 24)])

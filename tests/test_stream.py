@@ -38,7 +38,8 @@ def make_traj(uid: str, idx: int, p_len: int, t_len: int, version: int = 0, seed
         behav_logp=-torch.rand(t_len, generator=g) * 5,
         versions=torch.full((t_len,), version, dtype=torch.int64),
         reward=reward, finish_reason="stop" if t_len % 2 else "length",
-        reward_timed_out=bool(idx % 2))
+        reward_timed_out=bool(idx % 2),
+        behav_entropy=torch.rand(t_len, generator=g) * 3 if idx % 2 else None)
 
 
 def batch(n: int = 5, version: int = 0, seed: int = 0) -> list[Trajectory]:
@@ -54,6 +55,10 @@ def assert_traj_equal(a: Trajectory, b: Trajectory) -> None:
         x, y = getattr(a, f), getattr(b, f)
         assert x.dtype == y.dtype and x.shape == y.shape
         assert torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y)
+    # the engine's entropy: bit-exact where reported, None (never zeros) where not
+    assert (a.behav_entropy is None) == (b.behav_entropy is None) or not a.response_ids.numel()
+    if a.behav_entropy is not None and a.response_ids.numel():
+        assert torch.equal(a.behav_entropy.view(torch.int32), b.behav_entropy.view(torch.int32))
 
 
 @pytest.fixture(params=[1, 2], ids=["inline-mac", "pooled-mac"])
@@ -265,6 +270,10 @@ def test_wire_reexports_payload_helpers():
     (lambda t: t.behav_logp.__setitem__(2, float("-inf")), "not finite"),
     (lambda t: t.behav_logp.__setitem__(2, 0.01), "> 0"),
     (lambda t: setattr(t, "reward", float("inf")), "reward"),
+    (lambda t: setattr(t, "behav_entropy", -torch.ones(t.response_ids.numel())), "behav_entropy < 0"),
+    (lambda t: setattr(t, "behav_entropy", torch.full((t.response_ids.numel(),), float("inf"))),
+     "behav_entropy infinite"),
+    (lambda t: setattr(t, "behav_entropy", torch.ones(3)), "lengths"),
     (lambda t: setattr(t, "finish_reason", "eos"), "finish_reason"),
     (lambda t: setattr(t, "response_ids", torch.zeros(65, dtype=torch.int64)), "lengths"),
 ])

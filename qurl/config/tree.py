@@ -20,24 +20,11 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cache
 from typing import Annotated, Any, Iterator, Literal
 
+from qurl.config.deployment import DeployConfig, SGLangConfig
+from qurl.config.fields import Backend, Count, Min, MoreThan, Positive, PositiveFloat, Precision
 
-@dataclass(frozen=True)
-class Min:
-    """Bound a numeric field from below, inclusive: `Annotated[int, Min(1)]` means >= 1."""
-    value: float
-
-
-@dataclass(frozen=True)
-class MoreThan:
-    """Bound a numeric field from below, exclusive: `Annotated[float, MoreThan(0)]` means > 0."""
-    value: float
-
-
-Positive = Annotated[int, Min(1)]
-Count = Annotated[int, Min(0)]
-PositiveFloat = Annotated[float, MoreThan(0)]
-Precision = Literal["bf16", "int8", "fp8", "fp8_block", "w4a16"]
-Backend = Literal["auto", "gloo", "nccl"]
+__all__ = ["Backend", "Count", "Min", "MoreThan", "Positive", "PositiveFloat", "Precision",
+           "DeployConfig", "SGLangConfig"]  # with the sections below, what `qurl.config` re-exports
 
 
 @dataclass(frozen=True)
@@ -231,128 +218,6 @@ class LearnerConfig:
     backward; selective = recompute each layer's core attention and MLP; full = keep only each
     layer's input and rerun the layer in the backward (~1/3 more compute, the least memory). Same
     gradients either way; `qurl launch --dry-run` prints what each choice needs."""
-
-
-@dataclass(frozen=True)
-class SGLangConfig:
-    """The SGLang engine's own settings (qurl/engines/sglang/engine.py takes only this section)."""
-    urls: tuple[str, ...] = ()
-    """Attach to these running servers; empty = launch deploy.engines servers locally."""
-    args: tuple[str, ...] = ()
-    """Extra flags for `python -m sglang.launch_server`."""
-    tp: Positive = 1
-    """Tensor-parallel size of each server (launched, or attached: checked against the server's
-    /server_info when it is attached)."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Learner -> servers weight-update group: auto = nccl when the learner has a GPU, else gloo;
-    gloo moves the bytes through host memory (a one-GPU or colocated setup, where NCCL refuses
-    two ranks on one GPU); nccl needs every member on a GPU of its own."""
-    max_running: Count = 0
-    """Rollout requests sent to EACH server at once; 0 = as many as the server runs at once, read
-    from its /server_info (SGLang's effective max_running_requests, which it sizes from its KV
-    pool; 256 for a server that reports none). A deployment setting: the samples are the same."""
-    stall_s: Annotated[float, Min(0)] = 120.0
-    """A server with requests in flight whose scheduler sends no output for this long (its
-    /health_generate probes get none; /model_info would still answer) is stalled: its requests are
-    cut and resubmitted, and it is restarted (launched by qurl) or dropped (attached; the last one
-    stops the run with a one-line error). 0 = no watchdog (qurl/engines/sglang/watchdog.py)."""
-
-
-@dataclass(frozen=True)
-class DeployConfig:
-    """Where a run executes, how its processes meet, and what it writes on the side."""
-    # ---- files and logs
-    dir: str = "runs"
-    """Root of run directories (runs/<run.name>/) and of the built-base-model cache (runs/_base/)."""
-    ckpt_every: Count = 20
-    """Checkpoint every this many steps; 0 = only at the end."""
-    keep_ckpts: Positive = 2
-    """Checkpoints kept on disk (the newest)."""
-    progress: bool = True
-    """A progress bar on stderr."""
-    wandb: Literal["off", "offline", "online"] = "off"
-    """Also log metrics to Weights & Biases."""
-    # ---- processes
-    rollout: Literal["inline", "workers", "external"] = "inline"
-    """Where rollout runs: inline = learner rank 0 drives the engines between steps (synchronous,
-    needs rollout.max_staleness=0); workers = the controller starts one worker process per engine,
-    streaming over ZeroMQ, and restarts them; external = such workers started elsewhere
-    (`python -m qurl.pipeline.worker --run-dir ... --slot i`) connect to deploy.host."""
-    engines: Positive = 1
-    """Rollout engines: SGLang servers (inline) or worker processes, one engine each."""
-    torch_threads: Count = 0
-    """torch CPU threads per process; 0 = the node's cores shared by the processes computing at
-    once (qurl/node/placement.py; OpenMP threads sharing a core spin in barriers: 25x slower)."""
-    reward_timeout_s: PositiveFloat = 5.0
-    """Time limit of scoring one answer (math verification can hang on adversarial output)."""
-    # ---- learner ranks
-    nnodes: Positive = 1
-    """Learner nodes."""
-    nproc_per_node: Count = 0
-    """Learner ranks per node; 0 = learner.tp x learner.dp / nnodes."""
-    backend: Backend = "auto"
-    """The learner's torch.distributed backend: auto = nccl with CUDA, else gloo."""
-    distributed_optimizer: bool = False
-    """Shard fp32 master weights and AdamW moments over data-parallel ranks (ZeRO-1)."""
-    transformer_engine: Literal["auto", "on", "off"] = "auto"
-    """Transformer Engine layers (CUDA only): auto = when it imports and CUDA is present."""
-    attention: Literal["sdpa", "unfused"] = "sdpa"
-    """The learner's core attention without Transformer Engine: sdpa = torch's fused
-    scaled-dot-product attention (flash / memory-efficient kernels; memory linear in the length);
-    unfused = megatron's DotProductAttention, which keeps [heads, L, L] scores (the reference)."""
-    wait_timeout_min: PositiveFloat = 1440.0
-    """Minutes a learner rank waits for rank 0 at a control point (the next batch while rank 0
-    generates and evaluates, the base model it prepares, checkpoints). These waits go through a
-    gloo side group with this timeout, so NCCL's 30-minute watchdog never sees them."""
-    eval_gpu_gb: Annotated[float, Min(0)] = 8.0
-    """GB the fp policy's local engine (eval.fp_policy; weights + fp32 KV cache of its largest
-    batch) may take on learner rank 0's GPU; the actor is scored on the rollout engines and takes
-    none. An evaluation estimated over it is refused at start in one line
-    (qurl/evaluation/placement.py); 0 = no local evaluation on the GPU. Not checked on CPU."""
-    # ---- addresses
-    host: str = "127.0.0.1"
-    """Node 0's address as the others reach it: the learner's rendezvous, the controller's
-    ZeroMQ inbox and every weight-broadcast group."""
-    learner_port: Positive = 29500
-    """The learner ranks' torch.distributed rendezvous port."""
-    inbox_port: Count = 0
-    """The controller's ZeroMQ inbox (trajectories, worker control); 0 = a free port."""
-    weight_port: Count = 0
-    """Rendezvous port of the weight-broadcast group; 0 = a free port."""
-    # ---- the wire
-    stream_hwm: Positive = 1000
-    """ZeroMQ high-water mark: messages queued per socket before senders wait."""
-    stream_key: str = ""
-    """Shared HMAC key of the stream (>= 16 bytes); empty = random per run, kept in the run dir."""
-    bucket_mb: PositiveFloat = 64.0
-    """Weight-broadcast bucket size in MiB."""
-    sync_mode: Literal["delta", "full"] = "delta"
-    """Weight sync after each step: delta = only the 8-bit codes, scales and pass-through values
-    whose bits changed since the version the engines hold (whole tensors where that is smaller;
-    everything when an engine does not hold the previous version exactly); full = every tensor,
-    every time. Both are verified by digests at every sync (docs/delta_sync.md)."""
-    full_sync_every: Count = 0
-    """With sync_mode = delta: every this many syncs one is full anyway; 0 = only when needed."""
-    verify_kernels_every: Count = 10
-    """SGLang servers: after every full sync and every this many delta syncs, read back what the
-    kernels read, after SGLang's closing repack (the transposed W8A8 weights, every copy of a tied
-    head), against the learner's digests: one more short update session and hash pass per server
-    (qurl/engines/sglang/inside/kernels.py); a difference is a verification mismatch. 0 = never."""
-    worker_backend: Literal["gloo", "nccl"] = "gloo"
-    """Controller -> workers weight group: gloo (CPU tensors; right for SGLang workers, which
-    forward to their servers) or nccl (each worker on a GPU of its own with a local engine)."""
-    # ---- checks
-    alarm_kl_factor: Annotated[float, Min(0)] = 10.0
-    """Mismatch alarm (qurl/train/alarm.py): raised when KL(behav||prox) (`kl_behav_prox`) is
-    above this many times its running median for deploy.alarm_steps steps in a row, as when the
-    engine samples from other weights than the learner's through a fault the sync's digests
-    cannot see (a quantizer bug). Recorded as `alarm/*` keys and printed once; 0 = off (else
-    > 1). A deployment check: it changes no training math."""
-    alarm_steps: Positive = 3
-    """Steps in a row above the factor before the mismatch alarm fires."""
-    alarm_stop: bool = False
-    """Stop the run when the mismatch alarm fires: one error line (exit 2), resumable from the
-    last checkpoint (qurl train --resume)."""
 
 
 @dataclass(frozen=True)

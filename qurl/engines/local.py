@@ -192,6 +192,7 @@ class LocalEngine(LocalWeights):
         stops = [self.eos_token_ids | set(r.params.stop_token_ids) for r in reqs]
         toks: list[list[int]] = [[] for _ in reqs]
         lps: list[list[float]] = [[] for _ in reqs]
+        ents: list[list[float]] = [[] for _ in reqs]
         vers: list[list[int]] = [[] for _ in reqs]
         reasons = ["length"] * n
         active = list(range(n))  # request index of each row of the live batch
@@ -208,11 +209,14 @@ class LocalEngine(LocalWeights):
         top_ps = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
         while True:
             rows = torch.tensor(active)
-            tokens, logps = sample(logits, temps[rows], top_ps[rows], [gens[i] for i in active])
+            tokens, logps, entropy = sample(logits, temps[rows], top_ps[rows],
+                                            [gens[i] for i in active])
             keep, last = [], []
-            for row, (i, tok, lp) in enumerate(zip(active, tokens.tolist(), logps.tolist())):
+            for row, (i, tok, lp, h) in enumerate(zip(active, tokens.tolist(), logps.tolist(),
+                                                      entropy.tolist())):
                 toks[i].append(tok)
                 lps[i].append(lp)
+                ents[i].append(h)
                 vers[i].append(self._version)
                 if tok in stops[i]:
                     reasons[i] = "stop"
@@ -238,7 +242,7 @@ class LocalEngine(LocalWeights):
                 output_ids=torch.tensor(toks[i], dtype=torch.int64),
                 logprobs=torch.tensor(lps[i], dtype=torch.float32),
                 versions=torch.tensor(vers[i], dtype=torch.int64),
-                finish_reason=reasons[i],
+                finish_reason=reasons[i], entropy=torch.tensor(ents[i], dtype=torch.float32),
             )
             for i, r in enumerate(reqs)
         ]

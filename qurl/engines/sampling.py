@@ -7,6 +7,10 @@ tempered distribution, log_softmax(logits / T)[token] — what SGLang returns wi
 T == 0 means greedy: the argmax token (lowest id on ties, as `torch.argmax` and HF `generate`), with
 its log-prob under T = 1.
 
+The entropy reported with each token is that of the same unrestricted tempered distribution,
+H = -sum_v p_v log p_v over the whole vocabulary (T = 1 for greedy rows): the behaviour policy's
+own entropy at the sampled position, which the learner's π_prox entropy is compared with.
+
 Each request samples with its own `torch.Generator` seeded by the request, so what a request draws
 does not depend on which other requests share its batch (its logits can still differ in the last
 float bits between batch shapes, since GEMM blocking depends on the batch size).
@@ -39,9 +43,10 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, gens: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row. logits: [B, V] (read in fp32), temperature / top_p: [B] fp32,
-    gens: B generators -> (tokens [B] int64, log-probs [B] fp32, as defined in the module docstring).
+    gens: B generators -> (tokens [B] int64, log-probs [B] fp32, entropies [B] fp32, as defined in
+    the module docstring).
 
     Sampling is by inverse CDF: row i draws one uniform u_i from its own generator and takes the
     first token whose cumulative (nucleus-renormalised) probability exceeds u_i, so each request's
@@ -51,6 +56,7 @@ def sample(
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits / t.unsqueeze(-1), dim=-1)  # greedy rows: T = 1
     probs = logp.exp()
+    entropy = torch.special.entr(probs).sum(-1)  # -p log p, 0 where p underflows to 0
     # The nucleus sorts the vocabulary (49k entries on real models: the costliest op of a decode
     # step's sampling), so only rows that ask for top_p < 1 pay for it; the other rows keep every
     # token, exactly what the nucleus with top_p = 1 would give them.
@@ -62,7 +68,7 @@ def sample(
     u = torch.tensor([float(torch.rand((), generator=g)) for g in gens], dtype=cdf.dtype)
     drawn = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
     tokens = torch.where(greedy, logits.argmax(-1), drawn.clamp(max=logits.shape[-1] - 1))
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def request_generator(seed: int | None, fallback: torch.Generator) -> torch.Generator:

@@ -39,7 +39,8 @@ def _trajectory(res: GenResult, reward: float, timed_out: bool) -> Trajectory:
                       prompt_ids=torch.tensor(res.prompt_ids, dtype=torch.int64),
                       response_ids=res.output_ids.to(torch.int64), behav_logp=res.logprobs.float(),
                       versions=res.versions.to(torch.int64), reward=reward,
-                      finish_reason=res.finish_reason, reward_timed_out=timed_out)
+                      finish_reason=res.finish_reason, reward_timed_out=timed_out,
+                      behav_entropy=None if res.entropy is None else res.entropy.float())
 
 
 def unscored(results: list[GenResult]) -> list[Trajectory]:
@@ -77,8 +78,10 @@ def rollout(engine: Engine, examples: list[Example], codec: PromptCodec, params:
 
 
 def group_stats(groups: list[list[Trajectory]], trained_version: int) -> dict[str, float]:
-    """Reward / length / truncation of a batch's responses and per-token staleness relative to
-    the version that trains them (staleness = trained_version − version that sampled the token)."""
+    """Reward / length / truncation of a batch's responses, per-token staleness relative to
+    the version that trains them (staleness = trained_version − version that sampled the token)
+    and, where the engine reported it, `behav_entropy`: the token mean of the behaviour policy's
+    entropy at every sampled token, the engine's view beside the learner's π_prox `entropy`."""
     trajs = [t for g in groups for t in g]
     if not trajs:
         raise ValueError("group_stats: empty batch")
@@ -91,5 +94,8 @@ def group_stats(groups: list[list[Trajectory]], trained_version: int) -> dict[st
         stale = torch.cat([trained_version - t.versions for t in trajs])
         out["staleness_mean"] = float(stale.float().mean())
         out["staleness_max"] = float(stale.max())
+    seen = [t.behav_entropy for t in trajs if t.behav_entropy is not None]
+    if seen and sum(h.numel() for h in seen):
+        out["behav_entropy"] = float(torch.cat(seen).double().mean())
     return out
 

@@ -2,24 +2,26 @@
 (learner -> worker), their packing into flat tensors, and the checks a receiver runs before use.
 
 Trajectory batch ("trajectory" messages). N trajectories are packed as concatenations plus offsets,
-so one message carries many trajectories in a fixed 9 frames however large N is:
+so one message carries many trajectories in a fixed 10 frames however large N is:
 
     prompt_ids [sum P] int64, prompt_offsets [N+1] int64
     response_ids [sum T] int64, response_offsets [N+1] int64   (shared by behav_logp and versions)
-    behav_logp [sum T] float32, versions [sum T] int64
+    behav_logp [sum T] float32, versions [sum T] int64, behav_entropy [sum T] float32
     sample_idx [N] int64, reward [N] float64, reward_timed_out [N] bool
     meta: {"prompt_uids": [N str], "finish_reasons": [N str]}
 
 Packing is lossless (reward stays float64, ids int64, logp float32 as produced); unpacking returns
-views into the received buffers (no copy). Because response_ids, behav_logp and versions share one
-offsets tensor, their per-trajectory lengths agree by construction once the totals agree.
+views into the received buffers (no copy). Because response_ids, behav_logp, versions and
+behav_entropy share one offsets tensor, their per-trajectory lengths agree by construction once
+the totals agree. A trajectory whose engine gave no entropy (Trajectory.behav_entropy None) travels
+as NaN entries and comes back as None: NaN there means "not reported", never a value.
 
 Validation (`validate_packed`) is vectorised over the whole batch — a handful of reductions per
 message, not a Python loop per token — and raises WireError("invalid", detail) naming the first bad
 trajectory (prompt_uid, sample_idx) when: a token id is outside [0, vocab_size); a response is longer
 than max_len or a prompt empty; behav_logp is not finite or > 0; a version is negative, newer than the
 learner's current version, or decreases along a response (weights only move forward during a partial
-rollout); a reward is not finite; a finish_reason is unknown. Structural problems (missing tensors,
+rollout); a behav_entropy is negative or infinite; a reward is not finite; a finish_reason is unknown. Structural problems (missing tensors,
 wrong dtypes/shapes, inconsistent offsets) raise "bad_tensor" / "bad_header".
 """
 from __future__ import annotations
@@ -38,7 +40,9 @@ _TRAJ_TENSORS = {
     "prompt_ids": torch.int64, "prompt_offsets": torch.int64, "response_ids": torch.int64,
     "response_offsets": torch.int64, "behav_logp": torch.float32, "versions": torch.int64,
     "sample_idx": torch.int64, "reward": torch.float64, "reward_timed_out": torch.bool,
+    "behav_entropy": torch.float32,
 }
+_PER_TOKEN = ("response_ids", "behav_logp", "versions", "behav_entropy")
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +59,7 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 def pack_trajectories(trajs: list[Trajectory]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Pack trajectories into (meta, tensors) for one "trajectory" message (layout above).
     Raises ValueError naming the trajectory if a field has the wrong dtype, rank or length."""
-    p_ids, r_ids, logps, vers, p_len, r_len = [], [], [], [], [], []
+    p_ids, r_ids, logps, vers, ents, p_len, r_len = [], [], [], [], [], [], []
     for i, t in enumerate(trajs):
         who = f"trajectory {i} ({t.prompt_uid!r}, sample {t.sample_idx})"
         for fname in ("prompt_ids", "response_ids", "behav_logp", "versions"):
@@ -69,13 +73,19 @@ def pack_trajectories(trajs: list[Trajectory]) -> tuple[dict[str, Any], dict[str
             if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
                 raise ValueError(f"{who}: {fname} must hold integers, got {x.dtype}")
         n = t.response_ids.numel()
-        if t.behav_logp.numel() != n or t.versions.numel() != n:
-            raise ValueError(f"{who}: response_ids/behav_logp/versions lengths "
-                             f"{n}/{t.behav_logp.numel()}/{t.versions.numel()} differ")
+        ent = t.behav_entropy
+        if ent is not None and (not isinstance(ent, torch.Tensor) or ent.dim() != 1
+                                or not ent.dtype.is_floating_point):
+            raise ValueError(f"{who}: behav_entropy must be a 1-D float tensor or None")
+        m = n if ent is None else ent.numel()
+        if t.behav_logp.numel() != n or t.versions.numel() != n or m != n:
+            raise ValueError(f"{who}: response_ids/behav_logp/versions/behav_entropy lengths "
+                             f"{n}/{t.behav_logp.numel()}/{t.versions.numel()}/{m} differ")
         p_ids.append(t.prompt_ids.to(torch.int64))
         r_ids.append(t.response_ids.to(torch.int64))
         logps.append(t.behav_logp)
         vers.append(t.versions.to(torch.int64))
+        ents.append(torch.full((n,), math.nan) if ent is None else ent.to(torch.float32))
         p_len.append(t.prompt_ids.numel())
         r_len.append(n)
     meta = {"prompt_uids": [str(t.prompt_uid) for t in trajs],
@@ -84,6 +94,7 @@ def pack_trajectories(trajs: list[Trajectory]) -> tuple[dict[str, Any], dict[str
         "prompt_ids": _cat(p_ids, torch.int64), "prompt_offsets": _offsets(p_len),
         "response_ids": _cat(r_ids, torch.int64), "response_offsets": _offsets(r_len),
         "behav_logp": _cat(logps, torch.float32), "versions": _cat(vers, torch.int64),
+        "behav_entropy": _cat(ents, torch.float32),
         "sample_idx": torch.tensor([int(t.sample_idx) for t in trajs], dtype=torch.int64),
         "reward": torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64),
         "reward_timed_out": torch.tensor([bool(t.reward_timed_out) for t in trajs],
@@ -110,7 +121,7 @@ def _check_structure(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
         if tensors[name].numel() != n:
             raise WireError("bad_tensor", f"{name} has {tensors[name].numel()} entries, expected {n}")
     for off_name, data_names in (("prompt_offsets", ("prompt_ids",)),
-                                 ("response_offsets", ("response_ids", "behav_logp", "versions"))):
+                                 ("response_offsets", _PER_TOKEN)):
         off = tensors[off_name]
         if off.numel() != n + 1 or int(off[0]) != 0 or bool((off[1:] < off[:-1]).any()):
             raise WireError("bad_tensor", f"{off_name} must be [N+1] non-decreasing from 0")
@@ -192,6 +203,10 @@ def validate_packed(
         if drop.any():
             bad = torch.cat([torch.zeros(1, dtype=torch.bool), torch.from_numpy(drop)])
             _fail_tokens(meta, tensors, "response_offsets", bad, "version decreases along response")
+    h = tensors["behav_entropy"]
+    if not _in_range(h[~h.isnan()], 0.0, math.inf) or bool(h.isinf().any()):
+        _fail_tokens(meta, tensors, "response_offsets", h < 0, "behav_entropy < 0")
+        _fail_tokens(meta, tensors, "response_offsets", h.isinf(), "behav_entropy infinite")
     _fail_rows(meta, tensors, ~torch.isfinite(tensors["reward"]), "reward not finite")
     _fail_rows(meta, tensors, tensors["sample_idx"] < 0, "negative sample_idx")
     for row, r in enumerate(meta["finish_reasons"]):
@@ -209,14 +224,15 @@ def unpack_trajectories(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) 
     p_len = tensors["prompt_offsets"].diff().tolist()
     r_len = tensors["response_offsets"].diff().tolist()
     prompts = tensors["prompt_ids"].split(p_len)
-    resps, lps, vers = (tensors[k].split(r_len) for k in ("response_ids", "behav_logp", "versions"))
+    resps, lps, vers, ents = (tensors[k].split(r_len) for k in _PER_TOKEN)
     sidx, rew = tensors["sample_idx"].tolist(), tensors["reward"].tolist()
     tout = tensors["reward_timed_out"].tolist()
     uids, reasons = meta["prompt_uids"], meta["finish_reasons"]
     return [
         Trajectory(prompt_uid=uids[i], sample_idx=sidx[i], prompt_ids=prompts[i],
                    response_ids=resps[i], behav_logp=lps[i], versions=vers[i], reward=rew[i],
-                   finish_reason=reasons[i], reward_timed_out=tout[i])
+                   finish_reason=reasons[i], reward_timed_out=tout[i],
+                   behav_entropy=None if bool(ents[i].isnan().all()) else ents[i])
         for i in range(n)
     ]
 

@@ -47,14 +47,13 @@ import torch
 
 from qurl.config import ConfigError, SGLangConfig
 from qurl.engines.sglang.inside.tp_cut import Layout
-from qurl.engines.sglang.launcher import Server, ServerSpec, server_command
+from qurl.engines.sglang.launcher import Server, ServerSpec
 from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError,
-                                          SGLangUnavailable, parse_generate)
+                                          SGLangUnavailable, parse_generate, topk_entropy)
 from qurl.engines.sglang.update import WeightUpdates
 from qurl.engines.sglang.watchdog import StallHandling, Watchdog
 from qurl.types import GenRequest, GenResult
 from qurl.wire.broadcaster import Broadcaster
-from qurl.wire.group import free_port
 from qurl.wire.sender import SyncStats
 
 
@@ -79,6 +78,7 @@ class _Pending:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
     calls: int = 0
 
 
@@ -91,7 +91,7 @@ class SGLangEngine(StallHandling, WeightUpdates):
                  timeouts: Timeouts | None = None, log_dir: str | Path | None = None,
                  max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
                  tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health",
-                 layout: Layout | None = None, max_running: int = 0) -> None:
+                 layout: Layout | None = None, max_running: int = 0, top_logprobs: int = 0) -> None:
         """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
         validate token ids against it); from_section reads both from the model directory.
         `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
@@ -100,7 +100,8 @@ class SGLangEngine(StallHandling, WeightUpdates):
         server's cut for delta and verified syncs (qurl/engines/sglang/inside/tp_cut.py; without it,
         read from the config.json of the model path the server reports, when readable here).
         `max_running`: requests sent to each server at once; 0 = what the server reports it runs
-        (module docstring)."""
+        (module docstring). `top_logprobs`: k > 0 asks for the top k at every token and gives
+        each result its entropy bound (protocol.py `topk_entropy`)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         if precision not in QUANTIZATION:
@@ -126,7 +127,7 @@ class SGLangEngine(StallHandling, WeightUpdates):
         self.servers = [Server(s, log, ready_probe) for s in servers]
         if max_running < 0:
             raise ValueError(f"max_running={max_running}: must be >= 0 (0 = the server's own)")
-        self.max_running = max_running
+        self.max_running, self.top_logprobs = max_running, top_logprobs
         self._lock = threading.RLock()  # syncs and recoveries, one at a time
         self._pick_lock = threading.Condition()  # request routing counters only
         self._resume = threading.Event()  # cleared while weights change: no new submissions
@@ -161,50 +162,11 @@ class SGLangEngine(StallHandling, WeightUpdates):
 
     # ---------------------------------------------------------------- construction helpers
     @classmethod
-    def from_section(cls, sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: Path,
-                     count: int, uaq_scale: float, group_host: str, group_port: int,
-                     bucket_bytes: int, slot: int | None = None, base_gpus: list[int] | None = None,
-                     verify_kernels_every: int = 10) -> "SGLangEngine":
-        """Attach to `sg.urls`, or export `model_dir` as an 8-bit checkpoint (UAQ-scaled, under
-        run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
-        None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
-        group_port: where the servers reach this process's weight group (port 0 = a free one).
-        base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/node/placement.py
-        `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU).
-        verify_kernels_every: deploy.verify_kernels_every (verified_sync.py)."""
-        quant, fmt = QUANTIZATION[precision]
-        urls = list(sg.urls)
-        if slot is not None:
-            if urls and len(urls) != count:
-                raise ValueError(f"sglang.urls has {len(urls)} servers: asynchronous rollout needs "
-                                 f"one per worker (deploy.engines={count})")
-            urls, count = urls[slot:slot + 1], 1
-        if urls:
-            specs = [ServerSpec(u, tp=sg.tp) for u in urls]
-        else:
-            from qurl.models.export8bit import export_8bit
+    def from_section(cls, sg: SGLangConfig, model_dir: str, **kw: Any) -> "SGLangEngine":
+        """The engine a run's `sglang` section asks for (qurl/engines/sglang/from_config.py)."""
+        from qurl.engines.sglang.from_config import build
 
-            name = f"sglang_{fmt}" if slot is None else f"sglang_{fmt}_w{slot}"  # no shared writes
-            ckpt = export_8bit(model_dir, run_dir / name, fmt, uaq_scale=uaq_scale)
-            if base_gpus is not None and len(base_gpus) != count:
-                raise ValueError(f"base_gpus {base_gpus}: one per server ({count})")
-            specs = []
-            for i in range(count):
-                port = free_port()
-                cmd = server_command(str(ckpt), port=port, tp=sg.tp, quantization=quant,
-                                     extra=sg.args, base_gpu=None if base_gpus is None
-                                     else base_gpus[i])
-                specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=sg.tp, command=cmd))
-        from transformers import AutoConfig, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        engine = cls(specs, precision=precision, group_host=group_host, group_port=group_port,
-                     backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
-                     tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf),
-                     max_running=sg.max_running, timeouts=Timeouts(stall_s=sg.stall_s))
-        engine.verify_kernels_every = verify_kernels_every
-        return engine
+        return build(cls, sg, model_dir, **kw)
 
     @property
     def version(self) -> int:
@@ -350,6 +312,8 @@ class SGLangEngine(StallHandling, WeightUpdates):
                 sp["stop_token_ids"] = list(req.params.stop_token_ids)
             body = {"rid": f"{req.rid}#{p.calls}", "input_ids": list(req.prompt_ids) + p.ids,
                     "sampling_params": sp, "return_logprob": True, "stream": False}
+            if self.top_logprobs:
+                body["top_logprobs_num"] = self.top_logprobs
             p.calls += 1
             where = f"POST /generate on {server.spec.url} (request {req.rid})"
             try:
@@ -375,6 +339,8 @@ class SGLangEngine(StallHandling, WeightUpdates):
             p.ids += ids
             p.logprobs += lps
             p.versions += vers
+            if self.top_logprobs:
+                p.entropy += topk_entropy(reply, where)
             interrupted = self._pauses != pauses or not self._resume.is_set()
             if finish == "abort" and interrupted:
                 continue  # a weight update cut it short: resubmit prompt + prefix
@@ -388,7 +354,8 @@ class SGLangEngine(StallHandling, WeightUpdates):
                          output_ids=torch.tensor(p.ids, dtype=torch.int64),
                          logprobs=torch.tensor(p.logprobs, dtype=torch.float32),
                          versions=torch.tensor(p.versions, dtype=torch.int64),
-                         finish_reason=finish)
+                         finish_reason=finish, entropy=torch.tensor(p.entropy, dtype=torch.float32)
+                         if self.top_logprobs else None)
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:

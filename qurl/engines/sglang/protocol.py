@@ -20,7 +20,11 @@ weight_updater.py`); recheck them when the pinned release changes:
   token; logprob of softmax(logits / temperature), before top-p), `completion_tokens`,
   `weight_version` (str) and, on finished requests, `weight_versions` spans
   [{"version", "start", "end"}] when the weights changed under a running request. `output_ids`
-  run through the stop token (not trimmed).
+  run through the stop token (not trimmed). With `"top_logprobs_num": k` in the body,
+  `meta_info.output_top_logprobs` holds, per generated token, its k most likely tokens as
+  [logprob, token_id, text|None], most likely first, read from the same tempered log-probs
+  (`srt/layers/sampler.py` computes them after `/ temperatures`; `tokenizer_manager.py`
+  `detokenize_top_logprobs_tokens`).
 - `POST /pause_generation {"mode": "abort"}` aborts every running request — each returns
   normally with finish_reason type "abort" and the tokens generated so far — and holds new ones
   until `POST /continue_generation {}`.
@@ -139,3 +143,27 @@ def parse_generate(reply: Any, where: str) -> tuple[list[int], list[float], list
         for k in range(max(0, span["start"]), min(len(ids), span["end"])):
             versions[k] = as_int(span["version"])
     return ids, logprobs, versions, finish["type"]
+
+
+def topk_entropy(reply: dict, where: str) -> list[float]:
+    """Per generated token of a /generate reply asked with top_logprobs_num = k, a lower bound on
+    the entropy of the distribution it was drawn from: the top k's own terms, -p log p each, plus
+    the rest of the mass r = 1 - sum p taken as one token (-r log r). Any split of r over more
+    tokens has more entropy (each of its p_j <= r, so -p_j log p_j >= -p_j log r). Exact when the
+    top k hold all the mass; off by at most r log(V - k) otherwise."""
+    tops, ids = reply["meta_info"].get("output_top_logprobs"), reply.get("output_ids") or []
+    if not isinstance(tops, list) or len(tops) != len(ids):
+        raise SGLangError(f"{where}: meta_info.output_top_logprobs has "
+                          f"{len(tops) if isinstance(tops, list) else tops!r} entries for "
+                          f"{len(ids)} output_ids (was top_logprobs_num set?)")
+    out = []
+    for k, top in enumerate(tops):
+        if not isinstance(top, list) or not top or not all(
+                isinstance(e, list) and len(e) >= 2 and isinstance(e[0], (int, float))
+                and not math.isnan(e[0]) and e[0] <= 0 for e in top):
+            raise SGLangError(f"{where}: output_top_logprobs[{k}] = {str(top)[:200]} is not a "
+                              "list of [logprob <= 0, token_id, text]")
+        ps = [(math.exp(e[0]), float(e[0])) for e in top]
+        rest = max(0.0, 1.0 - sum(p for p, _ in ps))
+        out.append(sum(-p * lp for p, lp in ps if p > 0) - (rest * math.log(rest) if rest > 0 else 0.0))
+    return out

@@ -1,0 +1,70 @@
+"""An SGLangEngine from a run's `sglang` section: attach to running servers or launch new ones.
+
+Attached servers (`sglang.urls`) are taken as they are: their /server_info is checked against
+the section when the engine starts. Launched ones first need a checkpoint they can load: the base
+model exported in the rollout's 8-bit format, UAQ-scaled as the learner's masters are
+(qurl/models/export8bit.py), written under the run directory so async workers never share a
+write. Each launched server gets a free port and, on GPU hosts, its own first GPU.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qurl.config import SGLangConfig
+from qurl.engines.sglang.engine import Timeouts
+from qurl.engines.sglang.inside.tp_cut import Layout
+from qurl.engines.sglang.launcher import ServerSpec, server_command
+from qurl.engines.sglang.protocol import QUANTIZATION
+from qurl.wire.group import free_port
+
+if TYPE_CHECKING:
+    from qurl.engines.sglang.engine import SGLangEngine
+
+
+def build(cls: type[SGLangEngine], sg: SGLangConfig, model_dir: str, *, precision: str,
+          run_dir: Path, count: int, uaq_scale: float, group_host: str, group_port: int,
+          bucket_bytes: int, slot: int | None = None, base_gpus: list[int] | None = None,
+          verify_kernels_every: int = 10) -> SGLangEngine:
+    """Attach to `sg.urls`, or export `model_dir` as an 8-bit checkpoint (UAQ-scaled, under
+    run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
+    None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
+    group_port: where the servers reach this process's weight group (port 0 = a free one).
+    base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/node/placement.py
+    `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU).
+    verify_kernels_every: deploy.verify_kernels_every (verified_sync.py)."""
+    quant, fmt = QUANTIZATION[precision]
+    urls = list(sg.urls)
+    if slot is not None:
+        if urls and len(urls) != count:
+            raise ValueError(f"sglang.urls has {len(urls)} servers: asynchronous rollout needs "
+                             f"one per worker (deploy.engines={count})")
+        urls, count = urls[slot:slot + 1], 1
+    if urls:
+        specs = [ServerSpec(u, tp=sg.tp) for u in urls]
+    else:
+        from qurl.models.export8bit import export_8bit
+
+        name = f"sglang_{fmt}" if slot is None else f"sglang_{fmt}_w{slot}"  # no shared writes
+        ckpt = export_8bit(model_dir, run_dir / name, fmt, uaq_scale=uaq_scale)
+        if base_gpus is not None and len(base_gpus) != count:
+            raise ValueError(f"base_gpus {base_gpus}: one per server ({count})")
+        specs = []
+        for i in range(count):
+            port = free_port()
+            cmd = server_command(str(ckpt), port=port, tp=sg.tp, quantization=quant,
+                                 extra=sg.args, base_gpu=None if base_gpus is None
+                                 else base_gpus[i])
+            specs.append(ServerSpec(f"http://127.0.0.1:{port}", tp=sg.tp, command=cmd))
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    engine = cls(specs, precision=precision, group_host=group_host, group_port=group_port,
+                 backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
+                 tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf),
+                 max_running=sg.max_running, timeouts=Timeouts(stall_s=sg.stall_s),
+                 top_logprobs=sg.top_logprobs)
+    engine.verify_kernels_every = verify_kernels_every
+    return engine
+
