@@ -4,6 +4,7 @@
     qurl train --resume runs/<run> [--set run.steps=80]
     qurl eval runs/<run> [--set eval.samples=32]  greedy / Avg@k / pass@k of a checkpoint (latest
                                     or --step N) on every eval set; --answers keeps the answers
+    qurl eval DIR --config runs/<run>/config.toml  the same for an HF checkpoint (an export)
     qurl export runs/<run> --out DIR [--step N] [--format hf|int8|fp8|fp8_block]  HF / 8-bit
     qurl report runs/<run>          PNG plots from metrics.jsonl
     qurl compare [--seeds 0,1] [--set ...]  sync vs async x bf16 vs int8+ACR+UAQ (+ naive int8)
@@ -117,14 +118,26 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from qurl.evaluation.run_eval import eval_run
+    from qurl.evaluation.run_eval import eval_checkpoint, eval_run
     from qurl.evaluation.suite import summary
 
-    rec = eval_run(Path(args.run_dir), max_examples=args.n, sets=args.set,
-                   per_question=args.per_question, step=args.step, answers=args.answers)
+    path = Path(args.path)
+    checkpoint = (path / "config.json").is_file() and not (path / "config.toml").is_file()
+    if not checkpoint:  # a run directory (eval_run's errors name what is missing)
+        if args.preset or args.config:
+            raise InputError(f"{path} is a run directory: its own config.toml is used "
+                             "(--preset / --config are for an HF checkpoint directory)")
+        rec = eval_run(path, max_examples=args.n, sets=args.set, per_question=args.per_question,
+                       step=args.step, answers=args.answers)
+    else:
+        if args.step is not None:
+            raise InputError(f"--step: {path} is a checkpoint directory, not a run")
+        cfg = load_config(args.preset or "cpu-tiny", args.config, args.set)
+        rec = eval_checkpoint(path, cfg, max_examples=args.n, per_question=args.per_question,
+                              answers=args.answers)
     if args.out:
         Path(args.out).write_text(json.dumps(rec) + "\n")
-    print(f"{args.run_dir}: {summary(rec)}")
+    print(f"{args.path}: {summary(rec)}")
     for key in sorted(k for k in rec if k.startswith(("eval/", "eval_fp/", "eval_gap/"))):
         print(f"  {key:40s} {rec[key]:.4f}")
     return 0
@@ -140,51 +153,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "engine":
-        from qurl.bench.engines import bench_local_engine
+    from qurl.bench.command import run_bench
 
-        bench_local_engine(preset=args.preset_model, batch=args.batch, new_tokens=args.new_tokens,
-                           arms=tuple(a for a in args.arms.split(",") if a), rounds=args.rounds,
-                           num_threads=args.threads, profile=args.profile, gemms=args.gemms)
-    elif args.what == "learner" and args.memory:
-        from qurl.bench.learner_long import ARMS, bench_memory
-
-        arms = tuple(a for a in (args.learner_arms or ",".join(ARMS)).split(",") if a)
-        bench_memory(lengths=tuple(int(x) for x in args.lengths.split(",")), arms=arms,
-                     layers=args.layers or 2, threads=args.threads, max_gb=args.max_gb)
-    elif args.what == "learner" and args.mix:
-        from qurl.bench.learner_mix import bench_mix
-
-        bench_mix(rounds=args.rounds, threads=args.threads)
-    elif args.what == "learner" and args.attention:
-        from qurl.bench.learner_mix import bench_attention_step
-
-        bench_attention_step(rounds=args.rounds, threads=args.threads)
-    elif args.what == "learner":
-        from qurl.bench.learner import bench_learner
-
-        bench_learner(model=args.preset_model, rows=args.batch, prompt=args.prompt_tokens,
-                      response=args.answer_tokens, rounds=args.rounds, threads=args.threads)
-    elif args.what == "stream":
-        from qurl.bench.stream import bench_stream
-
-        bench_stream()
-    elif args.delta:
-        from qurl.bench.sync_delta import DELTA_SHAPES, bench_delta
-
-        shapes = tuple(s for s in args.delta_shapes.split(",") if s)
-        bad = [s for s in shapes if s not in DELTA_SHAPES]
-        if bad:
-            raise InputError(f"--delta-shapes: unknown {bad[0]!r} (known: "
-                             f"{', '.join(DELTA_SHAPES)})")
-        bench_delta(shapes=shapes, flips_from=tuple(args.flips_from), link=args.link,
-                    bucket_mb=args.bucket_mb or 64.0, repeats=args.repeats,
-                    layers=args.layers or None, encode_only=args.encode_only)
-    else:
-        from qurl.bench.sync import bench_sync
-
-        bench_sync(bucket_mb=args.bucket_mb, shapes=args.shapes)
-    return 0
+    return run_bench(args)
 
 
 def _seed_list(text: str) -> list[int]:
@@ -253,9 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR")
     p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("eval", help="evaluate a run's latest checkpoint (greedy, Avg@k, pass@k; "
-                       "8-bit engine and full-precision policy)")
-    p.add_argument("run_dir")
+    p = sub.add_parser("eval", help="evaluate a run's latest checkpoint, or an HF checkpoint "
+                       "directory under --config / --preset (greedy, Avg@k, pass@k; 8-bit "
+                       "engine and full-precision policy)")
+    p.add_argument("path", help="a run directory, or an HF checkpoint directory (an export)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="checkpoint "
+                   "directory only: the config to evaluate it under (default cpu-tiny)")
+    p.add_argument("--config", default=None, help="checkpoint directory only: a TOML config, "
+                   "e.g. the config.toml of the run it was exported from")
     p.add_argument("-n", type=int, default=None, help="at most this many examples per eval set")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[],
                    help="override the run's config for this evaluation (data.eval, eval.*)")

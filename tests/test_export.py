@@ -124,25 +124,47 @@ def test_export_errors_are_one_line(runs, tmp_path, capsys):
     assert "no checkpoint of step 7" in capsys.readouterr().err
 
 
-def test_the_exported_policy_answers_as_the_run_does(runs, runs_dir, tmp_path):
-    """A trained policy leaves qurl and comes back: the HF export of the run's last checkpoint,
-    made the base of a new run (same precision and UAQ scale, no warm start, a learning rate too
-    small to move an fp32 weight), gives `qurl eval` the same greedy answers, word for word, and
-    the same accuracies as the run's own last checkpoint (issue 58: export, then re-evaluate)."""
-    from qurl.evaluation.run_eval import eval_run
+def test_the_exported_policy_answers_as_the_run_does(runs, tmp_path, capsys):
+    """A trained policy leaves qurl and comes back: `qurl eval` on the HF export of the run's last
+    checkpoint, under the run's own config.toml, gives the same greedy answers, word for word,
+    and the same accuracies as `qurl eval` of the run itself (issue 58: export, then
+    re-evaluate). The checkpoint directory is read as a run's step 0 would read its base."""
+    out = tmp_path / "hf"
+    assert main(["export", str(runs / "qwen3"), "--out", str(out), "--dtype", "float32"]) == 0
+    recs = {}
+    for name, cmd in (("trained", [str(runs / "qwen3")]),
+                      ("export", [str(out), "--config", str(runs / "qwen3" / "config.toml")])):
+        assert main(["eval", *cmd, "--answers", "--out", str(tmp_path / f"{name}.json")]) == 0
+        recs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    trained, again = recs["trained"], recs["export"]
+    texts = trained["eval_answers"]["synthetic/greedy"]
+    assert len(texts) == 4 and any(t.strip() for t in texts)  # answers to compare, not blanks
+    assert again["eval_answers"] == trained["eval_answers"]
+    scores = [k for k in trained if k.startswith("eval/") and k.endswith("/greedy")]
+    assert scores and {k: again[k] for k in scores} == {k: trained[k] for k in scores}
+    assert again["step"] == 0 and trained["step"] == 2
+    # the wrong inputs are one line each: an 8-bit export, --step on a checkpoint, --config on a run
+    assert main(["export", str(runs / "qwen3"), "--out", str(tmp_path / "i8"), "--format", "int8"]) == 0
+    capsys.readouterr()
+    for cmd, says in (([str(tmp_path / "i8")], "an 8-bit export"),
+                      ([str(out), "--step", "1"], "a checkpoint directory, not a run"),
+                      ([str(runs / "qwen3"), "--preset", "cpu-tiny"], "is a run directory")):
+        assert main(["eval", *cmd]) == 2, cmd
+        err = capsys.readouterr().err.strip()
+        assert says in err and "\n" not in err, err
 
+
+def test_an_export_based_run_quantizes_as_the_run_did(runs, runs_dir, tmp_path):
+    """The export made the base of a new run (same precision and UAQ scale, no warm start, a
+    learning rate too small to move an fp32 weight): what its engine is given equals the trained
+    run's, scales to fp32 rounding (UAQ re-applied: x * s / s) and codes but for the odd one on a
+    rounding tie."""
     out = tmp_path / "hf"
     assert main(["export", str(runs / "qwen3"), "--out", str(out), "--dtype", "float32"]) == 0
     root = runs_dir("export_again")
     train(_cfg(root, "again", **{"model.base": str(out), "model.dtype": "float32",
                                   "run.steps": 1, "model.warmstart_steps": 0,
                                   "optim.lr": 1e-30}))
-    trained, again = (eval_run(d, answers=True) for d in (runs / "qwen3", root / "again"))
-    texts = trained["eval_answers"]["synthetic/greedy"]
-    assert len(texts) == 4 and any(t.strip() for t in texts)  # answers to compare, not blanks
-    assert again["eval_answers"] == trained["eval_answers"]
-    scores = [k for k in trained if k.startswith("eval/") and k.endswith("/greedy")]
-    assert scores and {k: again[k] for k in scores} == {k: trained[k] for k in scores}
     # what the engines were given: the 8-bit weights of both runs agree, scales to fp32 rounding
     # (UAQ re-applied: x * s / s) and codes but for the odd one on a rounding tie
     from qurl.models.hf import read_state_dict

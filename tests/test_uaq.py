@@ -200,3 +200,23 @@ def test_code_shift_of_uaq_on_a_real_qwen2(tmp_path, capsys) -> None:
     assert [r["s"] for r in lines] == [2.0, 1.5]
     assert lines[0]["all"] == 0.0
     assert lines[1]["uaq_scaled"] == pytest.approx(code_shift(state, 1.5)["uaq_scaled"])
+
+
+def test_ulp_nudges_move_only_the_norm_gains_by_exactly_one_ulp():
+    """qurl.studies.ulp_sensitivity's nudge arm: each norm gain element one representable fp32
+    value away (up or down, both happen), every other tensor the very same object."""
+    from qurl.studies.ulp_sensitivity import nudged
+
+    g = torch.Generator().manual_seed(0)
+    masters = {"model.layers.0.input_layernorm.weight": torch.rand(64, generator=g) + 0.5,
+               "model.layers.0.self_attn.q_norm.weight": torch.rand(16, generator=g),
+               "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g),
+               "model.norm.weight": torch.rand(64, generator=g) + 0.5}
+    out = nudged(masters, seed=3)
+    assert out["model.layers.0.self_attn.q_proj.weight"] is masters["model.layers.0.self_attn.q_proj.weight"]
+    for name in ("model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight",
+                 "model.norm.weight"):
+        a, b = masters[name], out[name]
+        steps = b.view(torch.int32).long() - a.view(torch.int32).long()  # positive floats: ulps
+        assert set(steps.tolist()) == {-1, 1}, name
+    assert not torch.equal(nudged(masters, seed=4)["model.norm.weight"], out["model.norm.weight"])

@@ -1,4 +1,5 @@
-"""`qurl eval`: the paper's evaluation of a run's latest checkpoint, or `--step N`'s (suite.py).
+"""`qurl eval`: the paper's evaluation of a run's latest checkpoint, or `--step N`'s (suite.py),
+or of an HF checkpoint directory (an export from `qurl export`, a base model) under a run's config.
 
 The checkpoint's learner weights (UAQ-scaled master weights) are loaded into a learner, quantized to
 the run's rollout precision and loaded into a fresh engine — the same path a training step takes —
@@ -6,6 +7,14 @@ so the `eval/...` numbers are what the 8-bit actor of that checkpoint scores; wi
 same master weights, unquantized, are scored beside it (`eval_fp/...`, `eval_gap/...`). What is
 measured (sets, greedy, Avg@k, pass@k) is the run's config, which `--set eval.samples=32` etc. may
 change for this call.
+
+An HF checkpoint directory is evaluated as a run's step 0 would be with it as `model.base`: the
+config (a run's config.toml, or a preset) says which sets, which rollout precision and which UAQ
+scale; the learner reads the checkpoint, applies UAQ as a run does, and the same path as above
+quantizes it into the engine. So an HF export of a run, evaluated under that run's config, gives
+the engine the run's own 8-bit actor up to fp32 rounding: UAQ undone and re-applied (x * s / s)
+moves some weights by one unit in the last place, and an 8-bit greedy evaluation can answer
+differently at that level (docs/models.md measures by how much on SmolLM2-135M).
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ from qurl.node.placement import learner_threads, set_threads
 from qurl.sync.publish import WeightSync
 
 
-def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_question: bool,
+def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_question: bool,
                 answers: bool, rank: int, world_size: int) -> dict:
     set_threads(learner_threads(cfg, workers=False))
     init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
@@ -34,15 +43,16 @@ def _eval_entry(cfg: Config, *, ckpt: str, max_examples: int | None, per_questio
         else resolve_base(cfg.model.base)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
-    learner.load(Path(ckpt))
+    if ckpt is not None:  # None: the base checkpoint itself, as a run's step 0
+        learner.load(Path(ckpt))
     main = is_main_rank()
     engine = make_engine(cfg, model_dir) if main else None
     try:
         WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
             learner.named_weights(), engine, version=0)  # the version the record states is below
-        step = version = int(Path(ckpt).name.removeprefix("step_"))
-        state = Path(ckpt) / "state.pt"
-        if main and state.is_file():  # the policy version trained into these weights
+        step = version = 0 if ckpt is None else int(Path(ckpt).name.removeprefix("step_"))
+        state = None if ckpt is None else Path(ckpt) / "state.pt"
+        if main and state is not None and state.is_file():  # the policy version trained into these weights
             version = int(torch.load(state, weights_only=False).get("version", step))
         evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples,
                               per_question=per_question, answers=answers)
@@ -66,4 +76,28 @@ def eval_run(run_dir: Path, max_examples: int | None = None, sets: list[str] | N
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
     return run_ranks(_eval_entry, cfg, ckpt=str(ckpt), max_examples=max_examples,
+                     per_question=per_question, answers=answers)
+
+
+def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = None,
+                    per_question: bool = False, answers: bool = False) -> dict:
+    """Evaluate the HF checkpoint `model_dir` under `cfg` (module docstring): its step-0 record.
+    InputError (one line) for a directory that is not a checkpoint qurl trains, or an 8-bit export
+    (its codes are the engine's, not a policy a learner can read: evaluate its run instead)."""
+    from qurl.errors import InputError
+    from qurl.models.fits import check_fits
+
+    meta = model_dir / "config.json"
+    if meta.is_file() and "quantization_config" in meta.read_text():
+        raise InputError(f"{model_dir}: an 8-bit export (quantization_config in config.json); "
+                         "qurl eval reads full-precision checkpoints: export with --format hf, "
+                         "or evaluate the run it came from")
+    cfg = validate(override(cfg, {"model.base": str(model_dir), "model.warmstart_steps": 0,
+                                  "run.name": f"eval-{model_dir.name}"}))
+    if answers and not cfg.eval.greedy:
+        raise ConfigError("qurl eval --answers: the answers kept are the greedy ones; "
+                          "eval.greedy is false")
+    check_fits(str(model_dir), learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
+               precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
+    return run_ranks(_eval_entry, cfg, ckpt=None, max_examples=max_examples,
                      per_question=per_question, answers=answers)

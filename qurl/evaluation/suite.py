@@ -13,7 +13,8 @@ the keys `WHO/<set>/greedy`, `WHO/<set>/avg@k`, `WHO/<set>/pass@j` (set = file s
 `eval_counts`: the rollout engine's right answers per question ({"<set>/greedy" | "<set>/avg@k":
 [count per question]}), from which an evaluation's standard error is measured
 (qurl/studies/tables.py); with `answers` (`qurl eval --answers`), `eval_answers`: the rollout
-engine's greedy answers as text ({"<set>/greedy": [text per question]}), to read why the misses
+engine's greedy answers as text ({"<set>/greedy": [text per question]}; the fp policy's, when it
+is evaluated, as `eval_fp_answers`), to read why the misses
 miss (qurl/studies/misses.py).
 
 Sampled answers use seeds derived from (run seed, uid, sample index) only, so both engines, and every
@@ -185,8 +186,11 @@ class Evaluator:
         if self.answers:
             rec["eval_answers"] = texts
         if self.fp_engine is not None:
-            fp = score_engine(self.fp_engine, self.sets, codec, ecfg, **kw)
+            fp_texts: dict[str, list[str]] | None = {} if self.answers else None
+            fp = score_engine(self.fp_engine, self.sets, codec, ecfg, answers=fp_texts, **kw)
             rec.update({f"eval_fp/{k}": v for k, v in fp.items()})
+            if fp_texts is not None:
+                rec["eval_fp_answers"] = fp_texts
             rec.update({f"eval_gap/{k}": quant[k] - fp[k] for k in quant})
         head = "greedy" if ecfg.greedy else f"avg@{ecfg.samples}"
         rec["accuracy"] = quant[f"mean/{head}"]
