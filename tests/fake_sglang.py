@@ -18,6 +18,9 @@ What is fake: generation. Token t+1 = (31 * sum(ids) + len(ids) + 7 * version) %
 full context `ids` (prompt + generated so far), with log-prob -1 / (version + 2); one token every
 `--token-delay` seconds, so a pause can interrupt a request mid-way. Finish reasons, per-token
 `output_token_logprobs` as [logprob, token_id, text] and `weight_versions` spans follow SGLang.
+With `top_logprobs_num` k > 0, `output_top_logprobs` holds per token k entries [logprob, id, None],
+most likely first (SGLang's shape, `tokenizer_manager.py` `detokenize_top_logprobs_tokens`): the
+sampled token, then ids tok+1, tok+2, ... with probabilities (1 - p0) / 2^j, p0 = exp(logprob).
 
 Behaviours checked against the real server (tests/test_sglang_real.py, `make test-sglang`) and
 imitated here: `/health` is a generation, so it waits while paused and answers 503 after
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -183,7 +187,11 @@ class FakeSGLang:
             lps = lps[:-1]
         if self.fault == "nan_logprob" and lps:
             lps[0] = float("nan")
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+        k = int(body.get("top_logprobs_num") or 0)
+        meta_top = {} if k <= 0 else {"output_top_logprobs": [
+            [[lp, t, None]] + [[math.log((1 - math.exp(lp)) / 2 ** j), (t + j) % self.vocab, None]
+                               for j in range(1, k)] for lp, t in zip(lps, out)]}
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), **meta_top,
                 "weight_version": self.version, "completion_tokens": len(out), "cached_tokens": 0,
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)],
                 "output_token_logprobs_length": len(lps), "input_token_logprobs": [],

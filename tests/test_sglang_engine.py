@@ -197,12 +197,22 @@ def test_launch_generate_sync_partial_rollout_and_disk(tmp_path):
                 fired.append(1)
                 eng.load_weights(v2, 2)
 
+        eng.top_logprobs = 3  # the entropy bound is stitched across the resubmission too
         (r,) = eng.generate([GenRequest("p", prompt, SamplingParams(max_new_tokens=40))], between)
         vers = r.versions.tolist()
         k = vers.count(1)
         assert fired and len(vers) == 40 and vers == [1] * k + [2] * (40 - k) and 0 < k < 40
         toks, lps = _expected(prompt, vers)
         assert r.output_ids.tolist() == toks and torch.allclose(r.logprobs, torch.tensor(lps))
+
+        def bound(lp: float) -> float:  # the fake's top 3: p0, (1-p0)/2, (1-p0)/4; rest (1-p0)/4
+            ps = [math.exp(lp)] + [(1 - math.exp(lp)) / d for d in (2, 4, 4)]
+            return -sum(p * math.log(p) for p in ps)
+
+        assert r.entropy is not None and len(r.entropy) == 40
+        assert torch.allclose(r.entropy.double(), torch.tensor([bound(lp) for lp in lps],
+                                                               dtype=torch.float64), atol=1e-6)
+        eng.top_logprobs = 0
         calls = [q for q in _get(eng.servers[0].spec.url, "/_fake/requests")
                  if q["rid"].startswith("p#")]
         assert calls[-1]["input_ids"] == prompt + toks[:k]  # prompt + generated prefix
