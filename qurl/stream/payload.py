@@ -21,8 +21,9 @@ message, not a Python loop per token — and raises WireError("invalid", detail)
 trajectory (prompt_uid, sample_idx) when: a token id is outside [0, vocab_size); a response is longer
 than max_len or a prompt empty; behav_logp is not finite or > 0; a version is negative, newer than the
 learner's current version, or decreases along a response (weights only move forward during a partial
-rollout); a behav_entropy is negative or infinite; a reward is not finite; a finish_reason is unknown. Structural problems (missing tensors,
-wrong dtypes/shapes, inconsistent offsets) raise "bad_tensor" / "bad_header".
+rollout); a behav_entropy is negative or infinite; a reward is not finite; a finish_reason is
+unknown. Structural problems (missing tensors, wrong dtypes/shapes, inconsistent offsets) raise
+"bad_tensor" / "bad_header".
 """
 from __future__ import annotations
 
