@@ -18,6 +18,7 @@ differently at that level (docs/models.md measures by how much on SmolLM2-135M).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -50,16 +51,24 @@ def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_
     try:
         WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
             learner.named_weights(), engine, version=0)  # the version the record states is below
-        step = version = 0 if ckpt is None else int(Path(ckpt).name.removeprefix("step_"))
-        state = None if ckpt is None else Path(ckpt) / "state.pt"
-        if main and state is not None and state.is_file():  # the policy version trained into these weights
-            version = int(torch.load(state, weights_only=False).get("version", step))
+        step = version = 0
+        if ckpt is not None:
+            step = version = int(Path(ckpt).name.removeprefix("step_"))
+            state = Path(ckpt) / "state.pt"
+            if main and state.is_file():  # the policy version trained into these weights
+                version = int(torch.load(state, weights_only=False).get("version", step))
         evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples,
                               per_question=per_question, answers=answers)
         return evaluator.run(step, version, engine, learner) or {}
     finally:
         if engine is not None:  # SGLang servers launched for this evaluation stop with it
             engine.close()
+
+
+def _check_answers(cfg: Config, answers: bool) -> None:
+    if answers and not cfg.eval.greedy:
+        raise ConfigError("qurl eval --answers: the answers kept are the greedy ones; "
+                          "eval.greedy is false")
 
 
 def eval_run(run_dir: Path, max_examples: int | None = None, sets: list[str] | None = None,
@@ -69,9 +78,7 @@ def eval_run(run_dir: Path, max_examples: int | None = None, sets: list[str] | N
     also the greedy answers' text (`eval_answers`, needs eval.greedy)."""
     cfg = override(read_config(run_dir), {"deploy.dir": str(run_dir.parent), "run.name": run_dir.name})
     cfg = validate(override(cfg, parse_sets(sets or [])))
-    if answers and not cfg.eval.greedy:
-        raise ConfigError("qurl eval --answers: the answers kept are the greedy ones; "
-                          "eval.greedy is false")
+    _check_answers(cfg, answers)
     ckpt = CheckpointDir(run_dir).latest() if step is None else CheckpointDir(run_dir).at(step)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
@@ -88,15 +95,13 @@ def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = Non
     from qurl.models.fits import check_fits
 
     meta = model_dir / "config.json"
-    if meta.is_file() and "quantization_config" in meta.read_text():
+    if meta.is_file() and "quantization_config" in json.loads(meta.read_text()):
         raise InputError(f"{model_dir}: an 8-bit export (quantization_config in config.json); "
                          "qurl eval reads full-precision checkpoints: export with --format hf, "
                          "or evaluate the run it came from")
     cfg = validate(override(cfg, {"model.base": str(model_dir), "model.warmstart_steps": 0,
                                   "run.name": f"eval-{model_dir.name}"}))
-    if answers and not cfg.eval.greedy:
-        raise ConfigError("qurl eval --answers: the answers kept are the greedy ones; "
-                          "eval.greedy is false")
+    _check_answers(cfg, answers)
     check_fits(str(model_dir), learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
     return run_ranks(_eval_entry, cfg, ckpt=None, max_examples=max_examples,
