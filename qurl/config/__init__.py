@@ -1,7 +1,7 @@
 """The one config tree of qurl: frozen dataclasses, presets as Python functions, TOML + `--set` overrides.
 
 A run is fully described by a `Config` (tree.py: eight training sections, then `sglang` and
-`deploy`, every field typed and documented). It is built from a preset (`cpu-tiny` by default,
+`deploy` from deployment.py, every field typed and documented, its bounds from fields.py). It is built from a preset (`cpu-tiny` by default,
 presets.py), then a TOML file (`--config f.toml`, same section names), then `--set a.b=c`
 overrides, and checked (load.py, rules.py) with errors that name the field. The resolved tree is
 written to the run directory as `config.toml` and read back on resume (compat.py reads files

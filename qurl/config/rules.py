@@ -1,4 +1,5 @@
-"""The rules that tie config fields together (a single field's rules live on its type, in tree.py).
+"""The rules that tie config fields together (one field's own rules live on its type, in tree.py
+and deployment.py).
 
 Each rule names the fields it reads, so the error a user meets says which settings disagree.
 """

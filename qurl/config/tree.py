@@ -1,4 +1,5 @@
-"""The config tree: what a run learns (eight training sections) and where it runs (`sglang`, `deploy`).
+"""The config tree: what a run learns (eight training sections) and where it runs (`sglang`, `deploy`,
+whose sections live in deployment.py; the bound markers and type aliases in fields.py).
 
 Every field carries its type, its default and a docstring (the string under it, read by
 `field_doc`). Choices are `Literal` types and bounds are `Annotated[..., Min(x)]` / `MoreThan(x)`,
