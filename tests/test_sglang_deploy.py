@@ -62,8 +62,10 @@ def test_make_engine_places_launched_servers(monkeypatch, tmp_path):
 
     seen = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(SGLangEngine, "from_section",
-                        classmethod(lambda cls, sg, md, **kw: seen.append(kw) or "engine"))
+    from qurl.engines.sglang import from_config
+
+    monkeypatch.setattr(from_config, "from_section",
+                        lambda sg, md, **kw: seen.append(kw) or "engine")
     base = ["learner.tp=2", "sglang.tp=2", "deploy.engines=2", "rollout.engine=sglang",
             f"deploy.dir={tmp_path}"]
     assert factory.make_engine(load_config(sets=base), "m") == "engine"

@@ -35,13 +35,13 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     import torch
 
     from qurl.checkpoint.rundir import run_dir_for
-    from qurl.engines.sglang.engine import SGLangEngine
+    from qurl.engines.sglang import from_config
     from qurl.node.placement import sglang_base_gpus
 
     d = cfg.deploy
     gpus = None if cfg.sglang.urls else sglang_base_gpus(  # launched here: after the learner's
         cfg, d.engines, torch.cuda.device_count(), slot=slot)
-    return SGLangEngine.from_section(
+    return from_config.from_section(
         cfg.sglang, model_dir, precision=cfg.rollout.precision, run_dir=run_dir_for(cfg),
         count=d.engines, uaq_scale=cfg.algo.uaq_scale, group_host=host or d.host,
         group_port=d.weight_port if slot is None else 0,  # async workers: one group each

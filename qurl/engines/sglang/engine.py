@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from qurl.config import ConfigError, SGLangConfig
+from qurl.config import ConfigError
 from qurl.engines.sglang.inside.tp_cut import Layout
 from qurl.engines.sglang.launcher import Server, ServerSpec
 from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError,
@@ -93,7 +93,7 @@ class SGLangEngine(StallHandling, WeightUpdates):
                  tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health",
                  layout: Layout | None = None, max_running: int = 0, top_logprobs: int = 0) -> None:
         """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
-        validate token ids against it); from_section reads both from the model directory.
+        validate token ids against it); from_config.py reads both from the model directory.
         `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
         one-token generation) or "/model_info" (model loaded; for servers that cannot generate,
         such as 8-bit SGLang on a CPU). `layout`: the model's head counts, which map a TP > 1
@@ -161,13 +161,6 @@ class SGLangEngine(StallHandling, WeightUpdates):
             raise
 
     # ---------------------------------------------------------------- construction helpers
-    @classmethod
-    def from_section(cls, sg: SGLangConfig, model_dir: str, **kw: Any) -> "SGLangEngine":
-        """The engine a run's `sglang` section asks for (qurl/engines/sglang/from_config.py)."""
-        from qurl.engines.sglang.from_config import build
-
-        return build(cls, sg, model_dir, **kw)
-
     @property
     def version(self) -> int:
         return self._version

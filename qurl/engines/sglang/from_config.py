@@ -9,23 +9,18 @@ write. Each launched server gets a free port and, on GPU hosts, its own first GP
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from qurl.config import SGLangConfig
-from qurl.engines.sglang.engine import Timeouts
+from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.inside.tp_cut import Layout
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.wire.group import free_port
 
-if TYPE_CHECKING:
-    from qurl.engines.sglang.engine import SGLangEngine
-
-
-def build(cls: type[SGLangEngine], sg: SGLangConfig, model_dir: str, *, precision: str,
-          run_dir: Path, count: int, uaq_scale: float, group_host: str, group_port: int,
-          bucket_bytes: int, slot: int | None = None, base_gpus: list[int] | None = None,
-          verify_kernels_every: int = 10) -> SGLangEngine:
+def from_section(sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: Path, count: int,
+                 uaq_scale: float, group_host: str, group_port: int, bucket_bytes: int,
+                 slot: int | None = None, base_gpus: list[int] | None = None,
+                 verify_kernels_every: int = 10) -> SGLangEngine:
     """Attach to `sg.urls`, or export `model_dir` as an 8-bit checkpoint (UAQ-scaled, under
     run_dir) and launch local servers on free ports: `count` of them for the sync loop (slot
     None), or the one server of async worker `slot` (its URL is sg.urls[slot]). group_host /
@@ -60,7 +55,7 @@ def build(cls: type[SGLangEngine], sg: SGLangConfig, model_dir: str, *, precisio
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    engine = cls(specs, precision=precision, group_host=group_host, group_port=group_port,
+    engine = SGLangEngine(specs, precision=precision, group_host=group_host, group_port=group_port,
                  backend=sg.backend, bucket_bytes=bucket_bytes, log_dir=run_dir / "logs",
                  tokenizer=tok, vocab_size=int(hf.vocab_size), layout=Layout.of_config(hf),
                  max_running=sg.max_running, timeouts=Timeouts(stall_s=sg.stall_s),
