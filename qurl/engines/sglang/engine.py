@@ -30,7 +30,8 @@ in the server's queue (and be aborted by the next sync's pause); fewer leaves it
 
 The protocol facts this relies on are qurl/engines/sglang/protocol.py; one server process is
 launcher.py; the weight group and update sessions are update.py (`WeightUpdates`, which this
-class extends); this module builds the engine, routes and resumes requests, recovers servers.
+class extends); from_config.py makes one from a run's `sglang` section; this module starts the
+servers, routes and resumes requests, recovers servers.
 """
 from __future__ import annotations
 
