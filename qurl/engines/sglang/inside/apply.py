@@ -31,7 +31,10 @@ each bucket:
 - `qurl.sync.verify`: hashes every tensor it names, as the server holds it (its rows of the
   parameter, in the dtype it travelled in), exactly as the sender hashed its chunks; any
   difference raises `qurl-mismatch: [names]`, else the version becomes this process's verified
-  base (the only thing a later delta may build on).
+  base (the only thing a later delta may build on);
+- `qurl.sync.kernels`: the same hashes over the tensors the kernels read after SGLang's repack
+  (`check_kernels`), in a session opened by `prepare_read_back`: the post-repack read-back whose
+  layout rules are kernels.py.
 
 Tensor parallelism (TP size T > 1): every rank runs this code on every bucket. Rank r holds only
 its box of each HF tensor (qurl/engines/sglang/inside/tp_cut.py, SGLang's own cutting rules): a delta's
@@ -58,6 +61,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from qurl.engines.sglang.inside.kernels import (KERNEL_MARK, clear_skips, kernel_params,
+                                                skip_next_repack)
 from qurl.engines.sglang.inside.layout import (CONTROL, HEADER, KERNELS, MISMATCH_MARK, STALE_MARK,
                                                VERIFY, hf_view, read_json_chunk, sglang_name)
 from qurl.engines.sglang.inside.tp_cut import Box, Layout, local_positions, shard_box, slice_shape
@@ -103,14 +108,27 @@ def prepare(model: torch.nn.Module, named_tensors: list, restore: Callable) -> N
     try:
         if named_tensors:
             raise ValueError(f"the qurl prepare loader takes no tensors (got {len(named_tensors)})")
-        from qurl.engines.sglang.inside.kernels import clear_skips
-
         clear_skips(model)  # a read-back session that never ended must not skip this repack
         _bind_ranks(model)
         restore(model, [])
         _install(model)
     except Exception as e:  # noqa: BLE001 - reported through the next load
         STATE.error = f"qurl prepare failed: {type(e).__name__}: {e}"
+        log.error(STATE.error)
+
+
+def prepare_read_back(model: torch.nn.Module, named_tensors: list) -> None:
+    """Custom loader body opening a read-back session (qurl/engines/sglang/inside/kernels.py,
+    step 2): learn this rank's place, install the wrapper, skip the closing repack once. Never
+    raises: a failure is kept and fails the next bucket."""
+    try:
+        if named_tensors:
+            raise ValueError(f"the qurl kernel read-back takes no tensors (got {len(named_tensors)})")
+        _bind_ranks(model)
+        _install(model)
+        skip_next_repack(model)
+    except Exception as e:  # noqa: BLE001 - reported through the next load
+        STATE.error = f"qurl kernel read-back failed: {type(e).__name__}: {e}"
         log.error(STATE.error)
 
 
@@ -233,9 +251,7 @@ def _load_bucket(model: torch.nn.Module, inner: Callable,
     if VERIFY in control:
         verify(model, read_json_chunk(control[VERIFY]))
     if KERNELS in control:  # the post-repack read-back (qurl/engines/sglang/inside/kernels.py)
-        from qurl.engines.sglang.inside.kernels import check
-
-        check(model, read_json_chunk(control[KERNELS]))
+        check_kernels(model, read_json_chunk(control[KERNELS]))
     return out
 
 
@@ -331,3 +347,26 @@ def verify(model: torch.nn.Module, msg: dict) -> None:
         st.verified = None
         raise Mismatch(bad, version, len(spec))
     st.verified = (version, combine({n: v[0] for n, v in spec.items()}))
+
+
+def check_kernels(model: torch.nn.Module, msg: dict) -> None:
+    """Compare the kernels' tensors with the sender's digests (kernels.py's docstring, step 3);
+    Mismatch naming `<name> (kernel layout)` for each that differs, and nothing stays verified."""
+    st = STATE
+    spec = {str(k): v for k, v in msg["digests"].items()}
+    want = expected_digests(msg, st.rank, st.tp)
+    params, unknown = kernel_params(model)
+    got = held_digests(model, spec, params=params)
+    bad = []
+    for name in sorted(spec):
+        pname = sglang_name(name)[0]
+        if pname in unknown:
+            bad.append(f"{name}{KERNEL_MARK}: {unknown[pname]}")
+        elif want[name] is None or got[name] != want[name]:
+            bad.append(name + KERNEL_MARK)
+    version = int(msg["version"])
+    if st.verified is None or st.verified[0] != version:
+        bad = bad or ["<version>" + KERNEL_MARK]  # the in-session check did not pass for v
+    if bad:
+        st.verified = st.loaded = None
+        raise Mismatch(bad, version, len(spec))

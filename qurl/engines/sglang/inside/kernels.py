@@ -19,11 +19,12 @@ cannot recompute. So the read-back is its own short session, arranged to change 
 1. `begin_weight_update` calls `restore_weights_before_loading`, a no-op for every linear method
    qurl serves (w8a8_int8, w8a8_fp8, block fp8, bf16: `base_config.py`): the layers are exactly
    as the kernels read them;
-2. `read_kernels` (custom loader `qurl.engines.sglang.inside.loader.read_kernels`, never raises)
-   makes this session's closing `process_weights_after_loading` a one-shot no-op on every layer
+2. the custom loader `qurl.engines.sglang.inside.loader.read_kernels` (never raises; apply.py
+   `prepare_read_back`, which calls `skip_next_repack` below) makes this session's closing
+   `process_weights_after_loading` a one-shot no-op on every layer
    (qurl restores nothing in this session, so a W8A8 repack would transpose a second time);
 3. one bucket holding only the control chunk `qurl.sync.kernels` (the same message as
-   `qurl.sync.verify`) reaches apply.py's `load_weights` wrapper, which calls `check` below: each
+   `qurl.sync.verify`) reaches apply.py's `load_weights` wrapper, which calls `check_kernels`: each
    HF tensor is recomputed from the kernel's tensor and hashed like the sender's chunk, and every
    region that holds it (a tied lm_head too) must match; a difference fails the call with
    `qurl-mismatch: ["<name> (kernel layout)", ...]` (the reply comes back to qurl like the in-session
@@ -99,23 +100,13 @@ def kernel_params(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
     return params, unknown
 
 
-def read_kernels(model: torch.nn.Module, named_tensors: list) -> None:
-    """Custom-loader body (module docstring, step 2). Never raises: a failure is kept in apply's
-    STATE.error and fails the next bucket."""
-    from qurl.engines.sglang.inside import apply
-
-    try:
-        if named_tensors:
-            raise ValueError(f"the qurl kernel read-back takes no tensors (got {len(named_tensors)})")
-        apply._bind_ranks(model)
-        apply._install(model)
-        for module in model.modules():
-            method = getattr(module, "quant_method", None)
-            if method is not None:
-                _skip_once(method, module)
-    except Exception as e:  # noqa: BLE001 - reported through the next load
-        apply.STATE.error = f"qurl kernel read-back failed: {type(e).__name__}: {e}"
-        log.error(apply.STATE.error)
+def skip_next_repack(model: torch.nn.Module) -> None:
+    """Make the next `process_weights_after_loading` of every quantized layer a no-op (step 2
+    of the module docstring: this read-back session must leave every tensor as it reads it)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            _skip_once(method, module)
 
 
 def _skip_once(method: Any, layer: torch.nn.Module) -> None:
@@ -155,28 +146,3 @@ def clear_skips(model: torch.nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None:
             clear_method(method)
-
-
-def check(model: torch.nn.Module, msg: dict) -> None:
-    """Compare the kernels' tensors with the sender's digests (module docstring, step 3);
-    Mismatch naming `<name> (kernel layout)` for each that differs, and nothing stays verified."""
-    from qurl.engines.sglang.inside import apply
-
-    st = apply.STATE
-    spec = {str(k): v for k, v in msg["digests"].items()}
-    want = apply.expected_digests(msg, st.rank, st.tp)
-    params, unknown = kernel_params(model)
-    got = apply.held_digests(model, spec, params=params)
-    bad = []
-    for name in sorted(spec):
-        pname = apply.sglang_name(name)[0]
-        if pname in unknown:
-            bad.append(f"{name}{KERNEL_MARK}: {unknown[pname]}")
-        elif want[name] is None or got[name] != want[name]:
-            bad.append(name + KERNEL_MARK)
-    version = int(msg["version"])
-    if st.verified is None or st.verified[0] != version:
-        bad = bad or ["<version>" + KERNEL_MARK]  # the in-session check did not pass for v
-    if bad:
-        st.verified = st.loaded = None
-        raise apply.Mismatch(bad, version, len(spec))

@@ -149,6 +149,6 @@ def read_kernels(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
     `begin_weight_update`, no restore): the session's closing repack becomes a no-op, so the
     `qurl.sync.kernels` bucket that follows reads the tensors the kernels read
     (qurl/engines/sglang/inside/kernels.py). Never raises."""
-    from qurl.engines.sglang.inside.kernels import read_kernels as body
+    from qurl.engines.sglang.inside.apply import prepare_read_back
 
-    body(model, named_tensors)
+    prepare_read_back(model, named_tensors)
