@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -66,6 +67,30 @@ def _step(learner, batch: dict) -> dict[str, float]:
 
 def _weights(learner) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in learner.named_weights()}
+
+
+def _norms_vs_transformers(model: torch.nn.Module, hf: torch.nn.Module) -> dict:
+    """The bf16 learner's RMSNorms against transformers' RMSNorm of the same family holding the
+    same gain in bf16 (as a bf16 checkpoint loads it), and both against float64, on bf16
+    activations: the gain dtypes and the worst error of each, in units of the bf16 spacing at the
+    float64 value (2^(floor(log2|ref|) - 7))."""
+    norm_cls = type(hf.model.norm)
+    gains = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    x = (3 * torch.randn(6, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+         ).to(torch.bfloat16)
+    worst = {"learner": 0.0, "transformers": 0.0}
+    for norm in gains:
+        ref_norm = norm_cls(hf.config.hidden_size, eps=norm.eps).to(torch.bfloat16)
+        with torch.no_grad():
+            ref_norm.weight.copy_(norm.weight)
+            x64 = x.double()
+            exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+            ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+            for who, y in (("learner", norm(x)), ("transformers", ref_norm(x))):
+                assert y.dtype == torch.bfloat16
+                worst[who] = max(worst[who], float(((y.double() - exact).abs() / ulp).max()))
+    return {"count": len(gains), "gain_dtypes": sorted({str(m.weight.dtype) for m in gains}),
+            "ulps": worst}
 
 
 def _worker(rank: int, ws: int) -> dict:
@@ -168,7 +193,11 @@ def _worker(rank: int, ws: int) -> dict:
         batch = _batch(hf, seed=6)
         with torch.no_grad():
             ref_lp = _hf_logp(hf, batch["tokens"])
-        out["bf16_logp_diff"] = float((bf.logprobs(batch["tokens"]).cpu() - ref_lp).abs().max())
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out["bf16_logp_diff"] = float((bf.logprobs(batch["tokens"]).cpu() - ref_lp).abs().max())
+        out["bf16_forward_warnings"] = sorted({str(w.message)[:80] for w in seen})
+        out["bf16_norms"] = _norms_vs_transformers(bf.model, hf)
         out["bf16_stats"] = _step(bf, batch)
         out["bf16_master_dtypes"] = {str(t.dtype) for _, t in bf.named_weights()}
         # The head on the loss columns only (qurl/learner/logits.py): from column 5 on the same
@@ -324,6 +353,21 @@ def test_cpu_patches_are_idempotent(runs) -> None:
 
 
 @pytest.mark.slow
+def test_bf16_norms_hold_bf16_gains_and_match_transformers(runs) -> None:
+    """Every RMSNorm of the bf16 learner holds its gain in bf16, as transformers' Qwen2RMSNorm
+    does for a bf16 checkpoint, so torch's fused rms_norm runs (no dtype-mismatch warning in the
+    forward). Tolerance, in bf16 spacings at the float64 value: the fused kernel computes in fp32
+    and rounds once (<= 0.5, +0.01 for its fp32 arithmetic); transformers rounds the normalised
+    value to bf16 before the gain (<= 1.5); the learner is never the further of the two."""
+    res = runs[1][0]
+    norms = res["bf16_norms"]
+    assert norms["count"] == 2 * 2 + 1 and norms["gain_dtypes"] == ["torch.bfloat16"]
+    assert norms["ulps"]["learner"] <= 0.51, norms
+    assert norms["ulps"]["transformers"] <= 1.5, norms
+    assert norms["ulps"]["learner"] <= norms["ulps"]["transformers"], norms
+    assert not [w for w in res["bf16_forward_warnings"] if "dtype" in w], res["bf16_forward_warnings"]
+
+
 def test_bf16_keeps_fp32_masters_and_kl_reference_is_frozen(runs) -> None:
     res = runs[1][0]
     assert res["bf16_logp_diff"] < 0.15  # bf16 forward vs fp32 reference

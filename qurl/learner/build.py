@@ -38,6 +38,9 @@ _RUNTIME_FLAGS = {  # no fused CUDA kernels, no init (every weight is loaded), f
     "perform_initialization": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
     "masked_softmax_fusion": False, "apply_rope_fusion": False, "persist_layer_norm": False,
     "gradient_accumulation_fusion": False, "attention_softmax_in_fp32": True,
+    # 0.16's default "full" is rewritten to [] with a deprecation warning; [] means the same
+    # (a CUDA graph would capture the whole layer; qurl captures none)
+    "cuda_graph_scope": [],
 }
 
 
@@ -113,8 +116,25 @@ def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype:
         model = GPTModel(config, spec, pre_process=True, post_process=True,
                          **convert.gpt_model_kwargs_from_hf(hf_config, tp=tp))
     model.to(device)
+    norms_in_model_dtype(model, dtype)
     missing, unexpected = model.load_state_dict(shard, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"Megatron model vs converted weights: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def norms_in_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the gains of the local spec's norms (torch.nn.RMSNorm / LayerNorm, which megatron's
+    `WrappedTorchNorm` builds in torch's default fp32 whatever `params_dtype` says) to `dtype`.
+
+    Why: with bf16 activations and an fp32 gain, `torch.rms_norm` cannot use its fused kernel
+    and warns on every layer. The learner's bf16 model now holds its gains as transformers holds
+    them in a bf16 checkpoint (Llama/Qwen RMSNorm: a bf16 `weight`, the normalisation computed in
+    fp32). torch's fused kernel also computes in fp32 and rounds once; transformers rounds the
+    normalised value to bf16 before the gain, so the two differ by at most about one bf16 step
+    (tests/test_norm_dtype.py). The fp32 masters the optimizer keeps, and the weights sent to the
+    engines, are not touched."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)

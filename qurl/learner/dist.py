@@ -26,7 +26,6 @@ import os
 import socket
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from megatron_patches.import_warnings import quiet_import_warnings
 from qurl.config import ConfigError, DeployConfig, LearnerConfig
 from qurl.errors import InputError
 
@@ -85,11 +85,8 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
         _WAIT_MIN = deploy.wait_timeout_min
         _WAIT_GROUP = dist.new_group(backend="gloo",
                                      timeout=datetime.timedelta(minutes=_WAIT_MIN))
-    with warnings.catch_warnings():
-        # megatron-core says at import that Transformer Engine / Apex are absent, once per module
-        # and rank: expected on CPU, where the learner uses neither (qurl/learner/build.py)
-        warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (are|is) not installed")
-        from megatron.core import parallel_state as ps
+    quiet_import_warnings()  # before any megatron import in this process
+    from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() != learner.tp:

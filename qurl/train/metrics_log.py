@@ -1,4 +1,5 @@
-"""Where per-step numbers go: `metrics.jsonl` (always), wandb (when enabled), a progress bar.
+"""Where per-step numbers go: `metrics.jsonl` (always), wandb (when enabled), the progress display
+(qurl/train/progress.py: a bar in a terminal, a line per step in a log).
 
 Each record is one JSON object with `step` and `kind` ("train" | "eval"). Values must be finite or
 explicitly `null`: a NaN is written as null *and* counted in `nan_fields`, never silently as 0.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qurl.errors import InputError
+from qurl.train.progress import Progress
 
 log = logging.getLogger("qurl.train.metrics_log")
 
@@ -105,11 +107,7 @@ class MetricsLogger:
 
             self._wandb = wb.init(project="qurl", name=run_name, mode=wandb, config=config,
                                   dir=str(run_dir), resume="allow")
-        self._bar = None
-        if progress:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="qurl", dynamic_ncols=True)
+        self._progress = Progress(total_steps, start_step) if progress else None
 
     def log(self, record: dict[str, Any]) -> None:
         rec = _clean(record)
@@ -118,21 +116,19 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({f"{rec['kind']}/{k}": v for k, v in rec.items()
                              if isinstance(v, (int, float)) and v is not None}, step=rec["step"])
-        if self._bar is not None and rec["kind"] == "train":
-            self._bar.update(1)
-            self._bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("reward", "kl_behav_prox", "flip_frac")
-                                   if isinstance(rec.get(k), float)})
+        if self._progress is not None and rec["kind"] == "train":
+            self._progress.step(rec)
 
     def write(self, text: str) -> None:
-        """Print a line without breaking the progress bar."""
-        if self._bar is not None:
-            self._bar.write(text)
+        """Print a status line on a line of its own, never onto the progress display."""
+        if self._progress is not None:
+            self._progress.write(text)
         else:
             print(text, flush=True)
 
     def close(self) -> None:
         self._file.close()
-        if self._bar is not None:
-            self._bar.close()
+        if self._progress is not None:
+            self._progress.close()
         if self._wandb is not None:
             self._wandb.finish()
