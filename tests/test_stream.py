@@ -255,11 +255,6 @@ def test_pack_unpack_trajectories_lossless_and_views():
     assert pack_trajectories([]) is not None and unpack_trajectories(*pack_trajectories([])) == []
 
 
-def test_wire_reexports_payload_helpers():
-    from qurl.stream.wire import pack_trajectories as p  # noqa: F401
-    assert p is pack_trajectories
-
-
 @pytest.mark.parametrize("edit, match", [
     (lambda t: t.response_ids.__setitem__(0, VOCAB), "token id outside"),
     (lambda t: t.prompt_ids.__setitem__(1, -1), "token id outside"),

@@ -9,8 +9,9 @@ import pytest
 
 from qurl.config import load_config
 from qurl.studies.ablation import ARM_NAMES, DEFAULT_ARMS, arm_configs, select_arms
+from qurl.studies.page import write_tables
 from qurl.studies.tables import (collapse_step, learned_interval, pair_rows, run_row, seed_rows,
-                                 summarize, write_tables)
+                                 summarize)
 
 
 def _records(rewards: list[float], accs: list[float], kl: float = 1e-3, flip: float = 0.05,

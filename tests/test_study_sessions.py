@@ -17,7 +17,7 @@ from qurl.studies.ablation import ablation, arm_configs
 from qurl.studies.runner import run_to_end, train_command
 from qurl.studies.store import (FILES, START, arm_dir, check_start, extends, finished, start_record,
                                 starts)
-from qurl.studies.tables import starts_markdown
+from qurl.studies.page import starts_markdown
 from qurl.train.metrics_log import read_metrics
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from qurl.studies.tables import write_tables
+from qurl.studies.page import write_tables
 from qurl.studies.trajectories import blocks, main, trajectory
 
 

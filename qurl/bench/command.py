@@ -50,9 +50,18 @@ def run_bench(args: argparse.Namespace) -> int:
         if bad:
             raise InputError(f"--delta-shapes: unknown {bad[0]!r} (known: "
                              f"{', '.join(DELTA_SHAPES)})")
-        bench_delta(shapes=shapes, flips_from=tuple(args.flips_from), link=args.link,
-                    bucket_mb=args.bucket_mb or 64.0, repeats=args.repeats,
-                    layers=args.layers or None, encode_only=args.encode_only)
+        bucket_mb, layers = args.bucket_mb or 64.0, args.layers or None
+        if args.encode_only:  # the sender's encode alone, old vs new code
+            from qurl.bench.sync_encode import bench_encode
+
+            bench_encode(shapes, repeats=args.repeats, layers=layers, bucket_mb=bucket_mb)
+        elif args.link:  # between two network namespaces over tc-shaped links
+            from qurl.bench.sync_link import bench_link_spec
+
+            bench_link_spec(args.link, shapes, bucket_mb=bucket_mb, layers=layers)
+        else:
+            bench_delta(shapes=shapes, flips_from=tuple(args.flips_from), bucket_mb=bucket_mb,
+                        repeats=args.repeats, layers=layers)
     else:
         from qurl.bench.sync import bench_sync
 

@@ -219,19 +219,10 @@ def flip_settings(flips: tuple[float, ...], flips_from: tuple[str, ...]
 
 def bench_delta(shapes: tuple[str, ...] = ("qwen2.5-0.5b", "qwen2.5-1.5b"),
                 flips: tuple[float, ...] = FLIPS, flips_from: tuple[str, ...] = (),
-                bucket_mb: float = 64.0, repeats: int = 3, layers: int | None = None,
-                link: str = "", encode_only: bool = False) -> list[dict]:
-    """Print and return one row per (shape, flip setting); see the module docstring. link:
-    over tc-shaped links between two network namespaces instead (qurl/bench/sync_link.py);
-    encode_only: only the sender's encode, old vs new code (qurl/bench/sync_encode.py)."""
-    if encode_only:
-        from qurl.bench.sync_encode import bench_encode
-
-        return bench_encode(shapes, flips, repeats, layers, bucket_mb)
-    if link:
-        from qurl.bench.sync_link import bench_link_spec
-
-        return bench_link_spec(link, shapes, flips, bucket_mb, layers)
+                bucket_mb: float = 64.0, repeats: int = 3, layers: int | None = None) -> list[dict]:
+    """Print and return one row per (shape, flip setting); see the module docstring. The same
+    bench over tc-shaped links is qurl/bench/sync_link.py, the sender's encode alone (old vs new
+    code) qurl/bench/sync_encode.py; `qurl bench sync --delta` picks one by its flags."""
     settings = flip_settings(flips, flips_from)
     print("bytes per sync, closed form (qurl.bench.sync_delta.bytes_model):")
     print_bytes_table(settings)

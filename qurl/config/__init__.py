@@ -8,8 +8,8 @@ written to the run directory as `config.toml` and read back on resume (compat.py
 written before the redesign), where fields in `IMMUTABLE_ON_RESUME` must not change.
 """
 from qurl.config.load import (IMMUTABLE_ON_RESUME, from_toml, get_field, immutable_changes,
-                              load_config, override, parse_sets, to_toml, validate)
-from qurl.config.presets import PRESETS
+                              override, parse_sets, to_toml, validate)
+from qurl.config.presets import PRESETS, load_config
 from qurl.config.rules import ConfigError
 from qurl.config.tree import (DEPLOYMENT_SECTIONS, LOCAL_BASES, TRAINING_SECTIONS, AlgoConfig,
                               Config, CorrectionConfig, DataConfig, DeployConfig, EvalConfig,

@@ -197,18 +197,3 @@ def to_toml(cfg: Config) -> str:
 def immutable_changes(old: Config, new: Config) -> list[str]:
     return [f"{k}: {get_field(old, k)!r} -> {get_field(new, k)!r}"
             for k in IMMUTABLE_ON_RESUME if get_field(old, k) != get_field(new, k)]
-
-
-def load_config(preset: str = "cpu-tiny", toml: str | Path | None = None,
-                sets: list[str] | None = None) -> Config:
-    """Preset -> TOML file -> `--set` overrides -> validate."""
-    from qurl.config.presets import PRESETS
-
-    if preset not in PRESETS:
-        raise ConfigError(f"preset {preset!r}: unknown (known: {', '.join(PRESETS)})")
-    cfg = PRESETS[preset]()
-    if toml is not None:
-        cfg = from_toml(cfg, toml)
-    if sets:
-        cfg = override(cfg, parse_sets(sets))
-    return validate(cfg)

@@ -1,4 +1,5 @@
-"""Named starting points for a Config: the CPU default and the paper's three recipes.
+"""Named starting points for a Config: the CPU default and the paper's three recipes, and
+`load_config`, which starts from one (preset -> TOML file -> `--set` overrides -> validate).
 
 The paper recipes (docs/paper_recipes.md has their sources and what qurl changes) name Hugging
 Face checkpoints; without a hub on the machine, `model.base` must be a local copy (`qurl fetch`).
@@ -7,9 +8,11 @@ qurl's fp32 decoder beside the learner would not fit their 8k-20k-token, Avg@32 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
-from qurl.config.load import override
+from qurl.config.load import from_toml, override, parse_sets, validate
+from qurl.config.rules import ConfigError
 from qurl.config.tree import Config
 
 
@@ -138,3 +141,16 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "paper-dapo-7b": paper_dapo_7b,
     "paper-ppo-gsm8k": paper_ppo_gsm8k,
 }
+
+
+def load_config(preset: str = "cpu-tiny", toml: str | Path | None = None,
+                sets: list[str] | None = None) -> Config:
+    """Preset -> TOML file -> `--set` overrides -> validate."""
+    if preset not in PRESETS:
+        raise ConfigError(f"preset {preset!r}: unknown (known: {', '.join(PRESETS)})")
+    cfg = PRESETS[preset]()
+    if toml is not None:
+        cfg = from_toml(cfg, toml)
+    if sets:
+        cfg = override(cfg, parse_sets(sets))
+    return validate(cfg)

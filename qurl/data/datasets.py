@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qurl.data.answers import extract_answer, gsm8k_final_answer
 from qurl.errors import InputError
 
 __all__ = ["ANSWER_KINDS", "DataError", "Example", "PRESETS", "load_dataset", "gsm8k_final_answer"]
@@ -87,17 +88,6 @@ PRESETS: dict[str, tuple[str, str]] = {
     "olympiadbench": ("question", "final_answer"),
 }
 _FORMATS = (*PRESETS, "custom", "auto")
-
-
-def gsm8k_final_answer(worked: str) -> str | None:
-    """The number after the last `####` of a GSM8K worked answer, thousands commas removed."""
-    pos = worked.rfind("####")
-    if pos < 0:
-        return None
-    tail = worked[pos + 4 :].strip().splitlines()
-    if not tail or not tail[0].strip():
-        return None
-    return tail[0].strip().replace(",", "").rstrip(".")
 
 
 def _get_path(row: dict[str, Any], path: str) -> Any:
@@ -304,8 +294,6 @@ def _make_example(
             raise ValueError(f"field '{a_field}' has no '#### <answer>' line")
         raw_answer = final
     elif fmt == "minerva" and isinstance(raw_answer, str):
-        from qurl.data.rewards import extract_answer  # rewards imports this module: import late
-
         final = extract_answer(raw_answer)
         if final is None:
             raise ValueError(f"field '{a_field}' has no \\boxed{{}} answer")

@@ -1,6 +1,6 @@
 """Verifiable reward: is the final answer of a response mathematically equal to the gold answer?
 
-Pipeline per response: `extract_answer` takes the content of the last `\\boxed{...}` (balanced
+Pipeline per response: `extract_answer` (qurl/data/answers.py) takes the content of the last `\\boxed{...}` (balanced
 braces; `\\fbox` too), else the number after a GSM8K `####`; no answer means reward 0. Then the
 extracted string is compared with the gold:
 - fast path, no verifier: identical strings are equal; two plain integers (thousands commas allowed)
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from qurl.data import _reward_pool as pool_mod
-from qurl.data.datasets import ANSWER_KINDS, gsm8k_final_answer
+from qurl.data.answers import extract_answer, first_box_close
+from qurl.data.datasets import ANSWER_KINDS
 
 __all__ = [
     "RewardResult",
@@ -53,8 +54,6 @@ __all__ = [
     "shutdown_default",
 ]
 
-_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-
 
 @dataclass(frozen=True)
 class RewardResult:
@@ -62,61 +61,6 @@ class RewardResult:
     timed_out: bool  # the comparison was cut by the per-call deadline
     extracted: str | None  # the answer found in the response, None if none
     error: str | None = None  # a verifier crash, reported rather than raised
-
-
-def _brace_partners(text: str, start: int) -> dict[int, int]:
-    """Position of every '{' at or after `start` -> position of its matching '}' (unclosed ones are
-    absent). One linear pass, so a degenerate response with thousands of unclosed boxes stays cheap.
-    A backslash escapes the next character, so `\\{` and `\\}` do not count."""
-    partners: dict[int, int] = {}
-    stack: list[int] = []
-    i = start
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "{":
-            stack.append(i)
-        elif c == "}" and stack:
-            partners[stack.pop()] = i
-        i += 1
-    return partners
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response: last complete `\\boxed{...}` / `\\fbox{...}` (or `\\boxed 5`),
-    else the GSM8K `#### N` number (commas removed), else None. An empty box counts as no answer."""
-    boxes = list(_BOX.finditer(text))
-    partners = _brace_partners(text, boxes[0].end()) if boxes else {}
-    for m in reversed(boxes):
-        i = m.end()
-        while i < len(text) and text[i] == " ":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            close = partners.get(i)
-            content = None if close is None else text[i + 1 : close]
-        else:  # `\\boxed 5`: the argument is the next space/`$`-delimited token
-            token = re.match(r"[^\s$]+", text[i:])
-            content = token.group(0) if token else None
-        if content is not None:
-            content = content.strip()
-            return content or None
-    if "####" in text:
-        return gsm8k_final_answer(text) or None
-    return None
-
-
-def first_box_close(text: str) -> int | None:
-    """The index of the `}` that closes the first braced `\\boxed{...}` / `\\fbox{...}` of a
-    response, None when none closes: where its first answer ends and any run-on begins."""
-    for m in _BOX.finditer(text):
-        i = m.end()
-        while i < len(text) and text[i] == " ":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            return _brace_partners(text, i).get(i)
-    return None
 
 
 _INT = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)")

@@ -349,19 +349,3 @@ def _parse_body(header: dict[str, Any], specs: list, views: list[memoryview], to
         tensors[name] = t
     return Message(kind=header["kind"], seq=header["seq"], sender=header["sender"],
                    meta=header["meta"], tensors=tensors, nbytes=total)
-
-
-_PAYLOAD_NAMES = {
-    "PromptTask", "pack_trajectories", "unpack_trajectories", "validate_trajectories",
-    "validate_packed", "pack_prompt", "unpack_prompt", "validate_prompt",
-}
-
-
-def __getattr__(name: str) -> Any:
-    # Payload helpers live in payload.py (which imports WireError from here); re-exported lazily so
-    # `from qurl.stream.wire import pack_trajectories` works without a circular import.
-    if name in _PAYLOAD_NAMES:
-        from qurl.stream import payload
-
-        return getattr(payload, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

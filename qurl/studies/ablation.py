@@ -222,7 +222,7 @@ def ablation(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[s
     """Run what is missing and write the tables and plot of every finished arm into out_dir;
     returns ablation.md."""
     from qurl.studies.plots import plot_study
-    from qurl.studies.tables import write_tables
+    from qurl.studies.page import write_tables
 
     out = Path(out_dir)
     records = run_study(cfg, out, seeds=seeds, arms=arms or list(DEFAULT_ARMS), runs_dir=runs_dir,

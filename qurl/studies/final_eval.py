@@ -29,31 +29,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from qurl.studies.runner import arm_env
-
-FINAL = "final_eval.json"
-
+from qurl.studies.store import FINAL, read_final  # noqa: F401  (read_final: this module's reader)
 
 def eval_sets(k: int) -> list[str]:
     """The `qurl eval --set` overrides of a final evaluation with Avg@k."""
     if k < 1:
         raise ValueError(f"final evaluation: k = {k}, need >= 1 samples per question")
     return ["eval.greedy=true", f"eval.samples={k}", "eval.fp_policy=false"]
-
-
-def read_final(arm_dir: Path, k: int | None = None, step: int | None = None) -> dict[str, Any] | None:
-    """The committed final evaluation of an arm (at k samples, of the step-`step` checkpoint, where
-    given), else None: an arm extended to more steps keeps its shorter run's until scored again.
-    The arm may be packed in its study's archive (qurl/studies/records.py)."""
-    from qurl.studies.records import open_records
-
-    rec = open_records(arm_dir)
-    if not rec.exists(FINAL):
-        return None
-    got = json.loads(rec.read_text(FINAL))
-    return got if k in (None, got.get("k")) and step in (None, got.get("step")) else None
 
 
 def last_checkpoint_step(run_dir: Path) -> int | None:

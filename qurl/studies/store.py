@@ -220,8 +220,6 @@ def committed(out: Path) -> dict[tuple[str, int], tuple[Config, list[dict[str, A
     """Every finished (arm, seed) under out, loose or packed in its archive: {(arm, seed): (config,
     records)}. An arm's final evaluation (qurl/studies/final_eval.py), when committed for its last
     step, is its last record: {"kind": "final_eval", "step": N, "k": K, eval/... keys, "n": ...}."""
-    from qurl.studies.final_eval import read_final
-
     found = {}
     for arm, seed, _ in _seed_dirs(out):
         seed_dir = arm_dir(out, arm, seed)
@@ -232,3 +230,18 @@ def committed(out: Path) -> dict[tuple[str, int], tuple[Config, list[dict[str, A
                 run[1].append({**final["record"], "kind": "final_eval", "k": final["k"]})
             found[(arm, seed)] = run
     return found
+
+
+FINAL = "final_eval.json"
+"""An arm's final evaluation record (qurl/studies/final_eval.py), beside its metrics."""
+
+
+def read_final(arm_dir: Path, k: int | None = None, step: int | None = None) -> dict[str, Any] | None:
+    """The committed final evaluation of an arm (at k samples, of the step-`step` checkpoint, where
+    given), else None: an arm extended to more steps keeps its shorter run's until scored again.
+    The arm may be packed in its study's archive (qurl/studies/records.py)."""
+    rec = open_records(arm_dir)
+    if not rec.exists(FINAL):
+        return None
+    got = json.loads(rec.read_text(FINAL))
+    return got if k in (None, got.get("k")) and step in (None, got.get("step")) else None
