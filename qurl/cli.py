@@ -78,14 +78,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_memory_plan(cfg: Config) -> None:
-    """The learner ranks' memory plan (qurl/learner/plan.py); on a GPU a plan that cannot hold
+    """The learner ranks' memory plan (qurl/learner/memory_plan.py); on a GPU a plan that cannot hold
     one row is refused here, in one line, before any rank starts. On CPU it is printed against
     each rank's share of the host's memory, and only printed (micro-batches there follow the
     fixed logits budget)."""
     import torch
 
     from qurl.learner.build import use_transformer_engine
-    from qurl.learner.plan import plan_text
+    from qurl.learner.memory_plan import plan_text
 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory

@@ -114,8 +114,8 @@ def _worker(rank: int, ws: int) -> dict:
                                   float((lp_nc - sdpa.logprobs(tokens)).abs().max()),
                                   float((ent_c - ent).abs().max()))
 
-    # The plan's parameter count (qurl/learner/plan.py) vs the built model's, on this TP rank
-    from qurl.learner.plan import _params
+    # The plan's parameter count (qurl/learner/memory_plan.py) vs the built model's, on this TP rank
+    from qurl.learner.memory_plan import _params
     from qurl.models.convert import padded_vocab_size
 
     for kind in ("qwen2", "qwen3", "llama"):

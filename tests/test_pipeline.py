@@ -24,7 +24,7 @@ from pipeline_helpers import (TIMING, assert_each_prompt_once, tiny_cfg, trained
 from qurl.pipeline.ledger import Ledger, split_key
 from qurl.pipeline.session import load_or_create_key, read_key, read_session
 from qurl.stream.payload import pack_trajectories
-from qurl.stream.wire import encode
+from qurl.stream.frames import encode
 from qurl.train.metrics_log import read_metrics
 from qurl.types import Trajectory
 

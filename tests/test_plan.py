@@ -1,4 +1,4 @@
-"""The learner memory plan printed before launch (qurl/learner/plan.py): the paper presets fit an
+"""The learner memory plan printed before launch (qurl/learner/memory_plan.py): the paper presets fit an
 80 GB GPU at their own lengths, a plan that cannot hold one row is refused in one line naming the
 fields to change, and the plan moves the way the cost model says it should."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from qurl.config import load_config
 from qurl.deploy.launch import main_launch
-from qurl.learner.plan import KNOWN_SHAPES, plan_ranks, plan_text
+from qurl.learner.memory_plan import KNOWN_SHAPES, plan_ranks, plan_text
 
 
 @pytest.mark.parametrize("preset,L", [("paper-deepscaler-1.5b", 8704), ("paper-dapo-7b", 20992)])

@@ -1,4 +1,4 @@
-"""The post-repack read-back's rules, without a server (qurl/engines/sglang/inside/kernels.py).
+"""The post-repack read-back's rules, without a server (qurl/engines/sglang/inside/readback.py).
 
 A layer whose quant method is SGLang's `W8A8Int8LinearMethod` (a stand-in class of that name, in
 a stand-in module whose flags say "GPU path") holds its weight [in, out] for the kernel; the
@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from qurl.engines.sglang.inside import kernels
+from qurl.engines.sglang.inside import readback
 
 MOD = types.ModuleType("fake_sglang_w8a8")
 MOD._is_cpu = False
@@ -35,14 +35,14 @@ def test_the_read_back_reads_the_w8a8_weight_as_the_kernel_does():
     hf = torch.arange(16, dtype=torch.int8).reshape(4, 4)  # square: the shape cannot tell
     model = torch.nn.Module()
     model.proj = _layer(hf.t())  # the repack's [in, out] view
-    params, unknown = kernels.kernel_params(model)
+    params, unknown = readback.kernel_params(model)
     assert not unknown and torch.equal(params["proj.weight"], hf)
     model.proj = _layer(hf.clone())  # left in the loading layout: the kernel reads hf.t()
-    params, _ = kernels.kernel_params(model)
+    params, _ = readback.kernel_params(model)
     assert torch.equal(params["proj.weight"], hf.t()) and not torch.equal(hf.t(), hf)
     MOD._is_cpu = True  # SGLang's CPU engine on x86: AMX packing, a layout not known here
     try:
-        assert "unknown" in kernels.kernel_params(model)[1]["proj.weight"]
+        assert "unknown" in readback.kernel_params(model)[1]["proj.weight"]
     finally:
         MOD._is_cpu = False
 
@@ -53,10 +53,10 @@ def test_the_read_back_session_skips_its_closing_repack_once_and_puts_back_the_m
     model.a, model.b = _layer(torch.zeros(2, 3, dtype=torch.int8)), None
     own = lambda layer: calls.append("own")  # noqa: E731 - an instance's own repack
     model.a.quant_method.process_weights_after_loading = own
-    kernels._skip_once(model.a.quant_method, model.a)
+    readback._skip_once(model.a.quant_method, model.a)
     model.a.quant_method.process_weights_after_loading(model.a)  # the session's end: skipped
     assert calls == [] and model.a.quant_method.process_weights_after_loading is own
-    kernels._skip_once(model.a.quant_method, model.a)
-    kernels.clear_skips(model)  # a read-back session that never ended: the next one repacks
+    readback._skip_once(model.a.quant_method, model.a)
+    readback.clear_skips(model)  # a read-back session that never ended: the next one repacks
     model.a.quant_method.process_weights_after_loading(model.a)
     assert calls == ["own"]

@@ -1,6 +1,6 @@
 """What the kernels read, and syncs that change nothing, on a REAL SGLang 0.5.23 server on CPU.
 
-1. The post-repack read-back (qurl/engines/sglang/inside/kernels.py). qurl's in-session check
+1. The post-repack read-back (qurl/engines/sglang/inside/readback.py). qurl's in-session check
    hashes the weights inside the verification session, in the restored loading layout; the
    session then closes with SGLang's repack (`process_weights_after_loading`), and generation
    reads what that produced. A test loader (tests/sglang_cpu/qurl_sglang_dump.py

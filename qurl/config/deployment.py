@@ -94,7 +94,7 @@ class DeployConfig:
     """GB the fp policy's local engine (eval.fp_policy; weights + fp32 KV cache of its largest
     batch) may take on learner rank 0's GPU; the actor is scored on the rollout engines and takes
     none. An evaluation estimated over it is refused at start in one line
-    (qurl/evaluation/placement.py); 0 = no local evaluation on the GPU. Not checked on CPU."""
+    (qurl/evaluation/eval_placement.py); 0 = no local evaluation on the GPU. Not checked on CPU."""
     # ---- addresses
     host: str = "127.0.0.1"
     """Node 0's address as the others reach it: the learner's rendezvous, the controller's
@@ -123,7 +123,7 @@ class DeployConfig:
     """SGLang servers: after every full sync and every this many delta syncs, read back what the
     kernels read, after SGLang's closing repack (the transposed W8A8 weights, every copy of a tied
     head), against the learner's digests: one more short update session and hash pass per server
-    (qurl/engines/sglang/inside/kernels.py); a difference is a verification mismatch. 0 = never."""
+    (qurl/engines/sglang/inside/readback.py); a difference is a verification mismatch. 0 = never."""
     worker_backend: Literal["gloo", "nccl"] = "gloo"
     """Controller -> workers weight group: gloo (CPU tensors; right for SGLang workers, which
     forward to their servers) or nccl (each worker on a GPU of its own with a local engine)."""

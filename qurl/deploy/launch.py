@@ -379,7 +379,7 @@ def main_launch(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"qurl launch: error: {e}", file=sys.stderr)
         return 2
-    from qurl.learner.plan import plan_text
+    from qurl.learner.memory_plan import plan_text
 
     text, refused = plan_text(cfg, args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU")
     if refused:

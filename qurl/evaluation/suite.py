@@ -130,7 +130,7 @@ def _check_placement(cfg: Config, model_dir: str, asynchronous: bool, n_problems
 
     import torch
 
-    from qurl.evaluation.placement import check_eval, eval_placement
+    from qurl.evaluation.eval_placement import check_eval, eval_placement
 
     placement = eval_placement(cfg, cuda=torch.cuda.is_available(), asynchronous=asynchronous)
     path = Path(model_dir) / "config.json"
@@ -146,7 +146,7 @@ class Evaluator:
                  answers: bool = False, asynchronous: bool = False) -> None:
         """asynchronous: the actor is scored on the async controller's workers, not on rank 0;
         the local evaluation engine (the fp policy) on a GPU is checked against
-        deploy.eval_gpu_gb first (qurl/evaluation/placement.py), on rank 0 (`main`)."""
+        deploy.eval_gpu_gb first (qurl/evaluation/eval_placement.py), on rank 0 (`main`)."""
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
         from qurl.sync.publish import WeightSync

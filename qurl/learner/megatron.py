@@ -50,7 +50,7 @@ from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
 from qurl.learner.logits import first_loss_columns, head_logp, head_weight, hidden_states_out
 from qurl.learner.membudget import agreed_free, free_bytes, rows_per_micro
-from qurl.learner.plan import token_cost_from_fields
+from qurl.learner.memory_plan import token_cost_from_fields
 from qurl.models import convert
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""ZeroMQ endpoints of the stream: a Sender (PUSH) and a Receiver (PULL) speaking wire.py messages.
+"""ZeroMQ endpoints of the stream: a Sender (PUSH) and a Receiver (PULL) speaking frames.py messages.
 
 Topology used by qurl: the learner binds a PUSH for prompts and a PULL for trajectories (and a PULL
 for control); workers connect the opposite ends. PUSH fans messages out round-robin to connected
@@ -39,7 +39,7 @@ import torch
 import zmq
 
 from qurl.stream.payload import unpack_prompt, unpack_trajectories, validate_packed, validate_prompt
-from qurl.stream.wire import KINDS, Limits, Message, WireError, decode, encode
+from qurl.stream.frames import KINDS, Limits, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ REPO = Path(__file__).resolve().parents[3]
 SECTIONS: dict[str, tuple[str, int, int]] = {
     # name: (module holding `section_<name>`, timeout on the GPU (s), timeout in the dry run (s));
     # the dry run takes ~55 s on 2 idle cores, its timeouts leave room for busy ones
-    "env": ("kernels", 60, 60),
-    "gemm": ("kernels", 90, 60),
-    "cuda_graph": ("kernels", 60, 30),
-    "engine": ("kernels", 90, 120),
+    "env": ("kernel_checks", 60, 60),
+    "gemm": ("kernel_checks", 90, 60),
+    "cuda_graph": ("kernel_checks", 60, 30),
+    "engine": ("kernel_checks", 90, 120),
     "learner": ("training", 150, 120),
     "train": ("training", 150, 300),
     "workers": ("training", 120, 240),

@@ -23,7 +23,7 @@ the server reports in /model_info). For such engines:
   counts it (`sync/verify_mismatches`, `sync/fallbacks/mismatch`).
 - after a full sync and every `verify_kernels_every`-th delta (deploy.verify_kernels_every; 0 =
   never), once the in-session check passed, a second short session reads back what the kernels
-  read AFTER SGLang's closing repack (qurl/engines/sglang/inside/kernels.py: the W8A8 weights in
+  read AFTER SGLang's closing repack (qurl/engines/sglang/inside/readback.py: the W8A8 weights in
   their transposed [in, out] layout, recomputed to the HF values and hashed, every region of a
   tied head too) against the same digests; a difference is a mismatch like any other, named
   `<name> (kernel layout)`. Servers launched without that loader

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from qurl.engines.sglang.inside.kernels import (KERNEL_MARK, clear_skips, kernel_params,
+from qurl.engines.sglang.inside.readback import (KERNEL_MARK, clear_skips, kernel_params,
                                                 skip_next_repack)
 from qurl.engines.sglang.inside.layout import (CONTROL, HEADER, KERNELS, MISMATCH_MARK, STALE_MARK,
                                                VERIFY, hf_view, read_json_chunk, sglang_name)
@@ -118,7 +118,7 @@ def prepare(model: torch.nn.Module, named_tensors: list, restore: Callable) -> N
 
 
 def prepare_read_back(model: torch.nn.Module, named_tensors: list) -> None:
-    """Custom loader body opening a read-back session (qurl/engines/sglang/inside/kernels.py,
+    """Custom loader body opening a read-back session (qurl/engines/sglang/inside/readback.py,
     step 2): learn this rank's place, install the wrapper, skip the closing repack once. Never
     raises: a failure is kept and fails the next bucket."""
     try:
@@ -250,7 +250,7 @@ def _load_bucket(model: torch.nn.Module, inner: Callable,
             apply_positions(t, pos, val)
     if VERIFY in control:
         verify(model, read_json_chunk(control[VERIFY]))
-    if KERNELS in control:  # the post-repack read-back (qurl/engines/sglang/inside/kernels.py)
+    if KERNELS in control:  # the post-repack read-back (qurl/engines/sglang/inside/readback.py)
         check_kernels(model, read_json_chunk(control[KERNELS]))
     return out
 
@@ -274,7 +274,7 @@ def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None,
     """(views of every parameter region that holds this rank's box of the HF tensor — the
     embedding also in a tied lm_head with storage of its own —, the box); ValueError when the
     server has no place for it. params: {name: tensor in the loading orientation} to read
-    instead of the model's parameters (the kernels' tensors: qurl/engines/sglang/inside/kernels.py)."""
+    instead of the model's parameters (the kernels' tensors: qurl/engines/sglang/inside/readback.py)."""
     st = STATE
     if hf_shape is None:
         raise ValueError(f"{hf_name}: no shape in the sync's header")

@@ -47,7 +47,7 @@ import torch
 
 HEADER = "qurl.sync.header"
 VERIFY = "qurl.sync.verify"
-KERNELS = "qurl.sync.kernels"  # the post-repack read-back (qurl/engines/sglang/inside/kernels.py)
+KERNELS = "qurl.sync.kernels"  # the post-repack read-back (qurl/engines/sglang/inside/readback.py)
 CONTROL = (HEADER, VERIFY, KERNELS)
 # the server's refusals, as they come back in the HTTP reply's message
 STALE_MARK = "qurl-stale-base:"

@@ -64,7 +64,7 @@ RESTORED_METHODS = ("W8A8Int8LinearMethod", "W8A8Fp8LinearMethod")
 LOAD_FORMAT = "qurl.engines.sglang.inside.loader.restore_w8a8"
 # delta and verified syncs (qurl/engines/sglang/inside/apply.py): restore + the load_weights wrapper
 SYNC_LOAD_FORMAT = "qurl.engines.sglang.inside.loader.prepare_sync"
-# the post-repack read-back of what the kernels read (qurl/engines/sglang/inside/kernels.py)
+# the post-repack read-back of what the kernels read (qurl/engines/sglang/inside/readback.py)
 KERNELS_LOAD_FORMAT = "qurl.engines.sglang.inside.loader.read_kernels"
 
 
@@ -148,7 +148,7 @@ def read_kernels(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
     """SGLang custom weight loader opening qurl's read-back session (first act after
     `begin_weight_update`, no restore): the session's closing repack becomes a no-op, so the
     `qurl.sync.kernels` bucket that follows reads the tensors the kernels read
-    (qurl/engines/sglang/inside/kernels.py). Never raises."""
+    (qurl/engines/sglang/inside/readback.py). Never raises."""
     from qurl.engines.sglang.inside.apply import prepare_read_back
 
     prepare_read_back(model, named_tensors)

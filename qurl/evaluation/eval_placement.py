@@ -25,7 +25,7 @@ from typing import Any
 from qurl.config import Config, ConfigError
 
 LOCAL_MAX_BATCH = 256  # rows a LocalEngine decodes at once (qurl/engines/local.py max_batch)
-PROMPT_TOKENS = 512  # prompt tokens assumed in front of eval.max_new_tokens (as learner/plan.py)
+PROMPT_TOKENS = 512  # prompt tokens assumed in front of eval.max_new_tokens (as learner/memory_plan.py)
 GB = 1e9
 
 
