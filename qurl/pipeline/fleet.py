@@ -27,7 +27,8 @@ every sync against the digests (qurl/pipeline/worker.py); either failure comes b
 control message with its reason, counted (`resync/<reason>`), and the current version is sent
 again in full. A worker whose full resync fails verification too (two mismatches in a row) stops
 the run: `halted` holds the one-line error naming the slot, its engine and the tensors, and the
-controller raises it (qurl/sync/publish.py `unverified`). Prompts whose generation a failed sync
+controller raises it (the rule, per slot, is qurl/sync/resync.py `ResyncRule`, the same one the
+synchronous loop applies to its engine). Prompts whose generation a failed sync
 abandoned are counted as `unverified_redone` (the worker queues them again). Deltas need every member's engine to apply them: each worker says in its hello
 whether it can (`deltas`: its engine has `verify` — the local engine, and an SGLang adapter whose
 one server runs qurl's sync loader, at TP 1 or at a TP size whose cut qurl maps,
@@ -65,7 +66,7 @@ from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
 from qurl.errors import RunHalted
 from qurl.sync.plan import SyncPlan, SyncPlanner, broadcast_chunks
-from qurl.sync.publish import unverified
+from qurl.sync.resync import OK, OTHER, RESYNC_REASONS, ResyncRule
 from qurl.errors import InputError
 from qurl.wire.broadcaster import Broadcaster, GroupFormError, GroupSpec
 from qurl.wire.group import GroupAddressError
@@ -76,7 +77,6 @@ GROUP_TIMEOUT_S = 120.0  # rendezvous and every broadcast of the weight group
 JOIN_TIMEOUT_S = 600.0  # a worker must say hello within this (process start + engine build)
 PING_EVERY_S = 2.0
 MAX_RESTARTS = 10  # per slot and run: a worker that keeps dying is a bug to report, not to retry
-RESYNC_REASONS = ("refused", "mismatch")  # why a worker asks for a full sync
 
 
 @dataclass
@@ -85,7 +85,6 @@ class _SlotState:
     gen_seen: int = -1  # latest group generation the worker reported having been invited to
     ready: bool = False  # in the current group with the current weights
     deltas: bool = False  # the worker's engine can apply (and verify) deltas, from its hello
-    mismatches: int = 0  # failed verifications in a row (a verified ack resets it)
 
 
 class Fleet:
@@ -107,6 +106,8 @@ class Fleet:
             "session": self.session, "inbound": self.inbox.endpoint, "model_dir": str(model_dir),
             "num_workers": self.n, "pid": os.getpid()})
         self.slots = [_SlotState() for _ in range(self.n)]
+        # each slot's mismatch streak and what follows a sync it reports (qurl/sync/resync.py)
+        self.resync = ResyncRule()
         # A worker stops its SGLang server itself (SIGTERM to the worker, then `finally`; the server
         # runs in its own session, so a SIGKILLed worker would leave it running): wait that long.
         grace = 2 * STOP_WAIT_S + 10.0 if cfg.rollout.engine == "sglang" else 5.0
@@ -139,6 +140,7 @@ class Fleet:
     def _replace(self, slot: int, why: str) -> None:
         log.warning("worker slot %d replaced (%s)", slot, why)
         self.slots[slot] = _SlotState()
+        self.resync.forget(slot)  # a new worker starts with no failed verification
         if self.senders[slot] is not None:
             self.senders[slot].close(linger_ms=0)  # whatever was queued for the dead one is void
             self.senders[slot] = None
@@ -188,19 +190,18 @@ class Fleet:
                 self.need_group = True
         elif op == "synced":
             self.sync_acks.append(meta)
-            if meta.get("verified") == 1.0:
-                st.mismatches = 0
+            if meta.get("verified") == 1.0:  # forgives an earlier mismatch
+                self.resync.decide(slot, OK)
         elif op == "resync":  # the worker holds weights a delta cannot build on: send all
             reason = meta.get("reason")
-            self.counts[f"resync/{reason if reason in RESYNC_REASONS else 'other'}"] += 1
+            decision = self.resync.decide(
+                slot, reason if reason in RESYNC_REASONS else OTHER,
+                version=meta.get("version", -1), bad=meta.get("bad"),
+                who=f"worker slot {slot} ({meta.get('engine', 'engine')})")
+            self.counts[f"resync/{decision.reason}"] += 1
             self.need_full, self._holder = True, None
-            if reason == "mismatch":
-                st.mismatches += 1
-                if st.mismatches >= 2 and self.halted is None:  # a full resync failed too
-                    bad = [b for b in meta.get("bad") or [] if isinstance(b, str)] or ["?"]
-                    self.halted = unverified(
-                        f"worker slot {slot} ({meta.get('engine', 'engine')})",
-                        int(meta.get("version", -1)), bad)
+            if decision.error is not None and self.halted is None:  # a full resync failed too
+                self.halted = decision.error
         elif op == "redone":  # a generation abandoned at a failed sync, queued again
             n = meta.get("prompts")
             self.counts["unverified_redone"] += n if isinstance(n, int) and n > 0 else 0

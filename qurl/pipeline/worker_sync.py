@@ -8,7 +8,9 @@ the generation in progress (its prompts go back to the queue) and generates noth
 sync verifies. Either way it asks the controller for a full sync (`resync` with the reason; a
 mismatch also names the engine and the tensors that differ, for the controller's error when the
 full sync fails too) and stays in the group; the worker says how many prompts it queued again
-(`redone`, qurl/pipeline/worker.py).
+(`redone`, qurl/pipeline/worker.py). The worker only reports; what follows (resend in full, or halt
+the run) is the controller's decision, made by the same rule the synchronous loop applies
+(qurl/sync/resync.py `ResyncRule`, per worker slot in qurl/pipeline/fleet.py).
 
 `WeightClient` is that part of `RolloutWorker` (qurl/pipeline/worker.py): it uses the worker's
 engine, inbox, session, counts and `_queue_prompt` / `_handle` / `_send_control`. `Abort` and
@@ -21,7 +23,7 @@ import time
 from typing import Any
 
 from qurl.engines.base import StaleBase, verifiable
-from qurl.sync.publish import engine_label
+from qurl.sync.resync import MISMATCH, REFUSED, engine_label
 
 log = logging.getLogger("qurl.worker")
 
@@ -107,7 +109,7 @@ class WeightClient:
         except StaleBase as e:  # every broadcast was joined: the group is fine, ask for all
             self.counts["delta_refused"] += 1
             log.warning("slot %d: delta v%s refused: %s", self.slot, first.get("version"), e)
-            self._send_control({"op": "resync", "reason": "refused",
+            self._send_control({"op": "resync", "reason": REFUSED,
                                 "version": int(self.engine.version)})
             self.weights_ok = False  # behind the controller's version: wait for the full sync
             for msg in deferred:
@@ -128,7 +130,7 @@ class WeightClient:
                             "pause_s": t1 - t0, "bytes": stats.bytes, "verified": verified,
                             "mode": (stats.header or {}).get("mode", "full")})
         if verified == 0.0:  # the tensors and engine name the error of a second failure
-            self._send_control({"op": "resync", "reason": "mismatch", "bad": bad,
+            self._send_control({"op": "resync", "reason": MISMATCH, "bad": bad,
                                 "engine": engine_label(self.engine),
                                 "version": int(self.engine.version)})
             raise Unverified()

@@ -7,13 +7,14 @@ on the exact codes sent, split into the layers UAQ scales (q/k/v/gate/up) and th
 
 Each version goes as a delta against the previous one when the engine holds it verified, else in
 full (qurl/sync/plan.py), and the engine then proves it holds the sender's bits (qurl/wire/digest.py:
-`verify`); a mismatch is resynced in full at once and counted, and a second mismatch stops the
-run with one line naming the engine and the tensors (`unverified`, a RunHalted: `qurl train`
-prints it and exits 2; the run resumes from its last checkpoint): the loop never samples from
-weights that differ from the learner's. Engines without `verify` (an
-SGLang engine whose servers lack qurl's sync loader, or run TP > 1 with a cut qurl cannot map:
-qurl/engines/sglang/verified_sync.py) get
-full syncs (`unsupported`) and records say `sync/verified` = NaN (not checked).
+`verify`); a refused delta or a mismatch is resynced in full at once and counted, and a second
+mismatch stops the run with one line naming the engine and the tensors (`unverified`, a RunHalted:
+`qurl train` prints it and exits 2; the run resumes from its last checkpoint): the loop never
+samples from weights that differ from the learner's. That rule is qurl/sync/resync.py
+`ResyncRule`, the same one the async fleet applies to each worker (qurl/pipeline/fleet.py).
+Engines without `verify` (an SGLang engine whose servers lack qurl's sync loader, or run TP > 1
+with a cut qurl cannot map: qurl/engines/sglang/verified_sync.py) get full syncs (`unsupported`)
+and records say `sync/verified` = NaN (not checked).
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from typing import Iterable
 import torch
 
 from qurl.engines.base import Engine, StaleBase, verifiable
-from qurl.errors import RunHalted
 from qurl.quant.flips import aggregate_flips
 from qurl.quant.named import NAMED_FORMATS
 from qurl.sync.arena import ArenaQuantizer
 from qurl.sync.plan import SyncPlanner
+from qurl.sync.resync import ACCEPT, MISMATCH, OK, REFUSED, ResyncRule, engine_label
 
 CODES = (torch.int8, torch.float8_e4m3fn)
 
@@ -45,6 +46,7 @@ class WeightSync:
         self.precision = precision
         self.quantizer = ArenaQuantizer(precision, bucket_bytes, wire_dtype)
         self.planner = SyncPlanner(mode, full_every)
+        self.resync = ResyncRule()  # what follows each load: accept, resend in full, or halt
 
     def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this sync keeps between versions: its arenas (qurl/wire/host.py `sync_memory`)."""
@@ -92,22 +94,25 @@ class WeightSync:
         checked = verifiable(engine)
         load_s, verify_s, mismatched, verified = time.perf_counter() - t1, 0.0, 0.0, float("nan")
         sent = plan.stats.bytes
-        if refused:
-            plan = self.planner.full(plan, chunks, "refused")
+        key, who = id(engine), engine_label(engine)  # this engine, to the rule and in its error
+        if refused:  # the rule's answer to a refusal is always: the whole version
+            plan = self.planner.full(plan, chunks, self.resync.decide(key, REFUSED).reason)
             self._load(engine, plan)
             sent += plan.stats.bytes
         if checked is not None:
             t2 = time.perf_counter()
             bad = checked.verify(plan.digests)
-            verified = 0.0 if bad else 1.0
-            if bad:  # never sample from weights that differ from the learner's: resync in full
-                mismatched = float(len(bad))
-                plan = self.planner.full(plan, chunks, "mismatch")
+            verified, mismatched = (0.0, float(len(bad))) if bad else (1.0, 0.0)
+            # never sample from weights that differ from the learner's (qurl/sync/resync.py):
+            # a mismatch is resynced in full and checked again, a second one halts the run
+            while (decision := self.resync.decide(key, MISMATCH if bad else OK, version=version,
+                                                  bad=bad, who=who)).action != ACCEPT:
+                if decision.error is not None:
+                    raise decision.error
+                plan = self.planner.full(plan, chunks, decision.reason)
                 self._load(engine, plan)
                 sent += plan.stats.bytes
-                again = checked.verify(plan.digests)
-                if again:
-                    raise unverified(engine_label(engine), version, again)
+                bad = checked.verify(plan.digests)
             verify_s = time.perf_counter() - t2
         stats.update(first.metrics())  # what was tried; a resync is counted apart
         if plan is not first:
@@ -125,19 +130,3 @@ class WeightSync:
             engine.load_weights(iter(plan.chunks), plan.version)
         else:
             engine.load_weights(iter(plan.chunks), plan.version, base=plan.base)  # type: ignore[call-arg]
-
-
-def engine_label(engine: Engine) -> str:
-    """How an error names an engine: its class and, where it has one, its precision."""
-    precision = engine.__dict__.get("precision")
-    return type(engine).__name__ + (f" ({precision})" if isinstance(precision, str) else "")
-
-
-def unverified(who: str, version: int, bad: list[str], shown: int = 3) -> RunHalted:
-    """The one-line error of an engine `who` that failed verification twice in a row: the
-    version, how many tensors differ and the first `shown` of their names."""
-    names = ", ".join(bad[:shown]) + (f" and {len(bad) - shown} more" if len(bad) > shown else "")
-    return RunHalted(f"weight sync v{version}: {who} still differs from the learner's weights "
-                     f"after a full resync, in {len(bad)} tensor{'s' * (len(bad) != 1)}: {names}; "
-                     "the run stops (nothing is trained on unverified weights): fix the engine, "
-                     "then resume from the last checkpoint with `qurl train --resume <run dir>`")
