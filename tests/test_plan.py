@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from qurl.config import load_config
-from qurl.deploy.launch import main_launch
+from qurl.commands.launch import main_launch
 from qurl.learner.memory_plan import KNOWN_SHAPES, plan_ranks, plan_text
 
 

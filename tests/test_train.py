@@ -8,7 +8,7 @@ from qurl.cli import main
 from qurl.config import ConfigError, load_config, validate
 from qurl.data.splits import load_eval_sets
 from qurl.errors import CheckpointError
-from qurl.evaluation.run_eval import eval_run
+from qurl.commands.eval import eval_run
 from qurl.studies.misses import classify
 from qurl.studies.misses import report as misses_report
 from qurl.train.inline import train

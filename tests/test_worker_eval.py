@@ -26,7 +26,7 @@ def run_root(runs_dir):
 @pytest.mark.slow
 def test_async_actor_is_scored_by_the_workers_as_a_local_engine_would(run_root, monkeypatch):
     from qurl.engines import local
-    from qurl.evaluation.run_eval import eval_run
+    from qurl.commands.eval import eval_run
     from qurl.pipeline.controller import train_async
 
     built: list[str] = []  # precisions of the LocalEngines built in this (the controller's) process

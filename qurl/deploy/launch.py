@@ -50,19 +50,17 @@ field or flag.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from qurl.config import PRESETS, Config, load_config
+from qurl.config import Config
 from qurl.engines.sglang.launcher import server_command
 from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.models.base import builds_base
@@ -349,52 +347,3 @@ def run_node(node: NodePlan) -> int:
             stop_group(s)
         if main:
             signal.signal(signal.SIGTERM, previous)
-
-
-def main_launch(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="qurl launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
-    p.add_argument("--config", help="TOML file with [section] tables overriding the preset")
-    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[])
-    p.add_argument("--nodes", help="comma-separated node hosts, node 0 first (default: from config)")
-    p.add_argument("--node-rank", type=int, default=None, help="run this node's commands")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--python", default="python", help="interpreter named in the commands")
-    p.add_argument("--server-port", type=int, default=BASE_PORT,
-                   help="port of each node's first planned SGLang server (the next ones follow)")
-    p.add_argument("--dry-run", action="store_true", help="print every node's commands and exit")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0,
-                   help="memory of each learner GPU, for the learner memory plan (default 80)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # `qurl launch -- --preset ...` (argparse REMAINDER keeps the "--")
-        argv = argv[1:]
-    args = p.parse_args(argv)
-    cfg = load_config(args.preset, args.config, args.set)
-    config_args = ["--preset", args.preset] + (["--config", args.config] if args.config else [])
-    config_args += [a for s in args.set for a in ("--set", s)]
-    nodes = [h for h in args.nodes.split(",") if h] if args.nodes else None
-    try:
-        plans = plan(cfg, config_args, nodes, args.gpus_per_node, args.python, args.server_port)
-    except ValueError as e:
-        print(f"qurl launch: error: {e}", file=sys.stderr)
-        return 2
-    from qurl.learner.memory_plan import plan_text
-
-    text, refused = plan_text(cfg, args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU")
-    if refused:
-        print(f"qurl launch: error: {refused}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(render(plans))
-        print(text)
-        return 0
-    if args.node_rank is None or not 0 <= args.node_rank < len(plans):
-        print(f"qurl launch: error: --node-rank must be in 0..{len(plans) - 1} (or use --dry-run)",
-              file=sys.stderr)
-        return 2
-    try:
-        return run_node(plans[args.node_rank])
-    except ValueError as e:  # this node reaches no interface to node 0 (qurl/node/netif.py)
-        print(f"qurl launch: error: {e}", file=sys.stderr)
-        return 2

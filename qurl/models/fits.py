@@ -2,8 +2,8 @@
 
 A user's model is not shaped for every layout, and the places that would notice fail late and
 far away: megatron-core asserts inside every learner rank, SGLang's scheduler dies in its own log.
-`qurl train` runs these checks where the base is resolved (qurl/cli.py), so the error is one line
-naming the sizes, exit 2.
+`qurl train` runs these checks where the base is resolved (qurl/commands/train.py), so the error is
+one line naming the sizes, exit 2.
 
 - **Architecture**: dense Qwen2, Qwen3 and Llama (qurl/models/convert.py `check_supported`);
   anything else (another family, MoE, sliding windows, scaled RoPE, a missing weight shard or

@@ -1,10 +1,12 @@
-"""`qurl export`: a run's trained policy as a checkpoint that transformers and SGLang load.
+"""What `qurl export` writes: a run's trained policy as a checkpoint that transformers and SGLang
+load.
 
 A run's checkpoints hold the learner's Megatron shards (`ckpt/step_N/model_rank*.pt`, optimizer
-files with the fp32 master weights), which only qurl reads. `export_run` loads one of them into
-the learner exactly as `--resume` and `qurl eval` do (the run's own TP and DP ranks, its layer
-spec), streams the fp32 master weights out under their HF names (`named_weights`, TP-gathered),
-and rank 0 writes:
+files with the fp32 master weights), which only qurl reads. `write_export`, run on each of the
+run's learner ranks (the command that starts them, checks the flags and picks the checkpoint:
+qurl/commands/export.py), loads one of them into the learner exactly as `--resume` and `qurl eval`
+do (the run's own TP and DP ranks, its layer spec), streams the fp32 master weights out under
+their HF names (`named_weights`, TP-gathered), and rank 0 writes:
 
 - `--format hf` (default): a plain HF checkpoint in `--dtype` (default: the base checkpoint's
   dtype) — safetensors, config.json, tokenizer, chat template, generation config. With UAQ on, the
@@ -25,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from qurl.config import Config, override
-from qurl.errors import InputError
+from qurl.config import Config
 
-FORMATS = ("hf", "int8", "fp8", "fp8_block")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FORMATS = ("hf", "int8", "fp8", "fp8_block")  # `--format`
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def base_dir(cfg: Config) -> Path:
@@ -41,8 +42,11 @@ def base_dir(cfg: Config) -> Path:
     return run_dir_for(cfg) / "base_model" if builds_base(cfg) else Path(resolve_base(cfg.model.base))
 
 
-def _export_entry(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, rank: int,
-                  world_size: int) -> str:
+def write_export(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, rank: int,
+                 world_size: int) -> str:
+    """One learner rank's part of an export (module docstring): load checkpoint `ckpt` of the run
+    `cfg` describes; rank 0 writes `out` in `fmt` (one of FORMATS), unquantized tensors in `dtype`
+    (a key of DTYPES). Returns `out`."""
     from qurl.learner.dist import init_learner_dist, is_main_rank
     from qurl.learner.megatron import MegatronLearner
     from qurl.models.export8bit import write_checkpoint
@@ -62,29 +66,5 @@ def _export_entry(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, ran
         state = apply_uaq(state, 1.0 / cfg.algo.uaq_scale)  # back to the base parameterisation
     config = json.loads((model_dir / "config.json").read_text())
     write_checkpoint(state, config, model_dir, Path(out), "bf16" if fmt == "hf" else fmt,
-                     dtype=_DTYPES[dtype])
-    return out
-
-
-def export_run(run_dir: Path, out: Path, *, step: int | None = None, fmt: str = "hf",
-               dtype: str | None = None) -> Path:
-    """Export `run_dir`'s latest checkpoint (or `step`'s) to `out` (module docstring)."""
-    from qurl.checkpoint.rundir import CheckpointDir, read_config
-    from qurl.deploy.ranks import run_ranks
-
-    if fmt not in FORMATS:
-        raise InputError(f"--format {fmt!r}: must be one of {', '.join(FORMATS)}")
-    if dtype is not None and dtype not in _DTYPES:
-        raise InputError(f"--dtype {dtype!r}: must be one of {', '.join(_DTYPES)}")
-    cfg = override(read_config(run_dir), {"deploy.dir": str(run_dir.parent), "run.name": run_dir.name})
-    ckpt = CheckpointDir(run_dir).latest() if step is None else CheckpointDir(run_dir).at(step)
-    if ckpt is None:
-        raise InputError(f"{run_dir}: no checkpoint to export")
-    if dtype is None:
-        base = json.loads((base_dir(cfg) / "config.json").read_text())
-        dtype = base.get("torch_dtype") or base.get("dtype") or "float32"
-        dtype = dtype if dtype in _DTYPES else "float32"
-    if fmt != "hf" and dtype == "float32":
-        dtype = "bfloat16"  # SGLang's w8a8 kernels take bf16 / fp16 activations only
-    run_ranks(_export_entry, cfg, ckpt=str(ckpt), out=str(out), fmt=fmt, dtype=dtype)
+                     dtype=DTYPES[dtype])
     return out

@@ -1,5 +1,14 @@
-"""`qurl eval`: the paper's evaluation of a run's latest checkpoint, or `--step N`'s (suite.py),
-or of an HF checkpoint directory (an export from `qurl export`, a base model) under a run's config.
+"""`qurl eval`: the paper's evaluation of a run's latest checkpoint, or `--step N`'s
+(qurl/evaluation/suite.py), or of an HF checkpoint directory (an export from `qurl export`, a base
+model) under a run's config.
+
+    qurl eval runs/<run> [--step N] [--set eval.samples=32] [-n N] [--per-question] [--answers]
+    qurl eval DIR --config runs/<run>/config.toml   an HF checkpoint directory (an export)
+
+The record's `eval/...` keys are printed one a line after its summary; `--out` also writes it
+(JSON). A run directory is evaluated under its own config.toml (`--preset` / `--config` are
+refused there); a checkpoint directory under `--config` / `--preset` (default cpu-tiny), without
+`--step`.
 
 The checkpoint's learner weights (UAQ-scaled master weights) are loaded into a learner, quantized to
 the run's rollout precision and loaded into a fresh engine — the same path a training step takes —
@@ -18,16 +27,18 @@ differently at that level (docs/models.md measures by how much on SmolLM2-135M).
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import torch
 
 from qurl.checkpoint.rundir import CheckpointDir, read_config, run_dir_for
-from qurl.config import Config, ConfigError, override, parse_sets, validate
+from qurl.config import Config, ConfigError, load_config, override, parse_sets, validate
 from qurl.deploy.ranks import run_ranks
 from qurl.engines.factory import engine_wire_dtype, make_engine
-from qurl.evaluation.suite import Evaluator
+from qurl.errors import InputError
+from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import builds_base
@@ -91,7 +102,6 @@ def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = Non
     """Evaluate the HF checkpoint `model_dir` under `cfg` (module docstring): its step-0 record.
     InputError (one line) for a directory that is not a checkpoint qurl trains, or an 8-bit export
     (its codes are the engine's, not a policy a learner can read: evaluate its run instead)."""
-    from qurl.errors import InputError
     from qurl.models.fits import check_fits
 
     meta = model_dir / "config.json"
@@ -106,3 +116,27 @@ def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = Non
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
     return run_ranks(_eval_entry, cfg, ckpt=None, max_examples=max_examples,
                      per_question=per_question, answers=answers)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`qurl eval` with its parsed arguments (module docstring); the exit code."""
+    path = Path(args.path)
+    checkpoint = (path / "config.json").is_file() and not (path / "config.toml").is_file()
+    if not checkpoint:  # a run directory (eval_run's errors name what is missing)
+        if args.preset or args.config:
+            raise InputError(f"{path} is a run directory: its own config.toml is used "
+                             "(--preset / --config are for an HF checkpoint directory)")
+        rec = eval_run(path, max_examples=args.n, sets=args.set, per_question=args.per_question,
+                       step=args.step, answers=args.answers)
+    else:
+        if args.step is not None:
+            raise InputError(f"--step: {path} is a checkpoint directory, not a run")
+        cfg = load_config(args.preset or "cpu-tiny", args.config, args.set)
+        rec = eval_checkpoint(path, cfg, max_examples=args.n, per_question=args.per_question,
+                              answers=args.answers)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rec) + "\n")
+    print(f"{args.path}: {summary(rec)}")
+    for key in sorted(k for k in rec if k.startswith(("eval/", "eval_fp/", "eval_gap/"))):
+        print(f"  {key:40s} {rec[key]:.4f}")
+    return 0

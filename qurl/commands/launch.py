@@ -1,0 +1,72 @@
+"""`qurl launch`: from one config, the per-node commands of a multi-node run -- and run them.
+
+    qurl launch --preset P [--config run.toml] [--set ...] --dry-run   every node's commands
+    qurl launch --preset P ... --nodes h0,h1 --node-rank R              run node R's commands
+
+`qurl launch` parses its own options: qurl/cli.py passes them through untouched (a leading `--` is
+dropped). The config is loaded as `qurl train` loads it; qurl/deploy/launch.py `plan` turns it
+into each node's commands (export, SGLang servers, external workers, the learner's torchrun)
+with their GPUs and network settings -- its docstring, the placement rules, is this command's
+--help. A placement the plan refuses, or a learner memory plan that cannot hold one row on a GPU of
+`--gpu-memory-gb`, is one line `qurl launch: error: ...`, exit 2. `--dry-run` prints the plan
+(commands, GPU map) and the memory plan; `--node-rank R` runs node R's commands (`run_node`) and
+returns the learner's exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from qurl.config import PRESETS, load_config
+from qurl.deploy import launch
+from qurl.deploy.launch import BASE_PORT, plan, render, run_node
+
+
+def main_launch(argv: list[str] | None = None) -> int:
+    """`qurl launch` with its own options, `argv` (default: sys.argv[1:]); the exit code."""
+    p = argparse.ArgumentParser(prog="qurl launch", description=launch.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
+    p.add_argument("--config", help="TOML file with [section] tables overriding the preset")
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", default=[])
+    p.add_argument("--nodes", help="comma-separated node hosts, node 0 first (default: from config)")
+    p.add_argument("--node-rank", type=int, default=None, help="run this node's commands")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--python", default="python", help="interpreter named in the commands")
+    p.add_argument("--server-port", type=int, default=BASE_PORT,
+                   help="port of each node's first planned SGLang server (the next ones follow)")
+    p.add_argument("--dry-run", action="store_true", help="print every node's commands and exit")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                   help="memory of each learner GPU, for the learner memory plan (default 80)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `qurl launch -- --preset ...` (argparse REMAINDER keeps the "--")
+        argv = argv[1:]
+    args = p.parse_args(argv)
+    cfg = load_config(args.preset, args.config, args.set)
+    config_args = ["--preset", args.preset] + (["--config", args.config] if args.config else [])
+    config_args += [a for s in args.set for a in ("--set", s)]
+    nodes = [h for h in args.nodes.split(",") if h] if args.nodes else None
+    try:
+        plans = plan(cfg, config_args, nodes, args.gpus_per_node, args.python, args.server_port)
+    except ValueError as e:
+        print(f"qurl launch: error: {e}", file=sys.stderr)
+        return 2
+    from qurl.learner.memory_plan import plan_text
+
+    text, refused = plan_text(cfg, args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU")
+    if refused:
+        print(f"qurl launch: error: {refused}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(render(plans))
+        print(text)
+        return 0
+    if args.node_rank is None or not 0 <= args.node_rank < len(plans):
+        print(f"qurl launch: error: --node-rank must be in 0..{len(plans) - 1} (or use --dry-run)",
+              file=sys.stderr)
+        return 2
+    try:
+        return run_node(plans[args.node_rank])
+    except ValueError as e:  # this node reaches no interface to node 0 (qurl/node/netif.py)
+        print(f"qurl launch: error: {e}", file=sys.stderr)
+        return 2
