@@ -97,8 +97,9 @@ def smollm2_arith() -> Config:
     policy on 200 held-out questions every 10 steps. The "jump" to ~100% seen with this preset before
     165b27e was the model learning to box the question itself, which the reward then accepted
     (math-verify evaluated it); answers must now be numerals, and under that reward bf16 did not
-    learn in 60 steps (13.5 -> 6.5% greedy, seed 0; docs/study/smollm2_regime.md): the recipe
-    that learns is smollm2-arith-sft, this one after a short SFT warm start. A step takes
+    learn in 60 steps (13.5 -> 6.5% greedy, seed 0; docs/study/smollm2_regime.md), and this preset
+    as it is took off on none of seeds 0-2 in its 30 steps (docs/real_model.md, "over seeds"): the
+    recipe that learns is smollm2-arith-sft, this one after a short SFT warm start. A step takes
     ~1 minute on a quiet 2-core CPU. The learner computes in fp32: on CPUs without
     AVX512-BF16 (this project's AMD EPYC CI machines) a bf16 GEMM is emulated and measured ~9x
     slower than fp32. Results: docs/real_model.md."""
