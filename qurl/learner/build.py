@@ -133,8 +133,8 @@ def norms_in_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     them in a bf16 checkpoint (Llama/Qwen RMSNorm: a bf16 `weight`, the normalisation computed in
     fp32). torch's fused kernel also computes in fp32 and rounds once; transformers rounds the
     normalised value to bf16 before the gain, so the two differ by at most about one bf16 step
-    (tests/test_norm_dtype.py). The fp32 masters the optimizer keeps, and the weights sent to the
-    engines, are not touched."""
+    (tests/test_learner.py::test_bf16_norms_hold_bf16_gains_and_match_transformers). The fp32
+    masters the optimizer keeps, and the weights sent to the engines, are not touched."""
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             module.to(dtype)
