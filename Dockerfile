@@ -1,7 +1,7 @@
 # qurl GPU image: the SGLang release image (CUDA, torch, sglang, flashinfer, sgl-kernel; pinned by
 # tag) + megatron-core + qurl. The trainer (`qurl ...`) and the rollout servers
 # (`python -m sglang.launch_server ...`, see `qurl launch --dry-run`) run from the same image, so the
-# learner and SGLang share one torch build -- the weight-update group relies on it (qurl/wire/group.py).
+# learner and SGLang share one torch build -- the weight-update group relies on it (qurl/weights/group.py).
 #   docker build -t qurl:0.1.0 .
 #   docker run --gpus all --ipc=host --network=host -v /shared:/shared qurl:0.1.0 train --preset ...
 # sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0; qurl's adapter was written against it.

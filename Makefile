@@ -51,7 +51,7 @@ test-sglang: setup $(SGL_VENV)/.installed
 		tests/test_sglang_real_qwen3.py tests/test_sglang_real_kernels.py tests/test_sglang_real_stall.py \
 		tests/test_sglang_real_halt.py
 
-# The offline one-GPU check (qurl/bench/gpu_check/; ~8 minutes on one H100/H200). The GPU machine
+# The offline one-GPU check (qurl/research/bench/gpu_check/; ~8 minutes on one H100/H200). The GPU machine
 # has its own python3 and CUDA torch, no network: nothing is set up there. Here (PyPI): `make
 # gpu-wheels` puts megatron-core, blake3 and pyzmq for its Python (GPU_PY, 3.12 or 3.11) in
 # .gpu-wheels/ (git-ignored, < 48 MiB); carry that folder with the tree, then there: `make gpu-check`

@@ -1,7 +1,7 @@
 """qurl's public Python face: what code outside the product may use (the studies, the benchmarks,
 a user's notebook). The command line (cli.py) is the other entry point.
 
-Research code (qurl/studies, qurl/bench) imports the product only from here (tests/test_layout.py
+Research code (qurl/research/studies, qurl/research/bench) imports the product only from here (tests/test_layout.py
 checks it), so the product's rooms can be rearranged by changing this file alone. Each name is
 re-exported from the room that owns it; grouped by what a caller wants to do:
 
@@ -98,26 +98,26 @@ FACE: dict[str, str] = {
     "DTYPES": "qurl.stream.frames",
     "compute_mac": "qurl.stream.frames",
     "tensor_frame": "qurl.stream.frames",
-    "ArenaQuantizer": "qurl.sync.arena",
-    "ChunkArena": "qurl.sync.arena",
-    "WeightSync": "qurl.sync.publish",
-    "WeightReceiver": "qurl.sync.receiver",
+    "ArenaQuantizer": "qurl.weights.arena",
+    "ChunkArena": "qurl.weights.arena",
+    "WeightSync": "qurl.weights.publish",
+    "WeightReceiver": "qurl.weights.receiver",
     "train": "qurl.train.inline",
     "read_metrics": "qurl.train.metrics_log",
     "plot_runs": "qurl.train.report",
-    "apply_positions": "qurl.wire.delta",
-    "sync_memory": "qurl.wire.host",
-    "changed_positions": "qurl.wire.delta",
-    "changed_positions_bytewise": "qurl.wire.delta",
-    "check_delta": "qurl.wire.delta",
-    "delta_nbytes": "qurl.wire.delta",
-    "diff_named": "qurl.wire.delta",
-    "encode_named": "qurl.wire.delta",
-    "group_delta_chunks": "qurl.wire.delta",
-    "combine": "qurl.wire.digest",
-    "named_digests": "qurl.wire.digest",
-    "WeightGroup": "qurl.wire.group",
-    "WeightSender": "qurl.wire.sender",
+    "apply_positions": "qurl.weights.delta",
+    "sync_memory": "qurl.weights.host",
+    "changed_positions": "qurl.weights.delta",
+    "changed_positions_bytewise": "qurl.weights.delta",
+    "check_delta": "qurl.weights.delta",
+    "delta_nbytes": "qurl.weights.delta",
+    "diff_named": "qurl.weights.delta",
+    "encode_named": "qurl.weights.delta",
+    "group_delta_chunks": "qurl.weights.delta",
+    "combine": "qurl.weights.digest",
+    "named_digests": "qurl.weights.digest",
+    "WeightGroup": "qurl.weights.group",
+    "WeightSender": "qurl.weights.sender",
 }
 
 __all__ = sorted(FACE)

@@ -51,7 +51,7 @@ def _seed_list(text: str) -> list[int]:
 def _dispatch(args: argparse.Namespace) -> int:
     """Run the command `args.cmd` names: its module is imported only now, so each command pays
     only for its own imports. The product's commands live in qurl/commands/; the research ones
-    behind its wall (qurl/bench/command.py, qurl/studies/command.py)."""
+    behind its wall (qurl/research/bench/command.py, qurl/research/studies/command.py)."""
     if args.cmd == "train":
         from qurl.commands.train import run
     elif args.cmd == "eval":
@@ -63,11 +63,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     elif args.cmd == "fetch":
         from qurl.commands.fetch import run
     elif args.cmd == "compare":
-        from qurl.studies.command import run_compare as run
+        from qurl.research.studies.command import run_compare as run
     elif args.cmd == "study":
-        from qurl.studies.command import run_study as run
+        from qurl.research.studies.command import run_study as run
     elif args.cmd == "bench":
-        from qurl.bench.command import run_bench as run
+        from qurl.research.bench.command import run_bench as run
     else:  # `launch` is dispatched before parsing (main)
         raise ValueError(f"qurl {args.cmd}: not a parsed command")
     return run(args)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="evaluate this step's checkpoint "
                    "(default: the latest)")
     p.add_argument("--answers", action="store_true", help="the record also holds the greedy "
-                   "answers' text (eval_answers), for `python -m qurl.studies.misses`")
+                   "answers' text (eval_answers), for `python -m qurl.research.studies.misses`")
     p = sub.add_parser("export", help="a run's policy as an HF checkpoint (UAQ undone) or an "
                        "SGLang 8-bit one (qurl/train/export.py)")
     p.add_argument("run_dir")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=_seed_list, default=None, metavar="S,S,...",
                    help="run the compare once per seed (OUT/seed<S>/) and summarise over the "
                    "seeds in OUT/compare_seeds.md (default: run.seed only)")
-    p = sub.add_parser("study", help="studies over many runs: ablation (qurl/studies/); pack / "
+    p = sub.add_parser("study", help="studies over many runs: ablation (qurl/research/studies/); pack / "
                        "unpack: a study's records into / out of <out>.tar.xz")
     p.add_argument("what", choices=("ablation", "pack", "unpack"))
     _add_config_args(p)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--arms", default="generate,bf16,int8,fp8",
-                   help="engine: comma-separated arms (qurl.bench.engines.ARMS: generate, bf16, "
+                   help="engine: comma-separated arms (qurl.research.bench.engines.ARMS: generate, bf16, "
                         "int8, fp8, w4a16, fp32, int8-fp32)")
     p.add_argument("--rounds", type=int, default=3, help="engine, learner: interleaved timing rounds")
     p.add_argument("--prompt-tokens", type=int, default=94,
@@ -172,24 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemms", action="store_true",
                    help="engine: CPU time of one decode-step GEMM per kernel and shape instead")
     p.add_argument("--shapes", default="small", choices=("small", "qwen2.5-0.5b"),
-                   help="sync: synthetic weight shapes (qurl.bench.sync.SHAPES)")
+                   help="sync: synthetic weight shapes (qurl.research.bench.sync.SHAPES)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="sync: bucket budget in MiB (default: the config's deploy.bucket_mb)")
     p.add_argument("--delta", action="store_true",
-                   help="sync: full 8-bit vs delta sync, bytes and time (qurl/bench/sync_delta.py)")
+                   help="sync: full 8-bit vs delta sync, bytes and time (qurl/research/bench/sync_delta.py)")
     p.add_argument("--delta-shapes", default="qwen2.5-0.5b,qwen2.5-1.5b",
-                   help="sync --delta: comma-separated shapes (qurl.bench.sync_delta.DELTA_SHAPES)")
+                   help="sync --delta: comma-separated shapes (qurl.research.bench.sync_delta.DELTA_SHAPES)")
     p.add_argument("--flips-from", action="append", default=[], metavar="JSON",
                    help="sync --delta: also the per-kind change fractions of a real run "
-                        "(rows of python -m qurl.bench.run_flips --out); repeatable")
+                        "(rows of python -m qurl.research.bench.run_flips --out); repeatable")
     p.add_argument("--layers", type=int, default=0, help="sync --delta: first N layers (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="sync --delta: timed rounds")
     p.add_argument("--encode-only", action="store_true", help="sync --delta: encode, old vs new")
     p.add_argument("--link", default="", help="sync --delta: over tc-shaped veth links instead, "
-                   "e.g. 10gbit,1gbit,100mbit[:10ms] (root; qurl/bench/sync_link.py)")
+                   "e.g. 10gbit,1gbit,100mbit[:10ms] (root; qurl/research/bench/sync_link.py)")
     p.add_argument("--memory", action="store_true",
                    help="learner: peak memory per row and tokens/s vs L, attention/recompute arms "
-                        "side by side (qurl/bench/learner_long.py; --layers, default 2)")
+                        "side by side (qurl/research/bench/learner_long.py; --layers, default 2)")
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="learner --memory: widths L")
     p.add_argument("--learner-arms", default="",
                    help="learner --memory: comma-separated arms (default all: unfused, sdpa, "
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="learner --memory: skip points the cost model prices above this")
     p.add_argument("--mix", action="store_true",
                    help="learner: sorted vs arrival-order micro-batches on a heavy-tailed length "
-                        "mix (qurl/bench/learner_mix.py)")
+                        "mix (qurl/research/bench/learner_mix.py)")
     p.add_argument("--attention", action="store_true",
                    help="learner: SDPA vs unfused attention at the default run's shape")
     from qurl.data.fetch import TRAINING_SETS

@@ -27,7 +27,7 @@ from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import NO_TENSORS
 from qurl.models.hf import build_model, read_state_dict
-from qurl.wire.group import free_port
+from qurl.weights.group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SGL_PY = Path(os.environ.get("QURL_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")

@@ -11,8 +11,8 @@ import pytest
 from pipeline_helpers import tiny_cfg
 
 from qurl.config import load_config
-from qurl.studies import compare as compare_mod
-from qurl.studies.compare import ARMS, arm_configs, compare, summarize, summarize_seeds, write_table
+from qurl.research.studies import compare as compare_mod
+from qurl.research.studies.compare import ARMS, arm_configs, compare, summarize, summarize_seeds, write_table
 from qurl.train.metrics_log import read_metrics
 
 

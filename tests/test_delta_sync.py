@@ -1,4 +1,4 @@
-"""Delta weight sync (qurl/wire/delta.py, plan.py, digest.py) and its local-engine receiver.
+"""Delta weight sync (qurl/weights/delta.py, plan.py, digest.py) and its local-engine receiver.
 
 Closed-form checks of the encoding (exact byte counts, which of delta/full is chosen, round trips
 bit for bit over block boundaries and every wire dtype), of the planner's choices, and of the local
@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.engines.base import StaleBase
+from qurl.types import StaleBase
 from qurl.engines.local import LocalEngine
 from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.named import engine_chunks
-from qurl.sync.plan import SyncPlanner, broadcast_chunks
-from qurl.sync.publish import WeightSync
-from qurl.wire import delta as D
-from qurl.wire.digest import combine, named_digests, tensor_digest
+from qurl.weights.plan import SyncPlanner, broadcast_chunks
+from qurl.weights.publish import WeightSync
+from qurl.weights import delta as D
+from qurl.weights.digest import combine, named_digests, tensor_digest
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,7 +54,7 @@ def test_roundtrip_across_blocks_is_bit_exact(dtype):
 
 
 def test_a_single_change_packs_on_the_wire():
-    from qurl.wire.buckets import align_order, layout_of, pack, unpack
+    from qurl.weights.buckets import align_order, layout_of, pack, unpack
 
     prev = torch.zeros(70_000, dtype=torch.int8)
     chunks = align_order(D.encode_tensor("w", prev, _flip(prev, [69_999])))
@@ -241,7 +241,7 @@ def test_corrupted_delta_is_caught(model_dir, monkeypatch):
         chunks[i] = (chunks[i][0], _flip(chunks[i][1], [0]))  # a wrong value on the wire
         return chunks, st
 
-    monkeypatch.setattr("qurl.sync.plan.encode_named", corrupt)
+    monkeypatch.setattr("qurl.weights.plan.encode_named", corrupt)
     rec = sync.push(iter(versions[1]), engine, 1)
     assert (rec["sync/delta"], rec["sync/verified"]) == (1.0, 0.0)
     assert rec["sync/fallbacks/mismatch"] == 1.0 and engine.digest is not None
@@ -276,8 +276,8 @@ def _engine_receiver(port: int, model_dir: str, precision: str, ann_q, ack_q) ->
     """Rank 1 of a gloo weight group: a LocalEngine fed by the WeightReceiver, as an async
     rollout worker runs it (double-banked buffers, deltas, verification after every sync)."""
     torch.set_num_threads(1)
-    from qurl.sync.receiver import WeightReceiver
-    from qurl.wire.group import WeightGroup
+    from qurl.weights.receiver import WeightReceiver
+    from qurl.weights.group import WeightGroup
 
     group = WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
     engine = LocalEngine(model_dir, precision=precision)
@@ -305,8 +305,8 @@ def gloo_replay(model_dir, precision: str, versions: list, corrupt_at: int | Non
     corrupt_at: that version's delta goes out with one value changed (a transport bug)."""
     import multiprocessing as mp
 
-    from qurl.wire.group import WeightGroup, free_port
-    from qurl.wire.sender import WeightSender
+    from qurl.weights.group import WeightGroup, free_port
+    from qurl.weights.sender import WeightSender
 
     ctx = mp.get_context("spawn")
     ann_q, ack_q = ctx.Queue(), ctx.Queue()

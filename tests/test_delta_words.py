@@ -1,4 +1,4 @@
-"""The word-wise compare of qurl/wire/delta.py gives exactly the element-wise compare's positions.
+"""The word-wise compare of qurl/weights/delta.py gives exactly the element-wise compare's positions.
 
 `changed_positions` on CPU XORs 8-byte words in cache-sized slices and looks at single elements
 only inside the words that differ; elements before the first aligned word and after the last
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.wire import delta as D
+from qurl.weights import delta as D
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -1,11 +1,11 @@
-"""qurl/studies/end_probe.py: where an answer's box closes, and the end token's probability."""
+"""qurl/research/studies/end_probe.py: where an answer's box closes, and the end token's probability."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from qurl.studies.end_probe import box_end, end_prob, masked_run_on
+from qurl.research.studies.end_probe import box_end, end_prob, masked_run_on
 
 
 def _chars(ids: list[int]) -> str:

@@ -1,4 +1,4 @@
-"""qurl.studies.engine_noise on a tiny checkpoint: exact invariances give exactly zero, the KL it
+"""qurl.research.studies.engine_noise on a tiny checkpoint: exact invariances give exactly zero, the KL it
 reports equals torch's own KL on the engines' logits, and norm-gain jitter moves no weight code."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from qurl.config import load_config
 from qurl.engines.local import LocalEngine
 from qurl.models.hf import build_model, read_state_dict
-from qurl.studies.engine_noise import compare_engines, main, perturbations, worked_answer_pairs
-from qurl.studies.uaq_codes import code_changes
+from qurl.research.studies.engine_noise import compare_engines, main, perturbations, worked_answer_pairs
+from qurl.research.studies.uaq_codes import code_changes
 
 MICRO = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128}

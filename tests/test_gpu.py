@@ -36,14 +36,14 @@ def test_int8_gemm_on_gpu_is_the_exact_cpu_product():
 
 
 def test_cuda_graph_over_int8_codes_rewritten_in_place_replays_exactly():
-    from qurl.bench.gpu_check.kernel_checks import section_cuda_graph
+    from qurl.research.bench.gpu_check.kernel_checks import section_cuda_graph
 
     r = section_cuda_graph(dry=False)
     assert r["int8_code_product"]["ok"], r
 
 
 def test_engine_logprobs_on_gpu_are_close_to_cpu(tmp_path):
-    from qurl.bench.gpu_check.kernel_checks import section_engine
+    from qurl.research.bench.gpu_check.kernel_checks import section_engine
 
     r = section_engine(dry=True)  # the tiny preset, on the GPU vs on the CPU
     assert r["device"].startswith("cuda") and r["bf16"]["max_abs"] < 1e-3, r

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qurl.bench.gpu_check.runner import SECTIONS
-from qurl.bench.gpu_check.wheels import (PINS, check_size, download_command, install_site,
+from qurl.research.bench.gpu_check.runner import SECTIONS
+from qurl.research.bench.gpu_check.wheels import (PINS, check_size, download_command, install_site,
                                          wheel_fits)
 
 REPO = Path(__file__).resolve().parents[1]

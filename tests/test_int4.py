@@ -13,7 +13,7 @@ from qurl.models.hf import build_model, load_checkpoint, read_state_dict
 from qurl.quant.int4 import (INT4_GROUP, check_int4_codes, dequantize_int4_groups,
                              quantize_int4_groups)
 from qurl.quant.named import dequantize_named, quantize_named
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 
 
 def _reference(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

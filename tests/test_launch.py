@@ -269,7 +269,7 @@ def test_no_two_nccl_ranks_of_one_group_share_a_gpu(preset, variant, capsys):
     every NCCL group each member sits on a GPU of its own, every command names its GPUs and carries
     qurl's NCCL settings. Before issue 59 external workers had no CUDA_VISIBLE_DEVICES: on nodes
     >= 1 worker k opened its rank on GPU 0, beside its own server's rank 0 ("Duplicate GPU")."""
-    from qurl.wire.nccl_env import QURL_NCCL
+    from qurl.weights.nccl_env import QURL_NCCL
 
     sets = ["model.base=/m"] + ([] if variant == "inline" else
                                 [f"deploy.rollout={variant}", "rollout.max_staleness=1"])

@@ -8,9 +8,9 @@
   server imports by its dotted path (`--custom-weight-loader
   qurl.engines.sglang.inside.loader.restore_w8a8`) resolves and pulls in nothing of qurl's trainer
   (the server's venv has no megatron, and must not need transformers);
-- optional engine capabilities are declared protocols (qurl/engines/base.py), never probed with
+- optional engine capabilities are declared protocols (qurl/types.py), never probed with
   getattr;
-- research (qurl/studies, qurl/bench) uses the product only through its public face, qurl/api.py.
+- research (qurl/research/studies, qurl/research/bench) uses the product only through its public face, qurl/api.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 QURL = ROOT / "qurl"
-RESEARCH = {"studies", "bench"}
+RESEARCH = {"research"}
 
 
 def _module(path: Path) -> str:
@@ -152,7 +152,19 @@ def test_no_two_rooms_reach_each_other():
               for a, b in sorted(loops)}
     assert detail == {}, detail
     # the floor plan's fixed points: the pure core imports no other room but config/types
-    assert not {b for (a, b) in arrows if a in ("algo", "quant", "wire")} - {"config", "quant"}
+    assert not {b for (a, b) in arrows if a in ("algo", "quant")} - {"config", "quant"}
+
+
+def test_the_weight_transport_knows_no_engine_or_learner():
+    """weights/'s transport files (qurl/weights/__init__.py lists them) import bytes, tensors and
+    process groups only: no other qurl room but config and node, and none of weights' own policy
+    files (publish, plan, resync, arena, receiver)."""
+    transport = ("delta", "digest", "buckets", "group", "sender", "broadcaster", "host", "nccl_env")
+    policy = {f"qurl.weights.{m}" for m in ("publish", "plan", "resync", "arena", "receiver")}
+    reach = sorted(f"{name}.py -> {m}" for name in transport
+                   for m in _imports(QURL / "weights" / f"{name}.py")
+                   if (_room(m) not in (None, "weights", "config", "node")) or m in policy)
+    assert reach == []
 
 
 def test_only_the_in_server_module_imports_sglang():
@@ -178,8 +190,8 @@ def test_the_server_side_loader_path_resolves_alone():
     # the delta / verify half (imported by the loader at the first sync) needs only the wire room
     loaded = _loaded_by("import qurl.engines.sglang.inside.apply")
     assert {m for m in loaded if not m.startswith("qurl.engines.sglang.inside")} == {
-        "qurl", "qurl.engines", "qurl.engines.sglang", "qurl.wire", "qurl.wire.delta",
-        "qurl.wire.digest"}
+        "qurl", "qurl.engines", "qurl.engines.sglang", "qurl.weights", "qurl.weights.delta",
+        "qurl.weights.digest"}
 
 
 def test_engine_capabilities_are_not_probed_with_getattr():

@@ -1,8 +1,8 @@
 """A weight sync across two network namespaces whose veth link is cut mid-sync (issue 60 item 5).
 
 The learner's sender (rank 0) is this process, moved into node 0; a bare engine receiver (a
-WeightReceiver feeding qurl.bench.sync_delta's Sink, which validates every chunk before it
-changes anything, as the local engine does) runs in node 1 (qurl/bench/sync_link.py). The link is
+WeightReceiver feeding qurl.research.bench.sync_delta's Sink, which validates every chunk before it
+changes anything, as the local engine does) runs in node 1 (qurl/research/bench/sync_link.py). The link is
 tc-limited to 50 Mbit/s so a 16 MiB full sync takes a few seconds, and goes down 1 s into one
 for longer than the group's 4 s timeout. Checked: both sides fail while the link is still down
 (not hang until it returns), the receiver still holds the version it had verified (digest), and
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl.bench import netns
+from qurl.research.bench import netns
 
 TIMEOUT_S, CUT_AFTER_S, CUT_FOR_S = 4.0, 1.0, 7.0
 
@@ -28,7 +28,7 @@ def pair():
 
 
 def test_link_cut_mid_sync_keeps_the_verified_version_and_the_next_sync_succeeds(pair):
-    from qurl.bench.sync_link import LinkPair, cut_during_sync
+    from qurl.research.bench.sync_link import LinkPair, cut_during_sync
 
     g = torch.Generator().manual_seed(0)
     v0 = [(f"layers.{i}.weight", torch.randint(-127, 128, (1024, 1024), generator=g,

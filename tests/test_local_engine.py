@@ -357,7 +357,7 @@ def test_partial_rollout_versions(model_dir, precision):
 
 
 def test_implements_engine_protocol(engines):
-    from qurl.engines.base import Engine
+    from qurl.types import Engine
 
     eng = engines("int8")
     assert isinstance(eng, Engine) and eng.version == 0

@@ -1,4 +1,4 @@
-"""qurl.studies.mask_bias: kept shares and advantage balance on hand-worked batches, and the sampled
+"""qurl.research.studies.mask_bias: kept shares and advantage balance on hand-worked batches, and the sampled
 batch's log ρ aligned with what the engines score token by token."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from qurl.algo.corrections import Correction
 from qurl.config import load_config
 from qurl.engines.local import LocalEngine
 from qurl.models.hf import build_model
-from qurl.studies.mask_bias import by_kind, main, mask_profile, sample_batch
+from qurl.research.studies.mask_bias import by_kind, main, mask_profile, sample_batch
 
 MICRO = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128}

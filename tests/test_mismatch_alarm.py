@@ -92,7 +92,7 @@ def test_alarm_quiet_on_a_healthy_run_and_fires_on_a_quantizer_fault(runs_root, 
                                                                      capsys):
     from pipeline_helpers import tiny_cfg
     from qurl.errors import RunHalted
-    from qurl.sync.publish import WeightSync
+    from qurl.weights.publish import WeightSync
     from qurl.train.inline import train
 
     extra = {"rollout.precision": "int8", "deploy.alarm_steps": 2, "deploy.ckpt_every": 0,
@@ -105,7 +105,7 @@ def test_alarm_quiet_on_a_healthy_run_and_fires_on_a_quantizer_fault(runs_root, 
     quiet = [(r["kl_behav_prox"], r["alarm/kl_ratio"]) for r in recs[3:]]  # NaN: null in JSON
 
     import qurl.quant.named as named
-    import qurl.sync.arena as arena
+    import qurl.weights.arena as arena
     real_push = WeightSync.push
 
     def push(self, chunks, engine, version):  # the fault starts with the weights of version 3

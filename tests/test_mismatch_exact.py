@@ -1,11 +1,11 @@
-"""qurl.studies.mismatch_exact: exact KL and truncation from full distributions, and the sampled
+"""qurl.research.studies.mismatch_exact: exact KL and truncation from full distributions, and the sampled
 per-token statistics drawn from them, against closed forms."""
 import math
 
 import pytest
 import torch
 
-from qurl.studies.mismatch_exact import (analyse, exact_kl, exact_trunc, response_rows,
+from qurl.research.studies.mismatch_exact import (analyse, exact_kl, exact_trunc, response_rows,
                                          sampled_tokens)
 
 
@@ -64,7 +64,7 @@ def test_analyse_uses_the_rows_every_side_finished():
 def test_analyse_in_chunks_gives_the_same_exact_values(monkeypatch):
     """Positions analysed CHUNK at a time (bounded memory at 256 responses): the exact KL and
     truncation share are those of one block; the sampled statistics keep their token count."""
-    import qurl.studies.mismatch_exact as mx
+    import qurl.research.studies.mismatch_exact as mx
 
     ctx = {"tokens": torch.zeros(3, 6, dtype=torch.long),
            "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0],

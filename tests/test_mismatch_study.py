@@ -1,10 +1,10 @@
-"""qurl.studies.mismatch: closed-form per-token statistics of ρ = π_prox/π_behav and their buckets."""
+"""qurl.research.studies.mismatch: closed-form per-token statistics of ρ = π_prox/π_behav and their buckets."""
 import math
 
 import pytest
 import torch
 
-from qurl.studies.mismatch import _bucket_of, analyse, bucketed, response_positions, summary
+from qurl.research.studies.mismatch import _bucket_of, analyse, bucketed, response_positions, summary
 
 
 def _batch():
@@ -69,7 +69,7 @@ def test_prompt_columns_must_not_be_marked():
 
 
 def test_report_replaces_only_its_block():
-    from qurl.studies.mismatch_report import replace_block
+    from qurl.research.studies.mismatch_report import replace_block
 
     page = "# T\n\n## Rollout speed\n\nspeed text\n"
     once = replace_block(page, "uaq", "table 1")
@@ -81,7 +81,7 @@ def test_report_replaces_only_its_block():
 
 
 def test_boundary_counts_by_hand():
-    from qurl.studies.grid_ties import boundary_counts
+    from qurl.research.studies.grid_ties import boundary_counts
 
     # row absmax 127 -> scale 1: boundaries at k + 0.5
     w = torch.tensor([[127.0, 0.5, 2.5, 3.4, 1.0 + 1e-3], [0.0, 0.0, 0.0, 0.0, 0.0]])
@@ -93,7 +93,7 @@ def test_boundary_counts_by_hand():
 def test_read_uaq_keeps_the_latest_row(tmp_path):
     import json
 
-    from qurl.studies.mismatch_report import read_uaq, uaq_block
+    from qurl.research.studies.mismatch_report import read_uaq, uaq_block
 
     rows = [{"kind": "flip", "s": 1.0, "lr": 1e-6, "step": 1, "rows": 2, "grad_norm": 1.0,
              "int8/flip_frac": 0.5},

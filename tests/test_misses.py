@@ -1,4 +1,4 @@
-"""qurl/studies/misses.py: where an answer's first box closes, and each kind of miss on answers
+"""qurl/research/studies/misses.py: where an answer's first box closes, and each kind of miss on answers
 written by hand (the kinds follow from the reward's rule: the last complete box is the answer)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from qurl.data.rewards import first_box_close
-from qurl.studies.misses import KINDS, Miss, classify, report, tally
+from qurl.research.studies.misses import KINDS, Miss, classify, report, tally
 
 
 def test_first_box_close_is_the_brace_that_closes_the_first_box():

@@ -1,4 +1,4 @@
-"""One NCCL environment per weight group (qurl/wire/nccl_env.py): members that differ are refused
+"""One NCCL environment per weight group (qurl/weights/nccl_env.py): members that differ are refused
 at formation in one line naming both sides, over gloo here (the check runs on the group's store,
 whatever the backend); members that agree form the group; SGLang peers, which cannot report, are
 checked from the settings they were launched with, before any invitation."""
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from qurl.wire.broadcaster import Broadcaster
-from qurl.wire.group import WeightGroup, free_port
-from qurl.wire.nccl_env import QURL_NCCL, NcclMismatch, settings, with_nccl_defaults
+from qurl.weights.broadcaster import Broadcaster
+from qurl.weights.group import WeightGroup, free_port
+from qurl.weights.nccl_env import QURL_NCCL, NcclMismatch, settings, with_nccl_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PEER = """
 import sys, torch
-from qurl.wire.group import WeightGroup
+from qurl.weights.group import WeightGroup
 try:
     g = WeightGroup("127.0.0.1", int(sys.argv[1]), 1, 2, "gloo", "g", timeout_s=60)
 except Exception as e:

@@ -1,7 +1,7 @@
 """The ablation figure's legend: an arm with fewer seeds than the study names them."""
 from __future__ import annotations
 
-from qurl.studies.plots import arm_label
+from qurl.research.studies.plots import arm_label
 
 
 def test_an_arm_with_every_seed_keeps_its_name():

@@ -1,4 +1,4 @@
-"""Issue 66: one home for weight sync's resync rule (qurl/sync/resync.py `ResyncRule`).
+"""Issue 66: one home for weight sync's resync rule (qurl/weights/resync.py `ResyncRule`).
 
 The rule: a load of a version into a holder ends ok, refused (a delta on a base the holder lacks)
 or mismatch (its digests differ from the learner's); ok is accepted, refused or a first mismatch
@@ -16,13 +16,13 @@ import secrets
 import pytest
 import torch
 
-from qurl.engines.base import StaleBase
+from qurl.types import StaleBase
 from qurl.engines.local import LocalEngine
 from qurl.engines.local_weights import LocalWeights
 from qurl.errors import RunHalted
 from qurl.models.hf import build_model, read_state_dict
-from qurl.sync.publish import WeightSync
-from qurl.sync.resync import (ACCEPT, HALT, MISMATCH, OK, OTHER, REFUSED, RESYNC, Decision,
+from qurl.weights.publish import WeightSync
+from qurl.weights.resync import (ACCEPT, HALT, MISMATCH, OK, OTHER, REFUSED, RESYNC, Decision,
                               ResyncRule, engine_label)
 
 LAYER = "model.layers.0.mlp.down_proj.weight"

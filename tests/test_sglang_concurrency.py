@@ -11,7 +11,7 @@ from qurl.engines.sglang.engine import UNREPORTED_RUNNING, SGLangEngine
 from qurl.engines.sglang.launcher import ServerSpec
 from qurl.engines.sglang.protocol import running_limit
 from qurl.types import GenRequest, SamplingParams
-from qurl.wire.group import free_port
+from qurl.weights.group import free_port
 from test_sglang_engine import FAST, _fake_cmd
 
 

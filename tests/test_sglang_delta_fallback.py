@@ -11,8 +11,8 @@ import torch
 
 from qurl.engines.sglang.engine import SGLangEngine
 from qurl.engines.sglang.launcher import ServerSpec
-from qurl.sync.publish import WeightSync
-from qurl.wire.group import free_port
+from qurl.weights.publish import WeightSync
+from qurl.weights.group import free_port
 from tests.test_sglang_engine import FAST, _fake_cmd
 
 

@@ -21,7 +21,7 @@ from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import SGLangError
 from qurl.node.placement import sglang_base_gpus
-from qurl.wire.group import free_port
+from qurl.weights.group import free_port
 
 
 # ------------------------------------------------------------------------------ GPU placement

@@ -20,7 +20,7 @@ from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import SGLangError, SGLangUnavailable, parse_generate
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
-from qurl.wire.group import free_port
+from qurl.weights.group import free_port
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 VOCAB = 50

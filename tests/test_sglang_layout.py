@@ -10,7 +10,7 @@ from qurl.engines.sglang.inside.layout import (HEADER, hf_rows, hf_view, json_ch
                                                read_json_chunk, sglang_name)
 from qurl.engines.sglang.verified_sync import (apply_to_kept, chunk_meta, header_chunk,
                                                is_stale_refusal, parse_mismatch, verify_chunk)
-from qurl.wire.delta import apply_named, encode_named
+from qurl.weights.delta import apply_named, encode_named
 
 
 def test_names_map_to_fused_parameters_and_parts():
@@ -113,7 +113,7 @@ def test_verification_hashes_every_copy_of_a_tied_embedding():
     from types import SimpleNamespace
 
     from qurl.engines.sglang.inside.apply import held_digests
-    from qurl.wire.digest import tensor_digest
+    from qurl.weights.digest import tensor_digest
 
     vocab, pad, hidden = 10, 64, 4
     model = torch.nn.Module()

@@ -24,7 +24,7 @@ from qurl.engines.sglang.launcher import ServerSpec
 from qurl.engines.sglang.protocol import QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError
 from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from qurl.types import GenRequest, SamplingParams
 from tests.sglang_real import (  # noqa: F401
     TIMEOUTS,

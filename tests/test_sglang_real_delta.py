@@ -26,7 +26,7 @@ from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE
 from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.models.export8bit import export_8bit
 from qurl.quant.named import engine_chunks
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from tests.sglang_real import (  # noqa: F401
     CORRUPT,
     NO_TENSORS,

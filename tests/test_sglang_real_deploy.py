@@ -14,7 +14,7 @@ from qurl.engines.sglang.engine import SGLangEngine
 from qurl.engines.sglang.launcher import ServerSpec
 from qurl.engines.sglang.protocol import QUANTIZATION, SGLangError
 from qurl.models.export8bit import export_8bit
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from tests.sglang_real import (  # noqa: F401
     CPU_FLAGS,
     TIMEOUTS,

@@ -23,7 +23,7 @@ from qurl.engines.sglang.protocol import NO_TENSORS, QUANTIZATION
 from qurl.models.export8bit import export_8bit
 from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.named import engine_chunks
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from tests.sglang_real import (  # noqa: F401
     BREAK_REPACK,
     env,

@@ -31,7 +31,7 @@ from qurl.models.export8bit import export_8bit
 from qurl.models.hf import read_state_dict, write_state_dict
 from qurl.quant.named import engine_chunks
 from qurl.rollout.requests import PromptCodec
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from qurl.types import GenRequest, SamplingParams
 from tests import sglang_real
 from tests.sglang_real import (fuse_like_sglang, held_like, launch, needs_sglang, read_back,

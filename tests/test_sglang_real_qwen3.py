@@ -77,7 +77,7 @@ def test_hf_export_generates_in_a_real_server_as_the_local_engine(env, exported,
 
 
 def test_int8_export_loads_byte_equal_and_takes_a_verified_delta(env, exported, tmp_path):
-    from qurl.sync.publish import WeightSync
+    from qurl.weights.publish import WeightSync
 
     sent = read_state_dict(exported["int8"])  # the learner's last sync (tests/test_export.py)
     eng = launch(exported["int8"], "w8a8_int8", tmp_path, precision="int8", generates=False)

@@ -23,7 +23,7 @@ from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.models.export8bit import export_8bit
 from qurl.types import GenRequest, SamplingParams
-from qurl.wire.group import free_port
+from qurl.weights.group import free_port
 from tests.sglang_real import SGL_PY, cpu_server_args, env, models, needs_sglang  # noqa: F401
 
 pytestmark = needs_sglang + [pytest.mark.timeout(1200)]

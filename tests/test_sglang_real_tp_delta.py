@@ -35,7 +35,7 @@ from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE
 from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.models.export8bit import export_8bit
 from qurl.models.hf import build_model, read_state_dict
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from tests.sglang_real import (  # noqa: F401
     CORRUPT_KV_LAST,
     NO_TENSORS,

@@ -12,8 +12,8 @@ import torch
 from qurl.engines.sglang.inside.tp_cut import (Box, Layout, cpu_padding, local_positions,
                                                rank_digests, shard_box, slice_shape, take,
                                                vocab_rows)
-from qurl.wire.delta import changed_positions
-from qurl.wire.digest import tensor_digest
+from qurl.weights.delta import changed_positions
+from qurl.weights.digest import tensor_digest
 
 L0 = "model.layers.0."
 MQA = Layout(heads=4, kv_heads=1)

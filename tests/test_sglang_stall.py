@@ -20,7 +20,7 @@ from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.launcher import ServerSpec
 from qurl.engines.sglang.protocol import SGLangError
 from qurl.types import GenRequest, SamplingParams
-from qurl.wire.group import free_port
+from qurl.weights.group import free_port
 from test_sglang_engine import _expected, _fake_cmd, _get, _post, _wait_healthy
 
 STALL_S = 2.0

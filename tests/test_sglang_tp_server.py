@@ -18,8 +18,8 @@ import qurl.engines.sglang.inside.apply as srv
 from qurl.engines.sglang.inside.layout import MISMATCH_MARK, STALE_MARK
 from qurl.engines.sglang.inside.tp_cut import Layout
 from qurl.engines.sglang.verified_sync import chunk_meta, header_chunk, tp_digests, verify_chunk
-from qurl.wire.delta import encode_named
-from qurl.wire.digest import combine, named_digests
+from qurl.weights.delta import encode_named
+from qurl.weights.digest import combine, named_digests
 
 MQA = Layout(heads=4, kv_heads=1)  # 4 query heads of 2, one kv head: replicated at TP 2
 A, M = "model.layers.0.self_attn.", "model.layers.0.mlp."

@@ -445,7 +445,7 @@ def test_back_pressure_no_peer_and_full_queue():
 
 
 def test_bench_stream_runs_small():
-    from qurl.bench.stream import bench_stream
+    from qurl.research.bench.stream import bench_stream
 
     out = bench_stream(total_mb=4, msg_mb=1, prompt_len=16, response_len=64, processes=False,
                        gc_freeze=False, verbose=False)

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from qurl.config import load_config
-from qurl.studies.ablation import ARM_NAMES, DEFAULT_ARMS, arm_configs, select_arms
-from qurl.studies.page import write_tables
-from qurl.studies.tables import (collapse_step, learned_interval, pair_rows, run_row, seed_rows,
+from qurl.research.studies.ablation import ARM_NAMES, DEFAULT_ARMS, arm_configs, select_arms
+from qurl.research.studies.page import write_tables
+from qurl.research.studies.tables import (collapse_step, learned_interval, pair_rows, run_row, seed_rows,
                                  summarize)
 
 
@@ -284,7 +284,7 @@ def test_final_evaluations_are_the_final_accuracy_only_when_every_arm_has_one(tm
 
 
 def test_final_evaluation_is_refused_without_the_runs_last_checkpoint(tmp_path):
-    from qurl.studies import final_eval as fe
+    from qurl.research.studies import final_eval as fe
 
     assert fe.evaluate(tmp_path / "gone", tmp_path, 4, steps=10) == "no run directory"
     (tmp_path / "run" / "ckpt" / "step_000005").mkdir(parents=True)
@@ -296,7 +296,7 @@ def test_final_evaluation_is_refused_without_the_runs_last_checkpoint(tmp_path):
 
 
 def test_measured_eval_se_from_the_right_answers_per_question():
-    from qurl.studies.tables import measured_se
+    from qurl.research.studies.tables import measured_se
 
     # x = c/8 = [1, 0, .5, .5]: sample variance (.25 + .25) / 3 = 1/6, se = sqrt(1/6) / 2
     one = {"synthetic/avg@8": [8, 0, 4, 4], "synthetic/greedy": [1, 1, 1, 1]}
@@ -319,7 +319,7 @@ def test_measured_eval_se_from_the_right_answers_per_question():
 
 
 def test_paired_eval_se_pairs_the_questions_of_a_seed():
-    from qurl.studies.tables import paired_eval_se
+    from qurl.research.studies.tables import paired_eval_se
 
     rows = [{"seed": 0, "arm": "a", "_scores": [1, 0, 1, 1]},
             {"seed": 0, "arm": "ref", "_scores": [1, 0, 0, 1]},

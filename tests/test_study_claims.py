@@ -1,11 +1,11 @@
-"""The paper's claims checked on study rows (qurl/studies/claims.py), on hand-worked cases."""
+"""The paper's claims checked on study rows (qurl/research/studies/claims.py), on hand-worked cases."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from qurl.studies.claims import claims_markdown, degrades, match_claim, naive_claim, seeds_needed
+from qurl.research.studies.claims import claims_markdown, degrades, match_claim, naive_claim, seeds_needed
 
 
 def row(seed: int, arm: str, acc: float, *, collapse: int | None = None,

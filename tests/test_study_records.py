@@ -1,4 +1,4 @@
-"""A study's records packed into `<out>.tar.xz` (qurl/studies/records.py): deterministic archives,
+"""A study's records packed into `<out>.tar.xz` (qurl/research/studies/records.py): deterministic archives,
 loose and packed records read alike, tables written back into the archive, and the committed
 studies of docs/study read from their archives as they were read loose."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qurl.studies.records import (archive_path, open_records, pack, read_archive, unpack,
+from qurl.research.studies.records import (archive_path, open_records, pack, read_archive, unpack,
                                   write_archive, write_records)
 
 DOCS_STUDY = Path(__file__).resolve().parent.parent / "docs" / "study"
@@ -93,7 +93,7 @@ def test_a_committed_study_reads_the_same_from_its_archive_and_loose(study, tmp_
     """qurl study ablation --table-only reads what `committed`/`starts` return: the same from
     docs/study/<study>.tar.xz as from its records extracted loose; the archive rebuilds to its
     committed bytes."""
-    from qurl.studies.store import committed, starts
+    from qurl.research.studies.store import committed, starts
 
     packed = DOCS_STUDY / study
     if not archive_path(packed).is_file():
@@ -114,8 +114,8 @@ def test_a_committed_study_reads_the_same_from_its_archive_and_loose(study, tmp_
 
 
 def test_trajectories_and_final_eval_read_a_packed_arm(tmp_path, capsys):
-    from qurl.studies.final_eval import read_final
-    from qurl.studies.trajectories import main
+    from qurl.research.studies.final_eval import read_final
+    from qurl.research.studies.trajectories import main
 
     study = DOCS_STUDY / "smollm2_sft_threads"
     if not archive_path(study).is_file():

@@ -13,11 +13,11 @@ import pytest
 from pipeline_helpers import TIMING, tiny_cfg
 
 from qurl.config import ConfigError, override
-from qurl.studies.ablation import ablation, arm_configs
-from qurl.studies.runner import run_to_end, train_command
-from qurl.studies.store import (FILES, START, arm_dir, check_start, extends, finished, start_record,
+from qurl.research.studies.ablation import ablation, arm_configs
+from qurl.research.studies.runner import run_to_end, train_command
+from qurl.research.studies.store import (FILES, START, arm_dir, check_start, extends, finished, start_record,
                                 starts)
-from qurl.studies.page import starts_markdown
+from qurl.research.studies.page import starts_markdown
 from qurl.train.metrics_log import read_metrics
 
 
@@ -141,7 +141,7 @@ def test_an_arm_does_not_inherit_the_launchers_rendezvous(tmp_path, monkeypatch)
                     "LOCAL_RANK": None, "QURL_KEEP": "yes", "HF_HUB_OFFLINE": "1"}
 
     # the study's final evaluation of an arm is such a process too
-    from qurl.studies import final_eval
+    from qurl.research.studies import final_eval
 
     run_dir = tmp_path / "runs" / "arm"
     (run_dir / "ckpt" / "step_3").mkdir(parents=True)

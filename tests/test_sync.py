@@ -10,11 +10,11 @@ import torch
 
 from qurl.quant.formats import dequantize_fp8_block, quantize_fp8_block
 from qurl.quant.named import engine_chunks, quantize_named
-from qurl.sync.arena import ArenaQuantizer, ChunkArena
-from qurl.wire.buckets import (BucketLayout, align_order, bucket_buffer, group_pairs, layout_of,
+from qurl.weights.arena import ArenaQuantizer, ChunkArena
+from qurl.weights.buckets import (BucketLayout, align_order, bucket_buffer, group_pairs, layout_of,
                                pack, plan_buckets, unpack)
-from qurl.wire.group import WeightGroup, free_port
-from qurl.wire.sender import BucketAnnouncement, WeightSender
+from qurl.weights.group import WeightGroup, free_port
+from qurl.weights.sender import BucketAnnouncement, WeightSender
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:
@@ -221,7 +221,7 @@ def test_weight_group_refuses_nccl_without_cuda_before_rendezvous():
 
 def _receiver_main(model_dir, port, ann_q, out_q, syncs, out_dir):
     from qurl.engines.local import LocalEngine
-    from qurl.sync.receiver import WeightReceiver
+    from qurl.weights.receiver import WeightReceiver
 
     try:
         engine = LocalEngine(model_dir, precision="int8")

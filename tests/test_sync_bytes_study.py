@@ -1,8 +1,8 @@
-"""qurl.studies.sync_bytes: bytes of a sync by tensor kind, counted by hand on a small Llama layout."""
+"""qurl.research.studies.sync_bytes: bytes of a sync by tensor kind, counted by hand on a small Llama layout."""
 import torch
 
-from qurl.studies.sync_bytes import bytes_by_kind, kind_of, table
-from qurl.sync.publish import WeightSync
+from qurl.research.studies.sync_bytes import bytes_by_kind, kind_of, table
+from qurl.weights.publish import WeightSync
 
 V, H, I = 64, 16, 24  # vocab, hidden, intermediate; one decoder layer, tied embeddings
 

@@ -1,6 +1,6 @@
 """The weight sync's copies of the 8-bit model live in host memory (issue 59 item 5): the two
-arenas (qurl/sync/arena.py) and the SGLang adapter's kept copy (qurl/engines/sglang/
-verified_sync.py), pinned when CUDA is available; `qurl.wire.host.sync_memory` reports where
+arenas (qurl/weights/arena.py) and the SGLang adapter's kept copy (qurl/engines/sglang/
+verified_sync.py), pinned when CUDA is available; `qurl.weights.host.sync_memory` reports where
 each holder's bytes are (the GPU check's hook). On this CPU-only host "before" and "after" both
 read "cpu"; on a GPU host the same report shows the arenas in "cpu_pinned" and only the sender's
 staging buffers under "cuda"."""
@@ -10,8 +10,8 @@ import torch
 
 from qurl.engines.sglang.verified_sync import apply_to_kept
 from qurl.quant.named import quantize_named
-from qurl.sync.publish import WeightSync
-from qurl.wire.host import HoldsSyncMemory, place, sync_memory, to_host
+from qurl.weights.publish import WeightSync
+from qurl.weights.host import HoldsSyncMemory, place, sync_memory, to_host
 
 HOST = "cpu_pinned" if torch.cuda.is_available() else "cpu"
 

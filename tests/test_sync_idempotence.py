@@ -10,10 +10,10 @@ widening cache, and the logits of a forward. The masters themselves must come ba
 (UAQ's invariant scaling is applied once, when the learner loads the checkpoint:
 qurl/learner/megatron.py; a sync that re-applied it, or quantized in place, would change them).
 
-Two paths: WeightSync.push into a LocalEngine in this process (qurl/sync/publish.py), for every
+Two paths: WeightSync.push into a LocalEngine in this process (qurl/weights/publish.py), for every
 precision the local engine has, UAQ on and off, delta and full mode; and the async worker's path,
 a WeightReceiver feeding a LocalEngine in another process over a real gloo WeightGroup
-(qurl/sync/receiver.py), with the planner's delta and full syncs.
+(qurl/weights/receiver.py), with the planner's delta and full syncs.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from qurl.engines.local import PRECISIONS, LocalEngine
 from qurl.models.hf import build_model, read_state_dict
 from qurl.quant.uaq import apply_uaq
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 
 PROMPT, OUTPUT = [1, 5, 9, 14], [3, 7, 2]
 
@@ -130,8 +130,8 @@ def _receiver(port: int, model_dir: str, precision: str, ann_q, ack_q) -> None:
     adopting buffers, as a rollout worker runs it); after each sync it verifies and sends back
     every tensor it holds."""
     torch.set_num_threads(1)
-    from qurl.sync.receiver import WeightReceiver
-    from qurl.wire.group import WeightGroup
+    from qurl.weights.receiver import WeightReceiver
+    from qurl.weights.group import WeightGroup
 
     group = WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
     engine = LocalEngine(model_dir, precision=precision)
@@ -156,9 +156,9 @@ def test_three_syncs_over_a_gloo_group_change_no_bit(model_dir, precision):
     import multiprocessing as mp
 
     from qurl.quant.named import engine_chunks
-    from qurl.sync.plan import SyncPlanner, broadcast_chunks
-    from qurl.wire.group import WeightGroup, free_port
-    from qurl.wire.sender import WeightSender
+    from qurl.weights.plan import SyncPlanner, broadcast_chunks
+    from qurl.weights.group import WeightGroup, free_port
+    from qurl.weights.sender import WeightSender
 
     masters = _masters(model_dir, uaq=True)
     ctx = mp.get_context("spawn")

@@ -1,4 +1,4 @@
-"""qurl/studies/takeoff.py on hand-written records: the take-off step, the windows, the table."""
+"""qurl/research/studies/takeoff.py on hand-written records: the take-off step, the windows, the table."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from qurl.studies.takeoff import markdown, run_row, takeoff_step
+from qurl.research.studies.takeoff import markdown, run_row, takeoff_step
 
 
 def _run(tmp_path, name, rewards, entropies, evals, seed=3):

@@ -9,8 +9,8 @@ from qurl.config import ConfigError, load_config, validate
 from qurl.data.splits import load_eval_sets
 from qurl.errors import CheckpointError
 from qurl.commands.eval import eval_run
-from qurl.studies.misses import classify
-from qurl.studies.misses import report as misses_report
+from qurl.research.studies.misses import classify
+from qurl.research.studies.misses import report as misses_report
 from qurl.train.inline import train
 from qurl.train.metrics_log import read_metrics
 from qurl.train.report import report
@@ -109,7 +109,7 @@ def test_resume_refuses_immutable_change_and_fresh_overwrite(runs_root):
     assert eval_run(tmp_path / "r")["accuracy"] == recs[-1]["accuracy"]
     json.dumps(recs)  # strictly JSON (no NaN literals)
     # --step names the checkpoint; --answers keeps the greedy answers, whose kinds
-    # (qurl/studies/misses.py) agree with the right answers the evaluation counted
+    # (qurl/research/studies/misses.py) agree with the right answers the evaluation counted
     got = eval_run(tmp_path / "r", step=1, answers=True, per_question=True)
     texts, counts = got["eval_answers"]["synthetic/greedy"], got["eval_counts"]["synthetic/greedy"]
     exs = load_eval_sets(validate(cfg))["synthetic"]

@@ -1,4 +1,4 @@
-"""Each run's course (qurl/studies/trajectories.py) from hand-made metrics records: the values are
+"""Each run's course (qurl/research/studies/trajectories.py) from hand-made metrics records: the values are
 worked out here by hand, not by the module."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from qurl.studies.page import write_tables
-from qurl.studies.trajectories import blocks, main, trajectory
+from qurl.research.studies.page import write_tables
+from qurl.research.studies.trajectories import blocks, main, trajectory
 
 
 def _run(rewards: list[float], evals: list[tuple[int, float, float]], *, flips: bool = True,

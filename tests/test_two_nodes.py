@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import cli_sets, tiny_sets
 
-from qurl.bench import netns
+from qurl.research.bench import netns
 from qurl.train.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # two tiny training runs across the namespaces
 @pytest.fixture
 def namespaces():
     """Two namespaces (names returned, node 0 first) joined by a veth pair; removed afterwards
-    (qurl/bench/netns.py)."""
+    (qurl/research/bench/netns.py)."""
     why = netns.unavailable()
     if why:
         pytest.skip(why)
@@ -131,7 +131,7 @@ def test_hand_started_worker_on_the_other_node_joins_the_weight_group(namespaces
                                                                        tmp_path):
     """Issue 59 item 8: controller on node 0 (deploy.host = its veth address), the worker started
     by hand on node 1 with --host. Both advertise, in the gloo weight group, the address they
-    reach node 0 from (qurl/wire/group.py), not the hostname's loopback: the run trains 2 steps
+    reach node 0 from (qurl/weights/group.py), not the hostname's loopback: the run trains 2 steps
     and the worker exits 0 when the controller stops it. (Before: "connectFullMesh failed ...
     remote 127.0.0.1", five 2-minute retries, and a worker that never exited.)"""
     root = runs_dir("twonode-hand")

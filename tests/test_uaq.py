@@ -180,11 +180,11 @@ def test_uaq_flips_more_codes_in_scaled_layers() -> None:
 
 
 def test_code_shift_of_uaq_on_a_real_qwen2(tmp_path, capsys) -> None:
-    """qurl.studies.uaq_codes: s = 2 divides exactly, so not one code may move; s = 1.5 rounds, and
+    """qurl.research.studies.uaq_codes: s = 2 divides exactly, so not one code may move; s = 1.5 rounds, and
     only weights within fp32 rounding of a code boundary may move; o/down are never touched."""
     import json
 
-    from qurl.studies.uaq_codes import code_shift, main
+    from qurl.research.studies.uaq_codes import code_shift, main
 
     model = _model(_config(hidden=128, inter=256), seed=3)
     state = {n: t.detach().clone() for n, t in model.state_dict().items()}
@@ -203,9 +203,9 @@ def test_code_shift_of_uaq_on_a_real_qwen2(tmp_path, capsys) -> None:
 
 
 def test_ulp_nudges_move_only_the_norm_gains_by_exactly_one_ulp():
-    """qurl.studies.ulp_sensitivity's nudge arm: each norm gain element one representable fp32
+    """qurl.research.studies.ulp_sensitivity's nudge arm: each norm gain element one representable fp32
     value away (up or down, both happen), every other tensor the very same object."""
-    from qurl.studies.ulp_sensitivity import nudged
+    from qurl.research.studies.ulp_sensitivity import nudged
 
     g = torch.Generator().manual_seed(0)
     masters = {"model.layers.0.input_layernorm.weight": torch.rand(64, generator=g) + 0.5,

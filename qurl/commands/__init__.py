@@ -7,5 +7,5 @@ checkpoint or an HF checkpoint), export.py (`qurl export`), report.py (`qurl rep
 the parsed arguments and returns the exit code; what it orchestrates lives in the rooms below
 (train/, evaluation/, deploy/, ...), which import nothing from here. The research commands
 (`qurl bench`, `qurl compare`, `qurl study`) stay behind the research wall, in
-qurl/bench/command.py and qurl/studies/command.py.
+qurl/research/bench/command.py and qurl/research/studies/command.py.
 """

@@ -44,7 +44,7 @@ from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import builds_base
 from qurl.models.registry import resolve_base
 from qurl.node.placement import learner_threads, set_threads
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 
 
 def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_question: bool,

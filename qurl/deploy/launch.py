@@ -26,7 +26,7 @@ Placement:
   on nodes >= 1 ("Duplicate GPU detected"). SGLang workers forward weights from host memory and
   get none (spawned ones too: qurl/node/placement.py `spawned_worker_env`), so both their weight
   groups run over gloo: deploy.worker_backend=nccl or sglang.backend=nccl are refused with them.
-- every command carries qurl's NCCL settings (qurl/wire/nccl_env.py QURL_NCCL, SGLang's
+- every command carries qurl's NCCL settings (qurl/weights/nccl_env.py QURL_NCCL, SGLang's
   defaults), the same in every member of a weight group; the groups check it when they form.
 - every GPU holds one process: the plan refuses a layout that would put two on one GPU (a learner
   rank and a server each take most of its memory; NCCL refuses two ranks of a group on one GPU).
@@ -66,7 +66,7 @@ from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.models.base import builds_base
 from qurl.node.netif import IFNAME_VARS, interface_to
 from qurl.node.placement import learner_ranks_per_node
-from qurl.wire.nccl_env import QURL_NCCL
+from qurl.weights.nccl_env import QURL_NCCL
 
 BASE_PORT = 30000
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

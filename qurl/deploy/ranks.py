@@ -4,7 +4,7 @@
 each running the same loop; rank 0 is the controller (engine, data, run dir). Under torchrun
 (RANK/WORLD_SIZE set, the multi-node path that `qurl launch` prints) this process is already one
 rank. With one rank the loop runs in this process. Rank 0's return value is handed back to the caller.
-Every rank runs with qurl's NCCL settings (qurl/wire/nccl_env.py), set before its first
+Every rank runs with qurl's NCCL settings (qurl/weights/nccl_env.py), set before its first
 communicator.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from qurl.config import Config
 from qurl.learner.dist import free_port, spawn
-from qurl.wire.nccl_env import apply_nccl_defaults
+from qurl.weights.nccl_env import apply_nccl_defaults
 
 
 def _call(rank: int, world_size: int, fn: Callable, cfg: Config, kwargs: dict) -> Any:
@@ -23,7 +23,7 @@ def _call(rank: int, world_size: int, fn: Callable, cfg: Config, kwargs: dict) -
 
 def run_ranks(fn: Callable[..., Any], cfg: Config, **kwargs: Any) -> Any:
     """Run fn(cfg, rank=, world_size=, **kwargs) on every learner rank; return rank 0's result.
-    First gives this process qurl's NCCL settings where unset (qurl/wire/nccl_env.py), before any
+    First gives this process qurl's NCCL settings where unset (qurl/weights/nccl_env.py), before any
     communicator: spawned ranks, workers and SGLang servers inherit them."""
     apply_nccl_defaults()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from qurl.config import Config
-from qurl.engines.base import Engine
+from qurl.types import Engine
 
 
 def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: str = "",

@@ -68,7 +68,7 @@ def quantize_model_linears(model: nn.Module, fmt: str, fuse: bool = True) -> dic
 
 class LocalEngine(LocalWeights):
     """Engine over a local HF checkpoint, also a VerifiableEngine and an AdoptingEngine
-    (engines/base.py); see the module docstring."""
+    (qurl/types.py); see the module docstring."""
 
     def __init__(
         self,

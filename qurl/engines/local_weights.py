@@ -5,7 +5,7 @@ values; 8-bit codes arrive with their `_scale`) and full-precision linears are q
 anything is written, so a bad chunk raises ValueError naming the tensor and leaves the old weights
 and version in place. Staging holds one copy of the incoming tensors.
 
-Deltas and verification (qurl/wire/delta.py, qurl/wire/digest.py). `load_weights(..., base=(v-1,
+Deltas and verification (qurl/weights/delta.py, qurl/weights/digest.py). `load_weights(..., base=(v-1,
 digest))` also accepts delta chunks (`<name>#dpos/#dend/#dval`): it refuses (`StaleBase`, before
 reading a chunk) unless the engine holds exactly v-1 with that verified digest, validates every
 delta against the tensor it changes, and writes the changed positions in place at commit (a
@@ -23,10 +23,10 @@ from typing import Iterable
 
 import torch
 
-from qurl.engines.base import StaleBase
+from qurl.types import StaleBase
 from qurl.quant.formats import all_finite, fp8_has_nan
-from qurl.wire.delta import apply_positions, check_delta, group_delta_chunks
-from qurl.wire.digest import combine, mismatches, tensor_digest
+from qurl.weights.delta import apply_positions, check_delta, group_delta_chunks
+from qurl.weights.digest import combine, mismatches, tensor_digest
 
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE = "_scale"
@@ -46,7 +46,7 @@ class LocalWeights:
 
     @property
     def digest(self) -> str | None:
-        """Combined digest (qurl/wire/digest.py) of the weights, if `verify` vouched for them
+        """Combined digest (qurl/weights/digest.py) of the weights, if `verify` vouched for them
         since the last load; None otherwise."""
         return self._digest
 

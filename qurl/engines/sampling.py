@@ -1,6 +1,6 @@
 """Token sampling for the local engine: temperature, top-p, greedy, per-request generators.
 
-Semantics (shared with every engine, see engines/base.py): a token is drawn from
+Semantics (shared with every engine, see qurl/types.py): a token is drawn from
 softmax(logits / T), optionally restricted to the smallest set of most likely tokens whose mass
 reaches top_p (the nucleus, renormalised); the reported log-prob is that of the *unrestricted*
 tempered distribution, log_softmax(logits / T)[token] — what SGLang returns with temperature applied.

@@ -12,10 +12,10 @@ the keys `WHO/<set>/greedy`, `WHO/<set>/avg@k`, `WHO/<set>/pass@j` (set = file s
 `n` (problems over all sets) and `time/eval`; with `per_question` (`qurl eval --per-question`),
 `eval_counts`: the rollout engine's right answers per question ({"<set>/greedy" | "<set>/avg@k":
 [count per question]}), from which an evaluation's standard error is measured
-(qurl/studies/tables.py); with `answers` (`qurl eval --answers`), `eval_answers`: the rollout
+(qurl/research/studies/tables.py); with `answers` (`qurl eval --answers`), `eval_answers`: the rollout
 engine's greedy answers as text ({"<set>/greedy": [text per question]}; the fp policy's, when it
 is evaluated, as `eval_fp_answers`), to read why the misses
-miss (qurl/studies/misses.py).
+miss (qurl/research/studies/misses.py).
 
 Sampled answers use seeds derived from (run seed, uid, sample index) only, so both engines, and every
 evaluation of a run, see the same random numbers: differences between them and over steps are not
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from qurl.config import Config, EvalConfig
 from qurl.data.datasets import Example
-from qurl.engines.base import Engine
+from qurl.types import Engine
 from qurl.evaluation.metrics import mean_over_sets, set_metrics
 from qurl.rollout.generate import to_trajectories
 from qurl.rollout.requests import PromptCodec, request_seed
@@ -149,7 +149,7 @@ class Evaluator:
         deploy.eval_gpu_gb first (qurl/evaluation/eval_placement.py), on rank 0 (`main`)."""
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import make_engine
-        from qurl.sync.publish import WeightSync
+        from qurl.weights.publish import WeightSync
 
         self.cfg, self.fp, self.per_question, self.answers = \
             cfg, needs_fp_policy(cfg), per_question, answers

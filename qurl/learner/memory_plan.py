@@ -9,7 +9,7 @@ learner rank with the checked cost model (membudget.py) before anything starts:
 - the frozen reference model when algo.kl_coef > 0;
 - on learner rank 0, the weight sync's device staging: its copies of the 8-bit model (two
   alternating arenas, the SGLang adapter's kept copy: ~3 bytes per parameter of the whole model)
-  live in pinned host memory (qurl/wire/host.py), so the GPU holds only the two buffers a bucket is
+  live in pinned host memory (qurl/weights/host.py), so the GPU holds only the two buffers a bucket is
   staged through: each max(deploy.bucket_mb, the largest single tensor on the wire — the
   embedding or head in the engines' dtype);
 - one micro-batch of one row at the run's length L = `prompt_tokens` + rollout.max_new_tokens,

@@ -61,7 +61,7 @@ def _base_key(cfg: Config, checkpoint: Path | None = None) -> str:
     # nor that qurl before the emulation warm-started in fp32 on CPUs without native bf16. A
     # study's runs (`--train-code`, an older checkout) look the base up by this key too, and a new
     # field would make each of them build it again; a study refuses a start of the other precision
-    # (qurl/studies/store.py, check_start), and a cache is one machine's (deploy.dir).
+    # (qurl/research/studies/store.py, check_start), and a cache is one machine's (deploy.dir).
     if checkpoint is not None:
         ident["checkpoint"] = _checkpoint_identity(checkpoint)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]

@@ -44,7 +44,7 @@ from qurl.node.placement import learner_threads
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.pipeline.remote_eval import WorkerEval
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
 

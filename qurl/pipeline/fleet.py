@@ -19,7 +19,7 @@ rendezvous port and generation number), hosts rank 0 itself, and re-broadcasts t
 from its cached chunks (no learner collective needed). A slot is *ready* — may receive prompts —
 only once it is in the current group and has the current weights.
 
-Delta syncs (qurl/sync/plan.py). A version goes as a delta against the previous one only when
+Delta syncs (qurl/weights/plan.py). A version goes as a delta against the previous one only when
 the group has not been re-formed since that version was broadcast to it (so every member received
 it) and no worker has asked for a full sync since; the first announcement carries the header
 (base, digests). Each worker refuses a delta whose base it does not hold verified and checks
@@ -27,19 +27,19 @@ every sync against the digests (qurl/pipeline/worker.py); either failure comes b
 control message with its reason, counted (`resync/<reason>`), and the current version is sent
 again in full. A worker whose full resync fails verification too (two mismatches in a row) stops
 the run: `halted` holds the one-line error naming the slot, its engine and the tensors, and the
-controller raises it (the rule, per slot, is qurl/sync/resync.py `ResyncRule`, the same one the
+controller raises it (the rule, per slot, is qurl/weights/resync.py `ResyncRule`, the same one the
 synchronous loop applies to its engine). Prompts whose generation a failed sync
 abandoned are counted as `unverified_redone` (the worker queues them again). Deltas need every member's engine to apply them: each worker says in its hello
 whether it can (`deltas`: its engine has `verify` — the local engine, and an SGLang adapter whose
 one server runs qurl's sync loader, at TP 1 or at a TP size whose cut qurl maps,
 qurl/engines/sglang/verified_sync.py); while any slot cannot, every
 version goes in full (counted as `unsupported`). A worker that gets a delta anyway refuses it
-(qurl/sync/receiver.py) and the group is re-formed and sent the version in full. A version equal
+(qurl/weights/receiver.py) and the group is re-formed and sent the version in full. A version equal
 to the last one (a step without gradient: an empty delta) sends its smallest tensor whole, since
 a broadcast needs a tensor.
 
 A group whose members advertised addresses that cannot reach each other (a loopback address
-toward another node: qurl/wire/group.py) fails at once with one line naming every member's
+toward another node: qurl/weights/group.py) fails at once with one line naming every member's
 address (an InputError: the command prints it and exits 2), not after MAX attempts.
 
 A worker's identity is its pid (from its hello). A slot whose process exited (`WorkerProcs.poll`) or
@@ -65,11 +65,11 @@ from qurl.engines.sglang.launcher import STOP_WAIT_S
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
 from qurl.errors import RunHalted
-from qurl.sync.plan import SyncPlan, SyncPlanner, broadcast_chunks
-from qurl.sync.resync import OK, OTHER, RESYNC_REASONS, ResyncRule
+from qurl.weights.plan import SyncPlan, SyncPlanner, broadcast_chunks
+from qurl.weights.resync import OK, OTHER, RESYNC_REASONS, ResyncRule
 from qurl.errors import InputError
-from qurl.wire.broadcaster import Broadcaster, GroupFormError, GroupSpec
-from qurl.wire.group import GroupAddressError
+from qurl.weights.broadcaster import Broadcaster, GroupFormError, GroupSpec
+from qurl.weights.group import GroupAddressError
 
 log = logging.getLogger("qurl.fleet")
 
@@ -106,7 +106,7 @@ class Fleet:
             "session": self.session, "inbound": self.inbox.endpoint, "model_dir": str(model_dir),
             "num_workers": self.n, "pid": os.getpid()})
         self.slots = [_SlotState() for _ in range(self.n)]
-        # each slot's mismatch streak and what follows a sync it reports (qurl/sync/resync.py)
+        # each slot's mismatch streak and what follows a sync it reports (qurl/weights/resync.py)
         self.resync = ResyncRule()
         # A worker stops its SGLang server itself (SIGTERM to the worker, then `finally`; the server
         # runs in its own session, so a SIGKILLed worker would leave it running): wait that long.

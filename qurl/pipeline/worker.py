@@ -13,11 +13,11 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    at a TP size whose cut qurl maps, qurl/engines/sglang/inside/tp_cut.py), every
    second until the controller answers with a weight group to join; the controller connects to
    that inbox;
-2. joins the weight-update group (qurl/wire/group.py: advertising its address toward the
+2. joins the weight-update group (qurl/weights/group.py: advertising its address toward the
    controller; if the group cannot form from here it logs one line and exits 2) as rank slot+1
    and receives the current
    weights — every version after that arrives the same way: bucket announcements on the control
-   channel, then broadcasts, then the engine commits the version (qurl/sync/receiver.py);
+   channel, then broadcasts, then the engine commits the version (qurl/weights/receiver.py);
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
    last prompt of a burst), builds G requests per prompt with the sync loop's `make_requests`
    (seeded by run seed, dispatch version + 1, dataset uid, sample index), generates and scores them
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from qurl.data.datasets import ANSWER_KINDS
-from qurl.engines.base import verifiable
+from qurl.types import verifiable
 from qurl.pipeline.worker_sync import Abort, Unverified, WeightClient
 
 log = logging.getLogger("qurl.worker")
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s worker{args.slot} %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from qurl.wire.nccl_env import apply_nccl_defaults
+    from qurl.weights.nccl_env import apply_nccl_defaults
 
     apply_nccl_defaults()  # before any communicator: the same settings as its weight groups' peers
     worker = RolloutWorker(args.run_dir, args.slot, parent_pid=args.parent_pid, host=args.host,

@@ -1,7 +1,7 @@
 """A rollout worker's side of weight sync: join the weight group, receive each version, verify it.
 
 Every sync is verified: after the receiver commits a version the worker hashes what its engine
-holds against the learner's digests (qurl/wire/digest.py, sent with the first announcement). A
+holds against the learner's digests (qurl/weights/digest.py, sent with the first announcement). A
 delta whose base the engine does not hold verified is refused before anything is written (the
 engine keeps its version); a mismatch leaves the engine unverified. Either way the worker abandons
 the generation in progress (its prompts go back to the queue) and generates nothing until a full
@@ -10,7 +10,7 @@ mismatch also names the engine and the tensors that differ, for the controller's
 full sync fails too) and stays in the group; the worker says how many prompts it queued again
 (`redone`, qurl/pipeline/worker.py). The worker only reports; what follows (resend in full, or halt
 the run) is the controller's decision, made by the same rule the synchronous loop applies
-(qurl/sync/resync.py `ResyncRule`, per worker slot in qurl/pipeline/fleet.py).
+(qurl/weights/resync.py `ResyncRule`, per worker slot in qurl/pipeline/fleet.py).
 
 `WeightClient` is that part of `RolloutWorker` (qurl/pipeline/worker.py): it uses the worker's
 engine, inbox, session, counts and `_queue_prompt` / `_handle` / `_send_control`. `Abort` and
@@ -22,8 +22,8 @@ import logging
 import time
 from typing import Any
 
-from qurl.engines.base import StaleBase, verifiable
-from qurl.sync.resync import MISMATCH, REFUSED, engine_label
+from qurl.types import StaleBase, verifiable
+from qurl.weights.resync import MISMATCH, REFUSED, engine_label
 
 log = logging.getLogger("qurl.worker")
 
@@ -46,8 +46,8 @@ class WeightClient:
         self.joined = False
 
     def _join_group(self, meta: dict[str, Any]) -> None:
-        from qurl.sync.receiver import WeightReceiver
-        from qurl.wire.group import GroupAddressError, WeightGroup
+        from qurl.weights.receiver import WeightReceiver
+        from qurl.weights.group import GroupAddressError, WeightGroup
 
         self._leave_group()
         gen = meta.get("gen")
@@ -67,7 +67,7 @@ class WeightClient:
                         meta.get("gen"), e)
             self._leave_group()
             return
-        # The local engine adopts the receive buffers (two banks, no copy: qurl/sync/receiver.py);
+        # The local engine adopts the receive buffers (two banks, no copy: qurl/weights/receiver.py);
         # the SGLang adapter keeps the chunks (to re-send them to a restarted server): fresh buffers.
         self.weights_rx = WeightReceiver(self.group, self.engine,
                                          reuse_buffers=self.cfg.rollout.engine == "local")

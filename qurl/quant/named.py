@@ -23,7 +23,7 @@ with linears equal to their quantization round trip and everything else identica
 
 `quantize_named` is the one quantizer of every path to an engine: `engine_chunks` (below) adds the
 dtype each chunk travels in (`travels_as`) for checkpoints and tests, and the weight sync writes
-the same values into its wire buckets (qurl/sync/arena.py).
+the same values into its wire buckets (qurl/weights/arena.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Sequence
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
-from qurl.engines.base import Engine
+from qurl.types import Engine
 from qurl.rollout.generate import group_stats, rollout
 from qurl.rollout.requests import PromptCodec
 from qurl.types import SamplingParams, Trajectory

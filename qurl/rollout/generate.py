@@ -13,7 +13,7 @@ import torch
 
 from qurl.data.datasets import Example
 from qurl.data.rewards import score_batch
-from qurl.engines.base import Engine
+from qurl.types import Engine
 from qurl.rollout.requests import PromptCodec, make_requests
 from qurl.types import GenRequest, GenResult, SamplingParams, Trajectory
 

@@ -1,6 +1,6 @@
 """The mismatch alarm: a sudden, lasting rise of KL(π_behav ‖ π_prox) over its own running median.
 
-Digests (qurl/wire/digest.py) prove that an engine holds the bits the learner sent; they cannot see
+Digests (qurl/weights/digest.py) prove that an engine holds the bits the learner sent; they cannot see
 a fault in what was sent — a quantizer that writes a scale to the wrong row, a wrong UAQ factor, a
 bad layout — because the digest is taken after it. Such a fault shows up in the policies instead:
 the engine samples from weights that are not the learner's, so the per-step estimate of

@@ -17,10 +17,10 @@ import torch
 
 from qurl.config import Config
 from qurl.data.cursor import DataCursor
-from qurl.engines.base import CountingEngine, Engine
+from qurl.types import CountingEngine, Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.rollout.dynamic_sampling import sample_groups
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
 

@@ -42,7 +42,7 @@ from qurl.checkpoint.rundir import rng_state, set_rng_state
 from qurl.config import Config, ConfigError
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
-from qurl.engines.base import Engine
+from qurl.types import Engine
 from qurl.engines.factory import make_engine
 from qurl.errors import RunHalted
 from qurl.evaluation.suite import Evaluator, Generator, summary

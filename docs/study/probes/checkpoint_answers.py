@@ -17,7 +17,7 @@ from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.learner.dist import init_learner_dist
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.registry import resolve_base
-from qurl.sync.publish import WeightSync
+from qurl.weights.publish import WeightSync
 from qurl.train.rundir import CheckpointDir, read_config
 from qurl.data.splits import load_eval_sets
 from qurl.rollout.requests import PromptCodec

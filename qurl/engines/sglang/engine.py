@@ -1,14 +1,14 @@
 """SGLang rollout engines over HTTP: one `SGLangEngine` drives N servers as one Engine.
 
-The Engine protocol is qurl/engines/base.py. Requests are spread over the servers (least in
+The Engine protocol is qurl/types.py. Requests are spread over the servers (least in
 flight). Each sync (`load_weights`) pauses every server (abort mode), opens the update session,
-broadcasts the chunks bucket by bucket (qurl/wire/broadcaster.py, the routine the async controller
+broadcasts the chunks bucket by bucket (qurl/weights/broadcaster.py, the routine the async controller
 uses too) to the weight group (learner rank 0 + every server rank) while one HTTP call per server
 per bucket is in flight, closes the session, flushes caches and continues. Requests interrupted by
 the pause come back with their partial output; they are resubmitted as prompt + generated prefix
 with the remaining token budget, and the pieces are stitched with per-token versions (partial
 rollout). A server that refuses a bucket (HTTP 400 before joining its broadcast) is reported while
-the broadcast is in flight, not after the group timeout (qurl/wire/sender.py). Before use, each
+the broadcast is in flight, not after the group timeout (qurl/weights/sender.py). Before use, each
 server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader); it
 also tells whether the servers run qurl's sync loader, which makes deltas and verification
 possible (qurl/engines/sglang/verified_sync.py, qurl/engines/sglang/inside/apply.py).
@@ -54,8 +54,8 @@ from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, S
 from qurl.engines.sglang.update import WeightUpdates
 from qurl.engines.sglang.watchdog import StallHandling, Watchdog
 from qurl.types import GenRequest, GenResult
-from qurl.wire.broadcaster import Broadcaster
-from qurl.wire.sender import SyncStats
+from qurl.weights.broadcaster import Broadcaster
+from qurl.weights.sender import SyncStats
 
 
 UNREPORTED_RUNNING = 256  # requests at once to a server whose /server_info reports no cap
@@ -84,7 +84,7 @@ class _Pending:
 
 
 class SGLangEngine(StallHandling, WeightUpdates):
-    """Engine (engines/base.py) over SGLang servers; see the module docstring."""
+    """Engine (qurl/types.py) over SGLang servers; see the module docstring."""
 
     def __init__(self, servers: list[ServerSpec], *, precision: str = "int8",
                  group_host: str = "127.0.0.1", group_port: int = 0, backend: str = "auto",
@@ -175,7 +175,7 @@ class SGLangEngine(StallHandling, WeightUpdates):
 
     def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The kept copy of the last version and the sender's staging buffers
-        (qurl/wire/host.py `sync_memory`; the arenas are the WeightSync's)."""
+        (qurl/weights/host.py `sync_memory`; the arenas are the WeightSync's)."""
         sender = self.weights.sender
         kept = list(self._kept.values()) if self._kept is not None else \
             [t for _, t in self._weights or []]

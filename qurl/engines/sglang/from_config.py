@@ -15,7 +15,7 @@ from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.inside.tp_cut import Layout
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import QUANTIZATION
-from qurl.wire.group import free_port
+from qurl.weights.group import free_port
 
 def from_section(sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: Path, count: int,
                  uaq_scale: float, group_host: str, group_port: int, bucket_bytes: int,

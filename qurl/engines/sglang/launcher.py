@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.engines.sglang.inside.loader import KERNELS_LOAD_FORMAT, SYNC_LOAD_FORMAT
 from qurl.engines.sglang.protocol import RESTORE_QUANTIZATIONS, SGLangError, SGLangUnavailable
-from qurl.wire.nccl_env import settings, with_nccl_defaults
+from qurl.weights.nccl_env import settings, with_nccl_defaults
 
 STOP_WAIT_S = 15.0  # `stop`: after SIGTERM, then again after SIGKILL, to the server's process group
 
@@ -70,7 +70,7 @@ def on_cpu(command: Iterable[str] | None) -> bool:
 
 def launch_env(command: list[str], tp: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a server process starts with: this one with qurl's NCCL settings where
-    unset (qurl/wire/nccl_env.py: the same in every process of the weight group), plus, for a CPU server
+    unset (qurl/weights/nccl_env.py: the same in every process of the weight group), plus, for a CPU server
     (`--device cpu`) with TP size > 1 and no SGLANG_CPU_OMP_THREADS_BIND, one OpenMP core list
     per rank: this process's cores cut into tp equal groups ("0,1|2,3"; SGLang's CPU path
     refuses more ranks than NUMA nodes without it), a core repeated when there are fewer cores
@@ -86,7 +86,7 @@ def launch_env(command: list[str], tp: int, env: dict[str, str] | None = None) -
 
 
 def server_nccl(command: Iterable[str], env: dict[str, str]) -> dict[str, str]:
-    """The NCCL settings (qurl/wire/nccl_env.py) a server started with `command` in `env` runs
+    """The NCCL settings (qurl/weights/nccl_env.py) a server started with `command` in `env` runs
     with, after SGLang 0.5.23 changes its own (entrypoints/engine.py `_set_envs_and_config`,
     lines 1898-1915): NCCL_CUMEM_ENABLE = int(--enable-symm-mem) when unset or with that flag,
     NCCL_NVLS_ENABLE = int(--enable-nccl-nvls or --enable-symm-mem) likewise. (Its KV-shard

@@ -2,12 +2,12 @@
 
 Each sync (`load_weights`) pauses every server (abort mode), opens the update session
 (`/begin_weight_update`), runs qurl's W8A8 restore on servers that need it
-(qurl/engines/sglang/inside/loader.py), broadcasts the chunks bucket by bucket (qurl/wire/broadcaster.py,
+(qurl/engines/sglang/inside/loader.py), broadcasts the chunks bucket by bucket (qurl/weights/broadcaster.py,
 the routine the async controller uses too) to the weight group (learner rank 0 + every server TP
 rank) while one `/update_weights_from_distributed` call per server per bucket is in flight, closes
 the session, flushes caches and continues. A server that refuses a bucket (HTTP 400 before joining
 its broadcast) is reported while the broadcast is in flight, not after the group timeout
-(`Replies.poll`, qurl/wire/sender.py). Before use, each server's /server_info must agree with what
+(`Replies.poll`, qurl/weights/sender.py). Before use, each server's /server_info must agree with what
 qurl was told (TP size; the W8A8 restore loader).
 
 `WeightUpdates` is the part of `SGLangEngine` (qurl/engines/sglang/engine.py) that does this; it
@@ -23,21 +23,21 @@ from typing import Callable, Iterable
 
 import torch
 
-from qurl.engines.base import StaleBase
+from qurl.types import StaleBase
 from qurl.engines.sglang.inside.loader import LOAD_FORMAT as RESTORE_LOAD_FORMAT
 from qurl.engines.sglang.launcher import Server, launch_env, on_cpu, server_nccl
 from qurl.engines.sglang.protocol import (NO_TENSORS, QUANTIZATION, RESTORE_QUANTIZATIONS,
                                           SGLangError, SGLangUnavailable, running_limit)
 from qurl.engines.sglang.verified_sync import SGLangDeltaMixin, is_stale_refusal
-from qurl.wire.broadcaster import GroupFormError, GroupSpec
-from qurl.wire.sender import BucketAnnouncement, SyncStats
+from qurl.weights.broadcaster import GroupFormError, GroupSpec
+from qurl.weights.sender import BucketAnnouncement, SyncStats
 
 
 class Replies:
     """The servers' replies to one bucket's announcement. Calling it waits for all of them (after
     the broadcast); `poll` raises a reply that already came back with an error — a server that
     refused the bucket never joins its broadcast, so the sender polls while broadcasting
-    (qurl/wire/sender.py) instead of waiting for the group timeout."""
+    (qurl/weights/sender.py) instead of waiting for the group timeout."""
 
     def __init__(self, ex: ThreadPoolExecutor, futs: list) -> None:
         self.ex, self.futs = ex, futs

@@ -7,7 +7,7 @@ inside the server), at any TP size whose cut qurl can map (qurl/engines/sglang/i
 needs the model's head counts, from the engine's `layout` or the config.json of the model path
 the server reports in /model_info). For such engines:
 
-- `load_weights(chunks, version, base=(v-1, digest))` sends a delta (qurl/wire/delta.py chunks)
+- `load_weights(chunks, version, base=(v-1, digest))` sends a delta (qurl/weights/delta.py chunks)
   over the same weight group and `update_weights_from_distributed` calls as a full sync,
   preceded by the control chunk `qurl.sync.header` {version, base, HF shapes}. A server that does
   not hold exactly the base verified refuses before writing anything; that comes back as
@@ -32,7 +32,7 @@ the server reports in /model_info). For such engines:
 - the adapter keeps its own copy of the last version's chunks (to re-send to a restarted server),
   updated in place by each delta (O(changes)); a restarted server gets that full version and is
   unverified until the next sync (so the next sync is full: reason `holder`). The copy is in host
-  memory, pinned when CUDA is available (qurl/wire/host.py): not on the learner's GPU.
+  memory, pinned when CUDA is available (qurl/weights/host.py): not on the learner's GPU.
 
 Engines without the loader on every server, or with a TP > 1 server whose cut cannot be mapped
 (head counts unknown; a tensor the map does not know, found at the first full sync: then
@@ -52,9 +52,9 @@ from qurl.engines.sglang.inside.layout import (HEADER, KERNELS, MISMATCH_MARK, S
                                                json_chunk)
 from qurl.engines.sglang.inside.loader import KERNELS_LOAD_FORMAT, SYNC_LOAD_FORMAT
 from qurl.engines.sglang.inside.tp_cut import Layout, cpu_padding, rank_digests, shard_box
-from qurl.wire.delta import apply_positions, check_delta, group_delta_chunks
-from qurl.wire.digest import combine, tensor_digest
-from qurl.wire.host import to_host
+from qurl.weights.delta import apply_positions, check_delta, group_delta_chunks
+from qurl.weights.digest import combine, tensor_digest
+from qurl.weights.host import to_host
 
 log = logging.getLogger(__name__)
 

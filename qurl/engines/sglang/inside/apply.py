@@ -1,8 +1,8 @@
 """Server-side half of qurl's delta and verified syncs: runs INSIDE an SGLang server process.
 
-A delta sync (qurl/wire/delta.py) sends only the changed positions of each tensor, under the HF
+A delta sync (qurl/weights/delta.py) sends only the changed positions of each tensor, under the HF
 names (`<name>#dpos`, `#dend`, `#dval`); after every sync, delta or full, the engine must prove it
-holds exactly the learner's bits (qurl/wire/digest.py). SGLang has no such operations, so qurl
+holds exactly the learner's bits (qurl/weights/digest.py). SGLang has no such operations, so qurl
 adds them at the one place every weight update passes through: `model.load_weights`, which
 `update_weights_from_distributed` calls with each received bucket (SGLang 0.5.23
 `model_runner_components/weight_updater.py: load_weights_from_distributed`, which turns any
@@ -66,8 +66,8 @@ from qurl.engines.sglang.inside.readback import (KERNEL_MARK, clear_skips, kerne
 from qurl.engines.sglang.inside.layout import (CONTROL, HEADER, KERNELS, MISMATCH_MARK, STALE_MARK,
                                                VERIFY, hf_view, read_json_chunk, sglang_name)
 from qurl.engines.sglang.inside.tp_cut import Box, Layout, local_positions, shard_box, slice_shape
-from qurl.wire.delta import apply_positions, check_delta, delta_owner, is_delta_name
-from qurl.wire.digest import combine, tensor_digest
+from qurl.weights.delta import apply_positions, check_delta, delta_owner, is_delta_name
+from qurl.weights.digest import combine, tensor_digest
 
 log = logging.getLogger(__name__)
 TIED = ("model.embed_tokens.weight", "lm_head.weight")

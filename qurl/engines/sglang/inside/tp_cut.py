@@ -47,7 +47,7 @@ from typing import Any, Sequence
 
 import torch
 
-from qurl.wire.digest import tensor_digest
+from qurl.weights.digest import tensor_digest
 
 VOCAB_PAD = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
 CPU_MLP_PAD = 32  # SGLang's DEFAULT_MOE_PADDING_SIZE (configs/update_config.py), per rank
@@ -197,6 +197,6 @@ def local_positions(pos: torch.Tensor, val: torch.Tensor, shape: Sequence[int], 
 
 
 def rank_digests(name: str, t: torch.Tensor, tp: int, layout: Layout | None) -> list[str]:
-    """Digest (qurl/wire/digest.py) of each rank's box of HF tensor t, rank 0 first: what the
+    """Digest (qurl/weights/digest.py) of each rank's box of HF tensor t, rank 0 first: what the
     learner sends a TP-`tp` server to verify against (ValueError if t cannot be cut)."""
     return [tensor_digest(take(t, shard_box(name, t.shape, r, tp, layout))) for r in range(tp)]
