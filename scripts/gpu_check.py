@@ -7,7 +7,7 @@
 Nothing is installed and no network is used: the packages qurl needs that the image lacks come as
 wheels in one folder prepared beforehand on a machine with network (`python scripts/gpu_wheels.py
 --python 3.12`, carried along with the tree). Results: DIR/results.json and DIR/gpu_check.log.
-Sections and sizes: qurl/bench/gpu_check/__init__.py. This file must parse on old Pythons too, so
+Sections and sizes: qurl/research/bench/gpu_check/__init__.py. This file must parse on old Pythons too, so
 that it can say which Python it needs.
 """
 import os
@@ -20,7 +20,7 @@ if sys.version_info < (3, 11):
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from qurl.bench.gpu_check.runner import main  # noqa: E402  (after the version check)
+from qurl.research.bench.gpu_check.runner import main  # noqa: E402  (after the version check)
 
 if __name__ == "__main__":
     sys.exit(main())
