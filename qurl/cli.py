@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="small", choices=("small", "qwen2.5-0.5b"),
                    help="sync: synthetic weight shapes (qurl.research.bench.sync.SHAPES)")
     p.add_argument("--bucket-mb", type=float, default=None,
-                   help="sync: bucket budget in MiB (default: the config's deploy.bucket_mb)")
+                   help="sync: bucket budget in MiB (default: the config's deploy.sync.bucket_mb)")
     p.add_argument("--delta", action="store_true",
                    help="sync: full 8-bit vs delta sync, bytes and time (qurl/research/bench/sync_delta.py)")
     p.add_argument("--delta-shapes", default="qwen2.5-0.5b,qwen2.5-1.5b",

@@ -20,7 +20,7 @@ class CheckpointError(InputError):
 class RunHalted(InputError):
     """A run stopped by a check it makes on itself: an engine that still differs from the
     learner's weights after a full resync (qurl/weights/publish.py, qurl/pipeline/fleet.py), or the
-    mismatch alarm with deploy.alarm_stop (qurl/train/alarm.py). Nothing after the last
+    mismatch alarm with deploy.alarm.stop (qurl/train/alarm.py). Nothing after the last
     checkpoint is kept as trained: fix the cause and `qurl train --resume <run dir>`. An
     InputError so every path that starts ranks (spawned processes, torchrun, in-process) prints it
     as its one line."""

@@ -44,7 +44,7 @@ def test_set_overrides_are_typed():
     ("rollout.max_staleness=1", "rollout.max_staleness"),  # inline rollout is synchronous
     ("optim.adam=0.9,0.999", "optim.adam"), ("optim.adam=0.9,0.999,0", "optim.adam"),
     ("data.format=custom", "data.fields"),
-    ("deploy.stream_key=short", "deploy.stream_key"), ("rollout.top_p=1.5", "rollout.top_p"),
+    ("deploy.stream.key=short", "deploy.stream.key"), ("rollout.top_p=1.5", "rollout.top_p"),
     ("algo.correction.bounds=1.5,5", "algo.correction.bounds"),
     ("algo.correction.bounds=0.5", "algo.correction.bounds"),
     ("algo.correction.bounds=0,1.01", "algo.correction.bounds"),
@@ -72,9 +72,9 @@ def test_immutable_changes_named():
     b = override(a, {"learner.tp": 2, "optim.lr": 1e-5})
     changes = immutable_changes(a, b)
     assert len(changes) == 1 and changes[0].startswith("learner.tp")
-    c = override(a, {"learner.dp": 2, "deploy.distributed_optimizer": True})
+    c = override(a, {"learner.dp": 2, "deploy.ranks.distributed_optimizer": True})
     assert [x.split(":")[0] for x in immutable_changes(a, c)] == ["learner.dp",
-                                                                 "deploy.distributed_optimizer"]
+                                                                 "deploy.ranks.distributed_optimizer"]
 
 
 def test_auto_threads_give_every_run_the_whole_node(monkeypatch):
@@ -90,7 +90,7 @@ def test_auto_threads_give_every_run_the_whole_node(monkeypatch):
     assert sync.deploy.torch_threads == 0
     assert busy_processes(sync) == 1 and learner_threads(sync) == 8
     assert learner_threads(load_config(sets=["learner.tp=2"])) == 4  # TP=2 on this node
-    multi = load_config(sets=["deploy.nnodes=2", "deploy.nproc_per_node=2", "learner.tp=4"])
+    multi = load_config(sets=["deploy.ranks.nnodes=2", "deploy.ranks.nproc_per_node=2", "learner.tp=4"])
     assert busy_processes(multi) == 2  # only this node's ranks share its cores
     a = ["deploy.rollout=workers", "rollout.max_staleness=1", "deploy.engines=3"]
     if not torch.cuda.is_available():
@@ -107,19 +107,19 @@ def test_auto_threads_give_every_run_the_whole_node(monkeypatch):
 
 
 def test_multi_node_default_ranks_share_only_their_node(monkeypatch):
-    """The fix of issue 14: with deploy.nproc_per_node left at its default, a rank of a 2-node
+    """The fix of issue 14: with deploy.ranks.nproc_per_node left at its default, a rank of a 2-node
     TP-8 learner shares its node's cores with the 3 other ranks there (not with 7, nor alone),
     the same count `qurl launch` plans its torchrun with."""
     from qurl.deploy.launch import plan
     from qurl.node.placement import learner_ranks_per_node, learner_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
-    cfg = load_config(sets=["deploy.nnodes=2", "learner.tp=8"])
+    cfg = load_config(sets=["deploy.ranks.nnodes=2", "learner.tp=8"])
     assert learner_ranks_per_node(cfg) == 4 and learner_threads(cfg) == 4
     learner = plan(cfg, [], nodes=["a", "b"], gpus_per_node=8)[0].commands[-1]
     assert "--nproc-per-node=4" in learner.argv
-    with pytest.raises(ConfigError, match="deploy.nnodes=3"):
-        learner_ranks_per_node(load_config(sets=["deploy.nnodes=3", "learner.tp=8"]))
+    with pytest.raises(ConfigError, match="deploy.ranks.nnodes=3"):
+        learner_ranks_per_node(load_config(sets=["deploy.ranks.nnodes=3", "learner.tp=8"]))
 
 
 def test_every_field_is_documented_and_training_fields_are_few():
@@ -162,8 +162,8 @@ def test_old_config_toml_files_still_read(tmp_path):
     assert (cfg.deploy.wandb, cfg.deploy.torch_threads, cfg.model.base) == ("online", 2, "/models/qwen")
     assert (cfg.data.fields, cfg.optim.adam, cfg.deploy.host) == (("q", "a"), (0.8, 0.95, 1e-8),
                                                                 "10.0.0.1")
-    assert (cfg.deploy.weight_port, cfg.eval.max_new_tokens, cfg.sglang.tp) == (29600, 48, 2)
-    assert cfg.deploy.nproc_per_node == 0  # the old default 1 meant "tp*dp/nnodes"
+    assert (cfg.deploy.sync.port, cfg.eval.max_new_tokens, cfg.sglang.tp) == (29600, 48, 2)
+    assert cfg.deploy.ranks.nproc_per_node == 0  # the old default 1 meant "tp*dp/nnodes"
     bad = (OLD / "async_external.toml").read_text().replace('host = "10.0.0.1"', 'host = "10.0.0.9"')
     (run / "config.toml").write_text(bad)
     with pytest.raises(ConfigError, match="learner.master_addr and stream.host differ"):

@@ -146,5 +146,5 @@ def test_transformer_engine_choice_on_cpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
     assert use_transformer_engine("auto") is False and use_transformer_engine("off") is False
-    with pytest.raises(ValueError, match="deploy.transformer_engine='on'"):
+    with pytest.raises(ValueError, match="deploy.ranks.transformer_engine='on'"):
         use_transformer_engine("on")

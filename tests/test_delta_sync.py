@@ -412,7 +412,7 @@ def test_twenty_delta_syncs_of_a_run_equal_a_full_sync_and_train_the_same(runs_d
              "optim.lr": 3e-5, "deploy.ckpt_every": 0, "data.train_size": 40}
     train(tiny_cfg(root, "delta", 20, **small))
     monkeypatch.setattr(WeightSync, "push", push)
-    train(tiny_cfg(root, "full", 5, **small, **{"deploy.sync_mode": "full"}))
+    train(tiny_cfg(root, "full", 5, **small, **{"deploy.sync.mode": "full"}))
 
     recs = {m: [r for r in read_metrics(root / m / "metrics.jsonl") if r["kind"] == "train"]
             for m in ("delta", "full")}

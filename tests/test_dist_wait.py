@@ -1,5 +1,5 @@
 """Learner ranks waiting for rank 0 (its rollout, its evaluation) wait in the gloo control group
-under deploy.wait_timeout_min, not under the default group's collective timeout (NCCL's watchdog
+under deploy.ranks.wait_timeout_min, not under the default group's collective timeout (NCCL's watchdog
 on GPU). Real torch.distributed gloo, two spawned ranks."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from qurl.config import DeployConfig, LearnerConfig
+from qurl.config import LearnerConfig, RanksDeployConfig
 from qurl.learner.dist import spawn
 
 GROUP_MIN = 0.03  # the default group's collective timeout in these tests: 1.8 s
@@ -24,7 +24,7 @@ def _wait_for_slow_rank0(rank: int, world: int, wait_min: float, sleep_s: float,
     from qurl.learner.dist import broadcast_object, destroy_learner_dist, init_learner_dist
 
     init_learner_dist(LearnerConfig(tp=2), rank, world,
-                      deploy=DeployConfig(wait_timeout_min=wait_min), timeout_min=GROUP_MIN)
+                      ranks=RanksDeployConfig(wait_timeout_min=wait_min), timeout_min=GROUP_MIN)
     t0 = time.monotonic()
     try:
         if rank == 0:
@@ -48,9 +48,9 @@ def test_followers_outwait_the_group_timeout_for_rank0():
 
 
 def test_the_wait_ends_at_the_configured_timeout_naming_the_field():
-    # deploy.wait_timeout_min=0.05 (3 s), rank 0 busy 8 s: rank 1 stops waiting at ~3 s
+    # deploy.ranks.wait_timeout_min=0.05 (3 s), rank 0 busy 8 s: rank 1 stops waiting at ~3 s
     _, (r1, waited) = spawn(_wait_for_slow_rank0, 2, 0.05, 8.0, False)
-    assert r1.startswith("error: learner rank 1: waited deploy.wait_timeout_min=0.05 minutes"), r1
+    assert r1.startswith("error: learner rank 1: waited deploy.ranks.wait_timeout_min=0.05 minutes"), r1
     assert 2.5 <= waited < 7.5
 
 

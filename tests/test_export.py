@@ -57,9 +57,9 @@ def _masters(run_dir):
     from qurl.train.export import base_dir
 
     cfg = read_config(run_dir)
-    init_learner_dist(cfg.learner, 0, 1, deploy=cfg.deploy)
+    init_learner_dist(cfg.learner, 0, 1, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     learner = MegatronLearner(str(base_dir(cfg)), cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
     learner.load(CheckpointDir(run_dir).latest())
     return learner, {k: v.detach().clone() for k, v in learner.named_weights()}
 

@@ -88,7 +88,7 @@ def test_slurm_style_placement_from_node_list():
 
 @pytest.mark.parametrize("sets,msg", [
     (["learner.tp=8"], "learner.tp * learner.dp=8: must equal"),
-    (["learner.tp=2", "learner.dp=4", "deploy.nproc_per_node=4"],
+    (["learner.tp=2", "learner.dp=4", "deploy.ranks.nproc_per_node=4"],
      "learner.tp * learner.dp=8: must equal"),
     (["sglang.urls=http://elsewhere:1"], "host 'elsewhere' is not a node"),
     (["sglang.urls=10.0.0.2:30000"], "is not http://host:port"),
@@ -114,7 +114,7 @@ def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
                 {"CUDA_VISIBLE_DEVICES": "0"}),
     ])
     assert run_node(node) == 0 and mark.read_text() == "x"  # returns once the learner exits
-    assert main_launch(["--set", "learner.tp=3", "--set", "deploy.nnodes=2", "--dry-run"]) == 2
+    assert main_launch(["--set", "learner.tp=3", "--set", "deploy.ranks.nnodes=2", "--dry-run"]) == 2
 
 
 def test_async_workers_take_the_gpus_after_the_learners():
@@ -125,9 +125,9 @@ def test_async_workers_take_the_gpus_after_the_learners():
     assert [worker_gpu(two, s, 4) for s in range(3)] == [2, 3, 0]  # too few: wrap and share
     one = load_config("cpu-tiny")
     assert worker_gpu(one, 0, 1) == 0  # one GPU: everyone shares it
-    nccl = load_config("cpu-tiny", sets=["deploy.worker_backend=nccl", "deploy.engines=2"])
+    nccl = load_config("cpu-tiny", sets=["deploy.sync.worker_backend=nccl", "deploy.engines=2"])
     assert [worker_gpu(nccl, s, 3) for s in range(2)] == [1, 2]
-    with pytest.raises(ValueError, match="deploy.worker_backend='nccl': worker 1 needs GPU 2"):
+    with pytest.raises(ValueError, match="deploy.sync.worker_backend='nccl': worker 1 needs GPU 2"):
         worker_gpu(nccl, 1, 2)  # an NCCL group cannot hold two ranks on one GPU
     with pytest.raises(ValueError, match="n_gpus=0"):
         worker_gpu(one, 0, 0)
@@ -222,7 +222,7 @@ def _nccl_groups(out: str, cfg, variant: str) -> dict[str, list[tuple[str, str, 
     [(member, node, GPU its rank computes on; None = no GPU)]}. A command without
     CUDA_VISIBLE_DEVICES sees every GPU and opens its rank on cuda:0 (GPU 0). Groups: the
     learner's ranks; inline, learner rank 0 + every server rank; async, the controller's (learner
-    rank 0 + the workers, NCCL only with deploy.worker_backend=nccl) and each worker's with its
+    rank 0 + the workers, NCCL only with deploy.sync.worker_backend=nccl) and each worker's with its
     server (NCCL when the worker has a GPU: sglang.backend auto)."""
     node, learner, servers, workers = "", [], [], {}
     for line in out.splitlines():
@@ -254,7 +254,7 @@ def _nccl_groups(out: str, cfg, variant: str) -> dict[str, list[tuple[str, str, 
     if variant == "inline":
         groups["weights"] = [learner[0]] + [r for s in servers for r in s]
         return groups
-    if cfg.deploy.worker_backend == "nccl":
+    if cfg.deploy.sync.worker_backend == "nccl":
         groups["controller"] = [learner[0]] + list(workers.values())
     for k, server in enumerate(servers):
         if workers[k][2] is not None:  # auto: NCCL when the worker has a GPU
@@ -297,7 +297,7 @@ def test_no_two_nccl_ranks_of_one_group_share_a_gpu(preset, variant, capsys):
 
 
 def test_sglang_workers_refuse_an_nccl_weight_group():
-    for field in ("deploy.worker_backend", "sglang.backend"):
+    for field in ("deploy.sync.worker_backend", "sglang.backend"):
         cfg = load_config("paper-dapo-7b", sets=["model.base=/m", "deploy.rollout=external",
                                                  "rollout.max_staleness=1", f"{field}=nccl"])
         with pytest.raises(ValueError, match=re.escape(f"{field}='nccl': asynchronous SGLang "

@@ -10,7 +10,10 @@
   (the server's venv has no megatron, and must not need transformers);
 - optional engine capabilities are declared protocols (qurl/types.py), never probed with
   getattr;
-- research (qurl/research/studies, qurl/research/bench) uses the product only through its public face, qurl/api.py.
+- research (qurl/research/studies, qurl/research/bench) stays outside the product's import graph:
+  no product module imports it but qurl/cli.py, and that only inside its dispatch function;
+  research imports the product's modules directly, as a user's script would;
+- the public Python face, qurl/api.py, stays small: at most 20 names, each of which imports.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 QURL = ROOT / "qurl"
 RESEARCH = {"research"}
+API_MAX = 20  # qurl/api.py: the verbs a user scripts with, not the product's rooms
 
 
 def _module(path: Path) -> str:
@@ -201,19 +205,49 @@ def test_engine_capabilities_are_not_probed_with_getattr():
     assert hits == []
 
 
-def test_research_uses_only_the_public_face():
-    """studies/ and bench/ import the product only through qurl.api (and qurl.errors / qurl.types,
-    the records every room reads), so product internals can move without touching research."""
-    allowed = {"qurl", "qurl.api", "qurl.errors", "qurl.types"}
-    reach_in = sorted(f"{p.relative_to(ROOT)} -> {m}"
-                      for room in RESEARCH for p in (QURL / room).rglob("*.py")
-                      for m in _imports(p) if m.split(".")[0] == "qurl"
-                      and _room(m) not in RESEARCH and m not in allowed
-                      and m.rpartition(".")[0] not in allowed)
-    assert reach_in == []
-    # and the product never imports research (cli.py, the entry point, may dispatch to it)
-    product = [f"{p.relative_to(ROOT)} -> {m}" for p in QURL.rglob("*.py")
-               if _room(_module(p)) not in RESEARCH and p.name != "cli.py"
-               for m in _imports(p) if _room(m) in RESEARCH]
+def test_the_product_never_imports_research():
+    """Research (qurl/research/) sits outside the product's import graph: no module under qurl/
+    imports it but cli.py, and cli.py only inside a function (its dispatch of `qurl study`,
+    `qurl compare`, `qurl bench`), so importing the command line or any product room never loads
+    research. Research itself imports product modules directly (those are not a stable interface);
+    the stable one, qurl/api.py, stays at most API_MAX names, each resolving."""
+    product = sorted(f"{p.relative_to(ROOT)} -> {m}" for p in QURL.rglob("*.py")
+                     if _room(_module(p)) not in RESEARCH and p.name != "cli.py"
+                     for m in _imports(p) if _room(m) in RESEARCH)
     assert product == []
+    tree = ast.parse((QURL / "cli.py").read_text())
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, functions) for n in ast.walk(f)}
+
+    def names(node: ast.Import | ast.ImportFrom) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        return [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+
+    at_top = [f"qurl/cli.py:{n.lineno}" for n in ast.walk(tree)
+              if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in inside
+              and any(_room(m) in RESEARCH for m in names(n))]
+    assert at_top == []  # cli.py reaches research only when its dispatch runs a research command
+    import qurl.api
+
+    assert len(qurl.api.__all__) <= API_MAX
+    assert [n for n in qurl.api.__all__ if getattr(qurl.api, n, None) is None] == []
+
+
+def test_every_public_name_imports():
+    """`from qurl.api import NAME` works for each of qurl.api.__all__ (at most API_MAX names, none
+    twice), in a fresh interpreter; `import qurl.api` alone loads neither torch nor megatron (its
+    docstring: what needs torch resolves on first use)."""
+    import qurl.api
+
+    names = list(qurl.api.__all__)
+    assert 0 < len(names) <= API_MAX and len(set(names)) == len(names)
+    code = ("import sys; import qurl.api; "
+            "heavy = sorted(m for m in ('torch', 'megatron') if m in sys.modules); "
+            + "; ".join(f"from qurl.api import {n}" for n in names) + "; print(heavy)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ast.literal_eval(out.stdout.strip().splitlines()[-1]) == []
 

@@ -19,8 +19,8 @@ import torch
 from tiny_hf import build, hf_state
 
 from qurl.algo.loss import policy_loss
-from qurl.config import (AlgoConfig, CorrectionConfig, DeployConfig, LearnerConfig, ModelConfig,
-                         OptimConfig)
+from qurl.config import (AlgoConfig, CorrectionConfig, LearnerConfig, ModelConfig,
+                         OptimConfig, RanksDeployConfig)
 from qurl.learner import optim as lopt
 
 ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, clip=(0.2, 0.2),
@@ -387,7 +387,7 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
     """Two steps with learner.tp=tp, learner.dp=dp, then exact resume."""
     from qurl.learner.dist import broadcast_object, init_learner_dist
 
-    lc, dc = LearnerConfig(tp=tp, dp=dp), DeployConfig(distributed_optimizer=distributed)
+    lc, dc = LearnerConfig(tp=tp, dp=dp), RanksDeployConfig(distributed_optimizer=distributed)
     init_learner_dist(lc, rank, ws)
     hf = build("qwen2")
 
@@ -395,7 +395,7 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
         from qurl.learner.megatron import MegatronLearner
 
         return MegatronLearner(None, ModelConfig(dtype=dtype), ALGO, OPTIM, lc, total_steps=4,
-                               seed=0, deploy=dc, hf_state=hf_state(hf), hf_config=hf.config)
+                               seed=0, ranks=dc, hf_state=hf_state(hf), hf_config=hf.config)
 
     a = make()
     b1, b2 = _batch(hf, seed=2), _batch(hf, seed=3)

@@ -22,8 +22,8 @@ import pytest
 import torch
 from tiny_hf import build, hf_state
 
-from qurl.config import (AlgoConfig, CorrectionConfig, DeployConfig, LearnerConfig, ModelConfig,
-                         OptimConfig)
+from qurl.config import (AlgoConfig, CorrectionConfig, LearnerConfig, ModelConfig,
+                         OptimConfig, RanksDeployConfig)
 
 ALGO = AlgoConfig(loss="acr", mini_batches=2, epochs=1, uaq_scale=1.0, clip=(0.2, 0.2),
                   correction=CorrectionConfig(cap=2.0))
@@ -38,7 +38,7 @@ def _learner(kind: str, tp: int, *, attention: str = "sdpa", recompute: str = "n
     model = build(kind)
     return MegatronLearner(None, ModelConfig(dtype=dtype), ALGO, OPTIM,
                            LearnerConfig(tp=tp, recompute=recompute), total_steps=4, seed=0,
-                           deploy=DeployConfig(attention=attention), hf_state=hf_state(model),
+                           ranks=RanksDeployConfig(attention=attention), hf_state=hf_state(model),
                            hf_config=model.config)
 
 

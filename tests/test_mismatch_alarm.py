@@ -1,6 +1,6 @@
 """Issue 60 item 4: the mismatch alarm (qurl/train/alarm.py) — closed-form checks of the pure
 rule, then the alarm in a training run: quiet on a healthy tiny run, and firing (and, with
-deploy.alarm_stop, stopping the run in one line) on a fault the digests cannot see — a quantizer
+deploy.alarm.stop, stopping the run in one line) on a fault the digests cannot see — a quantizer
 that writes each row's per-channel scale to the wrong row, injected BEFORE the digest is taken, so
 the engine faithfully holds and verifies wrong weights (`sync/verified` stays 1).
 """
@@ -95,7 +95,7 @@ def test_alarm_quiet_on_a_healthy_run_and_fires_on_a_quantizer_fault(runs_root, 
     from qurl.weights.publish import WeightSync
     from qurl.train.inline import train
 
-    extra = {"rollout.precision": "int8", "deploy.alarm_steps": 2, "deploy.ckpt_every": 0,
+    extra = {"rollout.precision": "int8", "deploy.alarm.steps": 2, "deploy.ckpt_every": 0,
              "data.eval_size": 4}
     healthy = tiny_cfg(runs_root, "healthy", 5, **extra)
     train(healthy)
@@ -117,7 +117,7 @@ def test_alarm_quiet_on_a_healthy_run_and_fires_on_a_quantizer_fault(runs_root, 
         return real_push(self, chunks, engine, version)
 
     monkeypatch.setattr(WeightSync, "push", push)
-    faulty = tiny_cfg(runs_root, "faulty", 5, **extra, **{"deploy.alarm_stop": True})
+    faulty = tiny_cfg(runs_root, "faulty", 5, **extra, **{"deploy.alarm.stop": True})
     with pytest.raises(RunHalted, match="step 5: mismatch alarm: KL.*2 steps in a row"):
         train(faulty)
     recs = _records(runs_root / "faulty")

@@ -44,7 +44,7 @@ def test_plan_moves_with_attention_recompute_tp_and_rank_zero_sync() -> None:
         return plan_ranks(c, fields, 80e9)[0].row
 
     full, none = row(), row(learner__recompute="none")
-    unfused = row(learner__recompute="none", deploy__attention="unfused")
+    unfused = row(learner__recompute="none", deploy__ranks__attention="unfused")
     assert full < none < unfused
     # unfused attention keeps [heads/TP, L, L] probabilities: ~28/4 x 20992^2 x 4 bytes x 28 layers
     assert unfused - none > 28 / 4 * 20992**2 * 4 * 28 * 0.9

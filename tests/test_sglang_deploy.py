@@ -42,7 +42,7 @@ def test_sglang_servers_take_gpus_after_the_learner():
     with pytest.raises(ConfigError):
         sglang_base_gpus(one, 1, 1)  # one GPU: the server would land on the learner's
     # two learner nodes of 4 ranks each (learner.tp=8): rank 0's node holds GPUs 0-3
-    two = load_config(sets=["learner.tp=8", "deploy.nnodes=2", "sglang.tp=2", "deploy.engines=2"])
+    two = load_config(sets=["learner.tp=8", "deploy.ranks.nnodes=2", "sglang.tp=2", "deploy.engines=2"])
     assert sglang_base_gpus(two, 2, 8) == [4, 6]
 
 

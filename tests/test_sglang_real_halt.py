@@ -66,7 +66,7 @@ def test_a_second_mismatch_on_a_real_server_stops_the_run_in_one_line_and_resume
             "model.warmstart_steps=0", "data.eval_size=4", "data.train_size=32",
             "rollout.engine=sglang", "rollout.precision=bf16", "rollout.prompts_per_step=2",
             "rollout.group_size=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
-            "deploy.sync_mode=full", "sglang.args=" + ",".join(CPU_FLAGS),
+            "deploy.sync.mode=full", "sglang.args=" + ",".join(CPU_FLAGS),
             f"deploy.dir={tmp_path}", "run.name=halt", "deploy.torch_threads=1"]
     argv = ["train"] + [a for kv in sets for a in ("--set", kv)]
     fault = tmp_path / "fault.py"

@@ -76,10 +76,10 @@ def _launch_both(names: list[str], sets: dict, tmp: Path, timeout_s: float = 540
 
 
 def test_tp2_learner_across_two_namespaces(namespaces, runs_dir, tmp_path):
-    """One learner rank per node (learner.tp=2, deploy.nnodes=2): the TP all-reduces and the
+    """One learner rank per node (learner.tp=2, deploy.ranks.nnodes=2): the TP all-reduces and the
     control broadcasts cross the veth pair; both ranks train 2 steps."""
     root = runs_dir("twonode-tp2")
-    sets = tiny_sets(root, "tp2", 2, **{"learner.tp": 2, "deploy.nnodes": 2,
+    sets = tiny_sets(root, "tp2", 2, **{"learner.tp": 2, "deploy.ranks.nnodes": 2,
                                          "deploy.ckpt_every": 0, "deploy.torch_threads": 1})
     _launch_both(namespaces, sets, tmp_path)
     recs = read_metrics(root / "tp2" / "metrics.jsonl")

@@ -50,11 +50,11 @@ from qurl.weights.publish import WeightSync
 def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_question: bool,
                 answers: bool, rank: int, world_size: int) -> dict:
     set_threads(learner_threads(cfg, workers=False))
-    init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
+    init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     model_dir = str(run_dir_for(cfg) / "base_model") if builds_base(cfg) \
         else resolve_base(cfg.model.base)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
     if ckpt is not None:  # None: the base checkpoint itself, as a run's step 0
         learner.load(Path(ckpt))
     main = is_main_rank()

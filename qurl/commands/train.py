@@ -73,7 +73,7 @@ def _print_memory_plan(cfg: Config) -> None:
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         text, refused = plan_text(cfg, total, f"GPU {torch.cuda.get_device_name(0)}",
-                                  te=use_transformer_engine(cfg.deploy.transformer_engine))
+                                  te=use_transformer_engine(cfg.deploy.ranks.transformer_engine))
         if refused:
             raise InputError(refused)
     else:

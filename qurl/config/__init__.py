@@ -7,6 +7,8 @@ overrides, and checked (load.py, rules.py) with errors that name the field. The 
 written to the run directory as `config.toml` and read back on resume (compat.py reads files
 written before the redesign), where fields in `IMMUTABLE_ON_RESUME` must not change.
 """
+from qurl.config.deployment import (AlarmDeployConfig, RanksDeployConfig, StreamDeployConfig,
+                                    SyncDeployConfig)
 from qurl.config.load import (IMMUTABLE_ON_RESUME, from_toml, get_field, immutable_changes,
                               override, parse_sets, to_toml, validate)
 from qurl.config.presets import PRESETS, load_config
@@ -18,6 +20,7 @@ from qurl.config.tree import (DEPLOYMENT_SECTIONS, LOCAL_BASES, TRAINING_SECTION
 
 __all__ = [
     "IMMUTABLE_ON_RESUME", "PRESETS", "DEPLOYMENT_SECTIONS", "LOCAL_BASES", "TRAINING_SECTIONS",
+    "AlarmDeployConfig", "RanksDeployConfig", "StreamDeployConfig", "SyncDeployConfig",
     "AlgoConfig", "Config", "ConfigError", "CorrectionConfig", "DataConfig", "DeployConfig",
     "EvalConfig", "LearnerConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig",
     "SGLangConfig", "field_doc", "from_toml", "get_field", "immutable_changes", "leaves",

@@ -8,8 +8,11 @@ taken from the kind algo.loss names, a value equal to that kind's usual one writ
 default), and four groups became one field each: `algo.eps_low`/`eps_high` -> `algo.clip`,
 `algo.dynamic_sampling`/`max_sample_rounds` -> `algo.dynamic_sampling_rounds`,
 `algo.overlong_buffer`/`overlong_penalty` -> `algo.overlong`, `optim.betas`/`adam_eps` (and
-issue 14's `beta1`/`beta2`) -> `optim.adam`. Every old name is in `RENAMED`; a field fed by several
-old ones is built by its `_merge_*`. `DROPPED` fields left the config and are skipped on read.
+issue 14's `beta1`/`beta2`) -> `optim.adam`. Issue 66 split `deploy` by concern: its
+learner-process, weight-sync, stream and alarm fields moved into the tables `[deploy.ranks]`,
+`[deploy.sync]`, `[deploy.stream]` and `[deploy.alarm]` (`deploy.sync_mode` -> `deploy.sync.mode`,
+`deploy.weight_port` -> `deploy.sync.port`, ...). Every old name is in `RENAMED`; a field fed by
+several old ones is built by its `_merge_*`. `DROPPED` fields left the config and are skipped on read.
 
 `upgrade` maps an old flat {"section.field": value} dict to today's names; it refuses, naming the
 fields, when the old values cannot be expressed (e.g. two different hosts for one address).
@@ -35,15 +38,15 @@ RENAMED: dict[str, str] = {
     "rollout.sglang_urls": "sglang.urls", "rollout.sglang_args": "sglang.args",
     "rollout.sglang_tp": "sglang.tp",
     "optim.beta1": "optim.adam", "optim.beta2": "optim.adam",
-    "learner.backend": "deploy.backend", "learner.nnodes": "deploy.nnodes",
-    "learner.nproc_per_node": "deploy.nproc_per_node", "learner.master_addr": "deploy.host",
-    "learner.master_port": "deploy.learner_port",
-    "learner.distributed_optimizer": "deploy.distributed_optimizer",
-    "learner.transformer_engine": "deploy.transformer_engine",
-    "stream.host": "deploy.host", "stream.traj_port": "deploy.inbox_port",
-    "stream.hwm": "deploy.stream_hwm", "stream.key": "deploy.stream_key",
-    "sync.bucket_mb": "deploy.bucket_mb", "sync.port": "deploy.weight_port",
-    "sync.backend": "deploy.worker_backend",
+    "learner.backend": "deploy.ranks.backend", "learner.nnodes": "deploy.ranks.nnodes",
+    "learner.nproc_per_node": "deploy.ranks.nproc_per_node", "learner.master_addr": "deploy.host",
+    "learner.master_port": "deploy.ranks.port",
+    "learner.distributed_optimizer": "deploy.ranks.distributed_optimizer",
+    "learner.transformer_engine": "deploy.ranks.transformer_engine",
+    "stream.host": "deploy.host", "stream.traj_port": "deploy.stream.port",
+    "stream.hwm": "deploy.stream.hwm", "stream.key": "deploy.stream.key",
+    "sync.bucket_mb": "deploy.sync.bucket_mb", "sync.port": "deploy.sync.port",
+    "sync.backend": "deploy.sync.worker_backend",
     # issue 57: the training fields back to 55
     "algo.tis_cap": "algo.correction.cap", "algo.seq_tis_cap": "algo.correction.cap",
     "algo.icepop_bounds": "algo.correction.bounds", "algo.geo_mask_bounds": "algo.correction.bounds",
@@ -53,6 +56,22 @@ RENAMED: dict[str, str] = {
     "algo.max_sample_rounds": "algo.dynamic_sampling_rounds",
     "algo.overlong_buffer": "algo.overlong", "algo.overlong_penalty": "algo.overlong",
     "optim.betas": "optim.adam", "optim.adam_eps": "optim.adam",
+    # issue 66: DeployConfig split by concern into [deploy.ranks], [deploy.sync], [deploy.stream],
+    # [deploy.alarm]
+    "deploy.sync_mode": "deploy.sync.mode", "deploy.full_sync_every": "deploy.sync.full_every",
+    "deploy.verify_kernels_every": "deploy.sync.verify_kernels_every",
+    "deploy.bucket_mb": "deploy.sync.bucket_mb",
+    "deploy.worker_backend": "deploy.sync.worker_backend",
+    "deploy.weight_port": "deploy.sync.port", "deploy.stream_hwm": "deploy.stream.hwm",
+    "deploy.stream_key": "deploy.stream.key", "deploy.inbox_port": "deploy.stream.port",
+    "deploy.alarm_kl_factor": "deploy.alarm.kl_factor", "deploy.alarm_steps": "deploy.alarm.steps",
+    "deploy.alarm_stop": "deploy.alarm.stop", "deploy.nnodes": "deploy.ranks.nnodes",
+    "deploy.nproc_per_node": "deploy.ranks.nproc_per_node",
+    "deploy.backend": "deploy.ranks.backend", "deploy.learner_port": "deploy.ranks.port",
+    "deploy.wait_timeout_min": "deploy.ranks.wait_timeout_min",
+    "deploy.distributed_optimizer": "deploy.ranks.distributed_optimizer",
+    "deploy.transformer_engine": "deploy.ranks.transformer_engine",
+    "deploy.attention": "deploy.ranks.attention",
 }
 
 # Fields that left the config: why, for the `--set` that still names one. A run dir's config.toml
@@ -140,13 +159,15 @@ def _merge_host(old: dict[str, Any], where: str) -> str:
 
 
 def _nproc(old: dict[str, Any]) -> int:
+    if "learner.nproc_per_node" not in old:  # issue 14's deploy.nproc_per_node: the same meaning
+        return old["deploy.nproc_per_node"]
     # the old default 1 meant "tp * dp / nnodes" to `qurl launch`; today that is 0
     n = old["learner.nproc_per_node"]
     return 0 if n == 1 else n
 
 
 _MERGED = {
-    "deploy.nproc_per_node": lambda old, where: _nproc(old),
+    "deploy.ranks.nproc_per_node": lambda old, where: _nproc(old),
     "deploy.wandb": lambda old, where: _merge_wandb(old),
     "model.base": lambda old, where: _merge_base(old),
     "deploy.rollout": lambda old, where: _merge_rollout(old),

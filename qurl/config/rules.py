@@ -76,5 +76,5 @@ def check_rules(cfg: Config) -> None:
                           "e.g. data.fields=problem,solution")
     if cfg.data.fields and len(cfg.data.fields) != 2:
         raise ConfigError(f"data.fields={list(cfg.data.fields)}: must be two names, question,answer")
-    if cfg.deploy.stream_key and len(cfg.deploy.stream_key.encode()) < 16:
-        raise ConfigError("deploy.stream_key: must be at least 16 bytes (or empty for a random run key)")
+    if cfg.deploy.stream.key and len(cfg.deploy.stream.key.encode()) < 16:
+        raise ConfigError("deploy.stream.key: must be at least 16 bytes (or empty for a random run key)")

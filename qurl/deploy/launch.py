@@ -8,7 +8,7 @@ the weight-group host) and the servers' `http://host:port` URLs.
 Placement:
 - nodes = `--nodes h0,h1,...` (Slurm passes its host list), else `deploy.host` followed
   by the distinct hosts of `sglang.urls`. Node 0 is the learner's master; the first
-  `deploy.nnodes` nodes run torchrun with `deploy.nproc_per_node` ranks on GPUs 0..P-1
+  `deploy.ranks.nnodes` nodes run torchrun with `deploy.ranks.nproc_per_node` ranks on GPUs 0..P-1
   (nnodes * nproc_per_node must equal the learner's tp * dp ranks; a nproc_per_node left at its
   default 0 is taken as tp * dp / nnodes, see qurl/node/placement.py).
 - servers = `sglang.urls` when given (each host must be one of the nodes), else the free
@@ -25,7 +25,7 @@ Placement:
   left to CUDA's default, an SGLang worker put an NCCL rank on cuda:0 beside its server's rank 0
   on nodes >= 1 ("Duplicate GPU detected"). SGLang workers forward weights from host memory and
   get none (spawned ones too: qurl/node/placement.py `spawned_worker_env`), so both their weight
-  groups run over gloo: deploy.worker_backend=nccl or sglang.backend=nccl are refused with them.
+  groups run over gloo: deploy.sync.worker_backend=nccl or sglang.backend=nccl are refused with them.
 - every command carries qurl's NCCL settings (qurl/weights/nccl_env.py QURL_NCCL, SGLang's
   defaults), the same in every member of a weight group; the groups check it when they form.
 - every GPU holds one process: the plan refuses a layout that would put two on one GPU (a learner
@@ -145,29 +145,29 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     that reproduce cfg; they are forwarded to the learner's `qurl train`."""
     lc, r, d, sg = cfg.learner, cfg.rollout, cfg.deploy, cfg.sglang
     nproc, world = learner_ranks_per_node(cfg), lc.tp * lc.dp
-    if d.nnodes * nproc != world:
-        raise ValueError(f"learner.tp * learner.dp={world}: must equal deploy.nnodes * "
-                         f"deploy.nproc_per_node = {d.nnodes} * {nproc}")
+    if d.ranks.nnodes * nproc != world:
+        raise ValueError(f"learner.tp * learner.dp={world}: must equal deploy.ranks.nnodes * "
+                         f"deploy.ranks.nproc_per_node = {d.ranks.nnodes} * {nproc}")
     if nproc > gpus_per_node:
-        raise ValueError(f"deploy.nproc_per_node={nproc} > --gpus-per-node {gpus_per_node}")
+        raise ValueError(f"deploy.ranks.nproc_per_node={nproc} > --gpus-per-node {gpus_per_node}")
     urls = list(sg.urls)
     if nodes is None:
         nodes = [d.host] + [h for h in dict.fromkeys(_host_port(u)[0] for u in urls)
                                     if h != d.host]
-    if len(nodes) < d.nnodes:
-        raise ValueError(f"deploy.nnodes={d.nnodes}: only {len(nodes)} node(s): {nodes}")
+    if len(nodes) < d.ranks.nnodes:
+        raise ValueError(f"deploy.ranks.nnodes={d.ranks.nnodes}: only {len(nodes)} node(s): {nodes}")
     master, extra_sets = nodes[0], []
     if master != d.host:
         extra_sets.append(f"deploy.host={master}")
     net: dict[str, str | Reach] = {} if master in LOOPBACK else \
         {k: Reach(master, python) for k in IFNAME_VARS}
     plans = [NodePlan(i, h) for i, h in enumerate(nodes)]
-    used = {h: (nproc if i < d.nnodes else 0) for i, h in enumerate(nodes)}
+    used = {h: (nproc if i < d.ranks.nnodes else 0) for i, h in enumerate(nodes)}
     learner_gpus = tuple(range(nproc))
     asynchronous = d.rollout != "inline"
     servers: list[tuple[str, int]] = []
     if r.engine == "sglang" and asynchronous:  # SGLang workers hold no GPU (module docstring)
-        for name, value in (("deploy.worker_backend", d.worker_backend),
+        for name, value in (("deploy.sync.worker_backend", d.sync.worker_backend),
                             ("sglang.backend", sg.backend)):
             if value == "nccl":
                 raise ValueError(f"{name}='nccl': asynchronous SGLang workers forward weights "
@@ -238,11 +238,11 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
         if d.engines != len(slots):
             extra_sets.append(f"deploy.engines={len(slots)}")
     train_args = list(config_args) + [a for s in extra_sets for a in ("--set", s)]
-    for i in range(d.nnodes):
+    for i in range(d.ranks.nnodes):
         plans[i].commands.append(Command(
-            "learner", ["torchrun", f"--nnodes={d.nnodes}", f"--nproc-per-node={nproc}",
+            "learner", ["torchrun", f"--nnodes={d.ranks.nnodes}", f"--nproc-per-node={nproc}",
                         f"--node-rank={i}", f"--master-addr={master}",
-                        f"--master-port={d.learner_port}", "-m", "qurl.cli", "train", *train_args],
+                        f"--master-port={d.ranks.port}", "-m", "qurl.cli", "train", *train_args],
             {**_gpu_env(learner_gpus), **net}, tuple(range(nproc))))
     for p in plans:
         for g, who in p.gpu_map().items():

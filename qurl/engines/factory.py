@@ -44,9 +44,9 @@ def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: s
     return from_config.from_section(
         cfg.sglang, model_dir, precision=cfg.rollout.precision, run_dir=run_dir_for(cfg),
         count=d.engines, uaq_scale=cfg.algo.uaq_scale, group_host=host or d.host,
-        group_port=d.weight_port if slot is None else 0,  # async workers: one group each
-        bucket_bytes=int(d.bucket_mb * (1 << 20)), slot=slot, base_gpus=gpus,
-        verify_kernels_every=d.verify_kernels_every)  # the post-repack read-back
+        group_port=d.sync.port if slot is None else 0,  # async workers: one group each
+        bucket_bytes=int(d.sync.bucket_mb * (1 << 20)), slot=slot, base_gpus=gpus,
+        verify_kernels_every=d.sync.verify_kernels_every)  # the post-repack read-back
 
 
 _SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",

@@ -19,7 +19,7 @@ Activation recompute is megatron-core's own (`recompute`, the learner.recompute 
   (`recompute_granularity="full"`, `recompute_method="uniform"`, `recompute_num_layers=1`).
 Recompute changes what is stored, never the values: gradients are equal (tests/test_long_seq.py).
 
-`use_transformer_engine(deploy.transformer_engine)` picks: "auto" = TE when it imports and CUDA
+`use_transformer_engine(deploy.ranks.transformer_engine)` picks: "auto" = TE when it imports and CUDA
 is present, "on" = TE or a clear error, "off" = local. Either way no weight is initialized (every
 one is loaded; a missing or unexpected name is an error), no fused CUDA-only kernel is asked for,
 and softmax runs in fp32.
@@ -56,19 +56,19 @@ def read_hf(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
 
 
 def use_transformer_engine(choice: str) -> bool:
-    """deploy.transformer_engine: 'auto' -> TE when it imports and CUDA is present; 'on' -> TE or
+    """deploy.ranks.transformer_engine: 'auto' -> TE when it imports and CUDA is present; 'on' -> TE or
     a clear error; 'off' -> megatron's local spec."""
     if choice == "off":
         return False
     if choice not in ("auto", "on"):
-        raise ValueError(f"deploy.transformer_engine={choice!r}: must be auto, on or off")
+        raise ValueError(f"deploy.ranks.transformer_engine={choice!r}: must be auto, on or off")
     try:
         import transformer_engine.pytorch  # noqa: F401
         importable, why = torch.cuda.is_available(), "it needs a CUDA device"
     except ImportError as e:
         importable, why = False, f"transformer_engine does not import ({e})"
     if choice == "on" and not importable:
-        raise ValueError(f"deploy.transformer_engine='on': {why}")
+        raise ValueError(f"deploy.ranks.transformer_engine='on': {why}")
     return importable
 
 

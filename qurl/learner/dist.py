@@ -9,7 +9,7 @@ Waiting for rank 0. While rank 0 generates a batch or evaluates (hours for a pap
 evaluation), the other ranks wait in `broadcast_object`. Inside an NCCL collective that wait would
 meet the process group's timeout (30 min) and NCCL's watchdog would kill the job, so control
 messages (`broadcast_object`, `gather_object`) go through a gloo side group whose timeout is
-deploy.wait_timeout_min; tensors (gradients, weights) stay on the default group, entered only once
+deploy.ranks.wait_timeout_min; tensors (gradients, weights) stay on the default group, entered only once
 every rank is there. Launch with torchrun (RANK/WORLD_SIZE/MASTER_* in the environment) or with
 `spawn` (tests, the CPU launcher), which picks a free port and sets the same variables.
 
@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from megatron_patches.import_warnings import quiet_import_warnings
-from qurl.config import ConfigError, DeployConfig, LearnerConfig
+from qurl.config import ConfigError, LearnerConfig, RanksDeployConfig
 from qurl.errors import InputError
 
 
@@ -45,12 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_backend(deploy: DeployConfig) -> str:
-    if deploy.backend == "auto":
+def resolve_backend(ranks: RanksDeployConfig) -> str:
+    if ranks.backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if deploy.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("deploy.backend='nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
-    return deploy.backend
+    if ranks.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("deploy.ranks.backend='nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
+    return ranks.backend
 
 
 _WAIT_GROUP: Any = None  # gloo side group of every rank for control messages (module docstring)
@@ -58,21 +58,21 @@ _WAIT_MIN = 0.0
 
 
 def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
-                      deploy: DeployConfig = DeployConfig(),
+                      ranks: RanksDeployConfig = RanksDeployConfig(), host: str = "127.0.0.1",
                       timeout_min: float = 30.0) -> None:
     """Join the default process group (if not yet; collectives time out after `timeout_min`), the
-    gloo control group (waits time out after deploy.wait_timeout_min) and build megatron's TP and
+    gloo control group (waits time out after deploy.ranks.wait_timeout_min) and build megatron's TP and
     DP groups."""
     global _WAIT_GROUP, _WAIT_MIN
     if world_size != learner.tp * learner.dp:
         raise ConfigError(f"learner.tp={learner.tp} x learner.dp={learner.dp}: needs world_size "
                          f"{learner.tp * learner.dp}, got {world_size}")
-    backend = resolve_backend(deploy)
+    backend = resolve_backend(ranks)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
-        addr = os.environ.get("MASTER_ADDR", deploy.host)
-        port = os.environ.get("MASTER_PORT", str(deploy.learner_port))
+        addr = os.environ.get("MASTER_ADDR", host)
+        port = os.environ.get("MASTER_PORT", str(ranks.port))
         pick_interface(addr)
         _WAIT_GROUP = None  # one of an earlier default group, destroyed with it
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
@@ -82,7 +82,7 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
         raise ValueError(f"torch.distributed already initialized as rank {dist.get_rank()} of "
                          f"{dist.get_world_size()}, asked for {rank} of {world_size}")
     if _WAIT_GROUP is None and world_size > 1:  # every rank, before megatron's groups
-        _WAIT_MIN = deploy.wait_timeout_min
+        _WAIT_MIN = ranks.wait_timeout_min
         _WAIT_GROUP = dist.new_group(backend="gloo",
                                      timeout=datetime.timedelta(minutes=_WAIT_MIN))
     quiet_import_warnings()  # before any megatron import in this process
@@ -143,7 +143,7 @@ class _Waiting:
         if _WAIT_GROUP is not None and isinstance(err, RuntimeError) \
                 and "timed out" in str(err).lower():
             raise RuntimeError(
-                f"learner rank {dist.get_rank()}: waited deploy.wait_timeout_min={_WAIT_MIN:g} "
+                f"learner rank {dist.get_rank()}: waited deploy.ranks.wait_timeout_min={_WAIT_MIN:g} "
                 f"minutes for the other ranks (rank 0 generating or evaluating?): "
                 f"{str(err).splitlines()[0]}") from err
         return False
@@ -151,7 +151,7 @@ class _Waiting:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s `obj` on every rank (pickled; tensors come back on CPU). A barrier as well,
-    through the control group: the others wait up to deploy.wait_timeout_min for rank `src`."""
+    through the control group: the others wait up to deploy.ranks.wait_timeout_min for rank `src`."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj if dist.get_rank() == src else None]

@@ -13,7 +13,7 @@ end in one flat fp32 buffer of N elements, padded to a multiple of the DP size D
     group buffer  [ p0 | p1 | p2 | ... | pad ]       N_pad = ceil(N / D) · D
     DP rank d owns [d · N_pad/D, (d+1) · N_pad/D)
 
-- `distributed=True` (deploy.distributed_optimizer): the master weights and both Adam moments exist
+- `distributed=True` (deploy.ranks.distributed_optimizer): the master weights and both Adam moments exist
   only for the owned slice, 12 bytes/param / D per rank instead of 12. A step: flatten the grads ->
   reduce-scatter (sum) over DP -> global grad norm -> clip -> AdamW on the slice -> all-gather the
   slices -> copy into the model's parameters (bf16 or fp32).

@@ -24,7 +24,7 @@ megatron's vocab-parallel cross entropy (logits never gathered), the head run on
 micro-batch's first loss column and in chunks of positions (logits.py). Padded vocab rows (the
 vocab is padded to a multiple of 128·TP) are masked to -inf so the distribution is exactly HF's.
 The optimizer (qurl/learner/distopt.py) keeps fp32 master weights and AdamW moments, sharded over
-the data-parallel ranks with deploy.distributed_optimizer (ZeRO-1); in bfloat16 mode the model runs
+the data-parallel ranks with ranks.distributed_optimizer (ZeRO-1); in bfloat16 mode the model runs
 in bf16 and receives the masters after every update. With DP > 1 each DP rank computes its rows of
 every mini-batch and the gradients are summed over DP.
 
@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from qurl.algo.loss import loss_denominator, loss_options, policy_loss
 from qurl.checkpoint.shards import ShardCheckpoint
-from qurl.config import AlgoConfig, DeployConfig, LearnerConfig, ModelConfig, OptimConfig
+from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig, RanksDeployConfig
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
@@ -60,7 +60,7 @@ LOGITS_BUDGET = 2**26  # CPU: fp32 logits per micro-batch (256 MiB); GPU: free m
 class MegatronLearner(ShardCheckpoint):
     def __init__(self, model_dir: str | Path | None, model: ModelConfig, algo: AlgoConfig,
                  optim: OptimConfig, learner: LearnerConfig, *, total_steps: int, seed: int,
-                 deploy: DeployConfig = DeployConfig(),
+                 ranks: RanksDeployConfig = RanksDeployConfig(),
                  hf_state: dict[str, torch.Tensor] | None = None, hf_config: Any = None,
                  norm_len: int | None = None) -> None:
         """norm_len: the constant that `seq-mean-token-sum-norm` (Dr.GRPO) divides each sequence's
@@ -106,12 +106,12 @@ class MegatronLearner(ShardCheckpoint):
             hf_state = apply_uaq(hf_state, algo.uaq_scale)
         self.dtype = _DTYPES[model.dtype]
         model_parallel_cuda_manual_seed(seed)  # attention forks megatron's RNG tracker every call
-        self.te = use_transformer_engine(deploy.transformer_engine)
-        self.sdpa = not self.te and deploy.attention == "sdpa"
+        self.te = use_transformer_engine(ranks.transformer_engine)
+        self.sdpa = not self.te and ranks.attention == "sdpa"
 
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         spec = dict(tp=self.tp_size, dtype=self.dtype, device=self.device, te=self.te,
-                    attention=deploy.attention, recompute=learner.recompute)
+                    attention=ranks.attention, recompute=learner.recompute)
         self.model = build_gpt(shard, hf_config, **spec)
         self.ref_model = None
         if algo.kl_coef > 0:  # frozen initial policy for the k3 KL term
@@ -131,7 +131,7 @@ class MegatronLearner(ShardCheckpoint):
         par = Parallel(self.tp_rank, self.tp_size, self.tp_group if self.tp_size > 1 else None,
                        self.dp_rank, self.dp_size, self.dp_group)
         self.optimizer = DistributedAdamW([p for _, p in self.named_params], counted, optim, par,
-                                          distributed=deploy.distributed_optimizer, initial=initial)
+                                          distributed=ranks.distributed_optimizer, initial=initial)
         del initial
         self.step = 0
         padded = convert.padded_vocab_size(int(hf_config.vocab_size), self.tp_size)

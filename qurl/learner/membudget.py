@@ -4,7 +4,7 @@ A learner rank holds two kinds of memory:
 
 - **fixed** (`fixed_bytes`), per parameter on this rank (P = the rank's TP shard): the model's
   weights (elem bytes), their gradients (elem), fp32 master weights (4) and AdamW's two fp32 moments
-  (8; both divided by DP with deploy.distributed_optimizer), and the optimizer step's flat fp32
+  (8; both divided by DP with deploy.ranks.distributed_optimizer), and the optimizer step's flat fp32
   gradient (4);
 - **per micro-batch** (`TokenCost.forward_bytes`, `micro_bytes`): what the forward keeps for the
   backward, plus the largest transient. With megatron's local spec and `e` bytes per activation

@@ -5,12 +5,12 @@ up and its first rollout is done — on the paper's lengths, an hour in. This mo
 learner rank with the checked cost model (membudget.py) before anything starts:
 
 - weights (model dtype), gradients (plus a tied head's second gradient), fp32 master weights and
-  AdamW moments (DP-sharded with deploy.distributed_optimizer) and the step's flat fp32 gradient;
+  AdamW moments (DP-sharded with deploy.ranks.distributed_optimizer) and the step's flat fp32 gradient;
 - the frozen reference model when algo.kl_coef > 0;
 - on learner rank 0, the weight sync's device staging: its copies of the 8-bit model (two
   alternating arenas, the SGLang adapter's kept copy: ~3 bytes per parameter of the whole model)
   live in pinned host memory (qurl/weights/host.py), so the GPU holds only the two buffers a bucket is
-  staged through: each max(deploy.bucket_mb, the largest single tensor on the wire — the
+  staged through: each max(deploy.sync.bucket_mb, the largest single tensor on the wire — the
   embedding or head in the engines' dtype);
 - one micro-batch of one row at the run's length L = `prompt_tokens` + rollout.max_new_tokens,
   at the run's attention (TE or SDPA: no L x L scores; unfused) and learner.recompute.
@@ -94,7 +94,7 @@ def token_cost_from_fields(f: dict[str, Any], *, tp: int, elem: int, attention: 
 
 def attention_kind(cfg: Config, te: bool) -> str:
     """'flash' (TE or SDPA) or 'unfused', as the learner will build it."""
-    return "flash" if te or cfg.deploy.attention == "sdpa" else "unfused"
+    return "flash" if te or cfg.deploy.ranks.attention == "sdpa" else "unfused"
 
 
 def plan_ranks(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: bool = False,
@@ -110,11 +110,11 @@ def plan_ranks(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: boo
     L = prompt_tokens + cfg.rollout.max_new_tokens
     ref = per_rank * elem if cfg.algo.kl_coef > 0 else 0
     weights = per_rank * elem + grad_bytes(per_rank, elem, tied) + ref
-    optimizer = fixed_bytes(per_rank, elem, dp, cfg.deploy.distributed_optimizer) - 2 * per_rank * elem
+    optimizer = fixed_bytes(per_rank, elem, dp, cfg.deploy.ranks.distributed_optimizer) - 2 * per_rank * elem
     # the largest wire tensor: embedding / head rows in bf16 (SGLang) or fp32 (the local engine)
     wire_elem = 2 if cfg.rollout.engine == "sglang" else 4
     largest = int(fields["vocab_size"]) * int(fields["hidden_size"]) * wire_elem
-    staging = 2.0 * max(cfg.deploy.bucket_mb * 2**20, largest)
+    staging = 2.0 * max(cfg.deploy.sync.bucket_mb * 2**20, largest)
     out = []
     for rank in range(tp * dp):
         sync = staging if rank == 0 else 0.0
@@ -184,8 +184,8 @@ def refusal(cfg: Config, fields: dict[str, Any], plans: list[RankPlan],
         fixes.append(f"learner.tp={bigger[0]} (now {cfg.learner.tp})")
     if cfg.learner.recompute != "full":
         fixes.append(f"learner.recompute=full (now {cfg.learner.recompute})")
-    if cfg.deploy.attention == "unfused":
-        fixes.append("deploy.attention=sdpa (now unfused)")
+    if cfg.deploy.ranks.attention == "unfused":
+        fixes.append("deploy.ranks.attention=sdpa (now unfused)")
     fixes.append(f"a shorter rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})")
     return (f"learner rank {p.rank} needs {(p.fixed + p.row) / GB:.1f} GB for one {p.L}-token row "
             f"({p.fixed / GB:.1f} GB weights, optimizer and sync + {p.row / GB:.1f} GB the row) "

@@ -28,15 +28,15 @@ from qurl.config import Config, ConfigError
 
 
 def learner_ranks_per_node(cfg: Config) -> int:
-    """The learner's ranks on each learner node: deploy.nproc_per_node, or (0, the default)
-    learner.tp x learner.dp / deploy.nnodes, which must then divide evenly."""
+    """The learner's ranks on each learner node: deploy.ranks.nproc_per_node, or (0, the default)
+    learner.tp x learner.dp / deploy.ranks.nnodes, which must then divide evenly."""
     world, d = cfg.learner.tp * cfg.learner.dp, cfg.deploy
-    if d.nproc_per_node:
-        return d.nproc_per_node
-    if world % d.nnodes:
-        raise ConfigError(f"deploy.nnodes={d.nnodes}: does not divide the learner's "
-                          f"learner.tp*learner.dp={world} ranks; set deploy.nproc_per_node")
-    return world // d.nnodes
+    if d.ranks.nproc_per_node:
+        return d.ranks.nproc_per_node
+    if world % d.ranks.nnodes:
+        raise ConfigError(f"deploy.ranks.nnodes={d.ranks.nnodes}: does not divide the learner's "
+                          f"learner.tp*learner.dp={world} ranks; set deploy.ranks.nproc_per_node")
+    return world // d.ranks.nnodes
 
 
 def busy_processes(cfg: Config, *, workers: bool = True) -> int:
@@ -70,15 +70,15 @@ def set_threads(n: int) -> int:
 def worker_gpu(cfg: Config, slot: int, n_gpus: int) -> int:
     """The GPU of async worker `slot`'s local engine on the controller's node: the learner's
     ranks hold GPUs 0..P-1 there, workers take the next ones in slot order, wrapping around
-    (and sharing) when the node has too few — except with deploy.worker_backend=nccl, whose group
+    (and sharing) when the node has too few — except with deploy.sync.worker_backend=nccl, whose group
     of the controller (GPU 0) and the workers needs a GPU per member: too few is then an error."""
     if n_gpus < 1:
         raise ValueError(f"n_gpus={n_gpus}: a worker GPU needs at least one GPU")
     first = learner_ranks_per_node(cfg)
-    if cfg.deploy.worker_backend == "nccl" and first + slot >= n_gpus:
-        raise ValueError(f"deploy.worker_backend='nccl': worker {slot} needs GPU {first + slot} "
+    if cfg.deploy.sync.worker_backend == "nccl" and first + slot >= n_gpus:
+        raise ValueError(f"deploy.sync.worker_backend='nccl': worker {slot} needs GPU {first + slot} "
                          f"(after the learner's {first}) but this node has {n_gpus}; use "
-                         "deploy.worker_backend=gloo or fewer deploy.engines")
+                         "deploy.sync.worker_backend=gloo or fewer deploy.engines")
     return (first + slot) % n_gpus
 
 

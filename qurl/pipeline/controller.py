@@ -81,12 +81,12 @@ class Controller:
         if z.run.state is not None:
             self._restore(z.run.state)
         self.trained_log = TrainedLog(self.run_dir / TRAINED_FILE, z.run.start)
-        key = load_or_create_key(self.run_dir, cfg.deploy.stream_key)
+        key = load_or_create_key(self.run_dir, cfg.deploy.stream.key)
         self.chunks: list[tuple[str, torch.Tensor]] = []
         # What passes through is sent in the workers' engines' dtype (bf16/fp16 for SGLang)
-        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.bucket_mb * (1 << 20)),
-                               engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync_mode,
-                               full_every=cfg.deploy.full_sync_every)
+        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.sync.bucket_mb * (1 << 20)),
+                               engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync.mode,
+                               full_every=cfg.deploy.sync.full_every)
         self.fleet = Fleet(cfg, self.run_dir, key, z.run.model_dir,
                            vocab_size=z.vocab_size,
                            spawn=cfg.deploy.rollout == "workers",

@@ -97,8 +97,8 @@ class Fleet:
         d = cfg.deploy
         self.n = d.engines
         self.senders: list[Sender | None] = [None] * self.n  # connected on the worker's hello
-        self.inbox = Receiver(f"tcp://{d.host}:{d.inbox_port}", key, bind=True,
-                              kinds=("trajectory", "control"), hwm=d.stream_hwm,
+        self.inbox = Receiver(f"tcp://{d.host}:{d.stream.port}", key, bind=True,
+                              kinds=("trajectory", "control"), hwm=d.stream.hwm,
                               vocab_size=vocab_size,  # answers: rollouts or evaluations
                               max_len=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens))
         self.session = secrets.token_hex(8)
@@ -115,13 +115,13 @@ class Fleet:
 
         self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads, grace_s=grace,
                                  extra_env=spawned_worker_env(cfg)) if spawn else None
-        self.weights = Broadcaster(d.host, d.weight_port, d.worker_backend,
+        self.weights = Broadcaster(d.host, d.sync.port, d.sync.worker_backend,
                                    name=f"qurl_weights_{self.session}",
-                                   bucket_bytes=int(d.bucket_mb * (1 << 20)),
+                                   bucket_bytes=int(d.sync.bucket_mb * (1 << 20)),
                                    timeout_s=GROUP_TIMEOUT_S)
         self.need_group = True
         self.need_full = False  # a worker asked for a full sync (refused delta, failed verify)
-        self.planner = planner or SyncPlanner(d.sync_mode, d.full_sync_every)
+        self.planner = planner or SyncPlanner(d.sync.mode, d.sync.full_every)
         self._holder: tuple[int, str] | None = None  # what every group member was last sent
         self._replaced: list[int] = []
         self.sync_acks: list[dict[str, Any]] = []  # "synced" acks since the caller last took them
@@ -220,7 +220,7 @@ class Fleet:
         if old is not None:
             old.close(linger_ms=0)
         self.senders[slot] = Sender(endpoint, self.key, bind=False, name=f"controller-slot{slot}",
-                                    hwm=self.cfg.deploy.stream_hwm, linger_ms=0)
+                                    hwm=self.cfg.deploy.stream.hwm, linger_ms=0)
 
     def poll(self, timeout_ms: int = 0) -> list[Any]:
         """Receive for up to timeout_ms; handle control messages, return trajectory messages."""

@@ -140,7 +140,7 @@ class RolloutWorker(WeightClient):
         self.tasks.clear()  # a new controller re-dispatches from its own ledger
         self.gen_seen = -1
         self.session = str(info["session"])
-        hwm = self.cfg.deploy.stream_hwm
+        hwm = self.cfg.deploy.stream.hwm
         if self.inbox is None:
             self.inbox = Receiver(f"tcp://{self.host}:0", self.key, bind=True,
                                   kinds=("prompt", "control"), vocab_size=self.engine.vocab_size,

@@ -54,10 +54,10 @@ def write_export(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, rank
     from qurl.quant.uaq import apply_uaq
 
     set_threads(learner_threads(cfg, workers=False))
-    init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
+    init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     model_dir = base_dir(cfg)
     learner = MegatronLearner(str(model_dir), cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
     learner.load(Path(ckpt))
     state = {name: t.detach().to("cpu", torch.float32) for name, t in learner.named_weights()}
     if not is_main_rank():

@@ -37,9 +37,9 @@ class InProcessRollout:
         self.cursor = DataCursor(len(z.train_set), seed=cfg.run.seed)
         if z.run.state is not None:
             self.cursor.load_state_dict(z.run.state["cursor"])
-        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.bucket_mb * (1 << 20)),
-                               engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync_mode,
-                               full_every=cfg.deploy.full_sync_every)
+        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.sync.bucket_mb * (1 << 20)),
+                               engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync.mode,
+                               full_every=cfg.deploy.sync.full_every)
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         return self.sync.push(named, self.engine, version)

@@ -26,7 +26,7 @@ trained batch, the source's timings and statistics (with sync DAPO dynamic sampl
 sampled response, qurl/rollout/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
 qurl/evaluation/suite.py, rollout engine and full-precision policy side by side), the eval /
 checkpoint cadence and the checkpoint state: step, version, RNG, the mismatch alarm's history
-(qurl/train/alarm.py: its `alarm/*` keys join the train record; with deploy.alarm_stop it ends the
+(qurl/train/alarm.py: its `alarm/*` keys join the train record; with deploy.alarm.stop it ends the
 run before that step's checkpoint) and the source's own state (the data cursor; for async also the
 buffer, staleness counters and ledger).
 """
@@ -113,13 +113,13 @@ def _drain(named: Iterable[Any]) -> dict[str, float]:
 
 def mismatch_alarm(cfg: Config, state: dict | None) -> MismatchAlarm | None:
     """Rank 0's mismatch alarm (qurl/train/alarm.py) from deploy.alarm_*, with the history a
-    resumed run's checkpoint kept; None when deploy.alarm_kl_factor = 0."""
+    resumed run's checkpoint kept; None when deploy.alarm.kl_factor = 0."""
     d = cfg.deploy
-    if d.alarm_kl_factor == 0:
+    if d.alarm.kl_factor == 0:
         return None
-    if d.alarm_kl_factor <= 1:
-        raise ConfigError(f"deploy.alarm_kl_factor={d.alarm_kl_factor}: must be 0 (off) or > 1")
-    alarm = MismatchAlarm(d.alarm_kl_factor, d.alarm_steps)
+    if d.alarm.kl_factor <= 1:
+        raise ConfigError(f"deploy.alarm.kl_factor={d.alarm.kl_factor}: must be 0 (off) or > 1")
+    alarm = MismatchAlarm(d.alarm.kl_factor, d.alarm.steps)
     if state is not None and "alarm" in state:
         alarm.load_state_dict(state["alarm"])
     return alarm
@@ -207,8 +207,8 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
                             **(verdict.record if verdict else {})})
                 if verdict is not None and verdict.fired:  # once; stop before the checkpoint
                     logger.write(verdict.message)
-                    if cfg.deploy.alarm_stop:
-                        raise RunHalted(f"{verdict.message} (deploy.alarm_stop)")
+                    if cfg.deploy.alarm.stop:
+                        raise RunHalted(f"{verdict.message} (deploy.alarm.stop)")
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
                 last_eval = run_eval(step)
             if step == cfg.run.steps or (cfg.deploy.ckpt_every and step % cfg.deploy.ckpt_every == 0):

@@ -39,7 +39,7 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
     run_dir = run_dir_for(cfg)
     ckpts = CheckpointDir(run_dir, keep=cfg.deploy.keep_ckpts)
     set_threads(learner_threads(cfg))
-    init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
+    init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     main = is_main_rank()
     found = None
     if main:
@@ -55,7 +55,7 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
     model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
     torch.manual_seed(cfg.run.seed)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks,
                               norm_len=cfg.rollout.max_new_tokens)
     start, state = 0, None
     if resume:

@@ -16,7 +16,7 @@ Two callers push weights to peers in other processes, and both follow one sequen
   with `POST /init_weights_update_group` and announced with `POST
   /update_weights_from_distributed`.
 
-Rendezvous ports: with a configured `port` (deploy.weight_port, for firewalled clusters)
+Rendezvous ports: with a configured `port` (deploy.sync.port, for firewalled clusters)
 generation g uses `port + g - 1`; with port 0 a free one each time. Group names carry the
 generation so a peer can tell a stale invitation from the current one.
 """

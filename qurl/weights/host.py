@@ -9,7 +9,7 @@ they live in host memory, PINNED when CUDA is available (page-locked: the host -
 runs at full PCIe speed and asynchronously), plain on a CPU-only host (pinning needs a CUDA
 context). The broadcast stages one bucket at a time onto the device (qurl/weights/sender.py: two
 bucket-sized device buffers, bucket i+1 copied in while bucket i is on the wire), so the device
-holds 2 x deploy.bucket_mb of sync memory instead of the model three times.
+holds 2 x deploy.sync.bucket_mb of sync memory instead of the model three times.
 
 `sync_memory` is the measurement hook: bytes per place ("cuda", "cpu_pinned", "cpu") of every
 holder's tensors (each storage counted once), for anything implementing `HoldsSyncMemory`

@@ -9,8 +9,8 @@ pass-throughs in their wire dtypes). `SyncPlanner.plan` decides what goes on the
   verified), and the periodic full sync is not due;
 - otherwise the **full** set, with the reason: `first` (nothing to diff against: first sync,
   resumed run), `holder` (the receivers hold something else: new or restarted engine, a missed
-  version, a failed or unverified sync), `periodic` (deploy.full_sync_every), `off`
-  (deploy.sync_mode = full), `unsupported` (an engine that cannot apply deltas), or a reason the
+  version, a failed or unverified sync), `periodic` (deploy.sync.full_every), `off`
+  (deploy.sync.mode = full), `unsupported` (an engine that cannot apply deltas), or a reason the
   caller gives when it resyncs (`mismatch`: verification failed; `refused`: a receiver found its
   base differs).
 

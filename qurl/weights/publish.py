@@ -40,7 +40,7 @@ class WeightSync:
                  wire_dtype: torch.dtype | None = None, mode: str = "delta",
                  full_every: int = 0) -> None:
         """wire_dtype: the dtype the engine holds full-precision tensors in (None: the masters').
-        mode / full_every: deploy.sync_mode / deploy.full_sync_every (qurl/weights/plan.py)."""
+        mode / full_every: deploy.sync.mode / deploy.sync.full_every (qurl/weights/plan.py)."""
         if precision not in NAMED_FORMATS:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision

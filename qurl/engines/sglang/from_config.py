@@ -27,7 +27,7 @@ def from_section(sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: P
     group_port: where the servers reach this process's weight group (port 0 = a free one).
     base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/node/placement.py
     `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU).
-    verify_kernels_every: deploy.verify_kernels_every (verified_sync.py)."""
+    verify_kernels_every: deploy.sync.verify_kernels_every (verified_sync.py)."""
     quant, fmt = QUANTIZATION[precision]
     urls = list(sg.urls)
     if slot is not None:

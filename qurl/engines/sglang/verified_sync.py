@@ -21,7 +21,7 @@ the server reports in /model_info). For such engines:
   nothing is sampled from weights that are not the learner's until the next sync, which
   continues them). The sync loop resyncs in full and
   counts it (`sync/verify_mismatches`, `sync/fallbacks/mismatch`).
-- after a full sync and every `verify_kernels_every`-th delta (deploy.verify_kernels_every; 0 =
+- after a full sync and every `verify_kernels_every`-th delta (deploy.sync.verify_kernels_every; 0 =
   never), once the in-session check passed, a second short session reads back what the kernels
   read AFTER SGLang's closing repack (qurl/engines/sglang/inside/readback.py: the W8A8 weights in
   their transposed [in, out] layout, recomputed to the HF values and hashed, every region of a
@@ -155,7 +155,7 @@ class SGLangDeltaMixin:
     _kept: dict[str, torch.Tensor] | None = None
     layout: Layout | None = None  # the model's head counts, when the engine was told them
     tp_refusal: str | None = None  # why a TP > 1 server's cut cannot be mapped (then: full)
-    verify_kernels_every: int = 10  # deploy.verify_kernels_every (module docstring); 0 = never
+    verify_kernels_every: int = 10  # deploy.sync.verify_kernels_every (module docstring); 0 = never
     kernel_checks = 0  # post-repack read-backs that passed
     _kernels_due = False
     _deltas_unread = 0  # deltas since the last kernel read-back

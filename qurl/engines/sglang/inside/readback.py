@@ -44,7 +44,7 @@ The transposition is taken from the method, never from the parameter's shape or 
 weight left in the loading layout where the kernel expects [in, out] is read as the kernel reads
 it, and a square one shows as wrong values. A layout this module does not know fails the check
 ("kernel layout unknown") rather than passing unseen: turn the check off with
-deploy.verify_kernels_every = 0 there. Derived copies some kernels keep beside the parameters
+deploy.sync.verify_kernels_every = 0 there. Derived copies some kernels keep beside the parameters
 (Hopper's `_block_fp8_bf16_weight`, aiter's `_ptpc_weight`) are not read.
 """
 from __future__ import annotations
