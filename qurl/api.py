@@ -1,135 +1,85 @@
-"""qurl's public Python face: what code outside the product may use (the studies, the benchmarks,
-a user's notebook). The command line (cli.py) is the other entry point.
+"""qurl's public Python face: the verbs a user scripts with, the same steps as the command line
+(cli.py), with the records they pass. These names keep their meaning across releases; every
+other module under qurl/ is internal and may move (research code, qurl/research/, imports those
+internals directly, as any script that accepts that may).
 
-Research code (qurl/research/studies, qurl/research/bench) imports the product only from here (tests/test_layout.py
-checks it), so the product's rooms can be rearranged by changing this file alone. Each name is
-re-exported from the room that owns it; grouped by what a caller wants to do:
+Configure:
+- `load_config(preset, toml, sets)`: a preset, then a TOML file, then `--set`-style strings,
+  validated: the `Config` of a run (`qurl train --preset --config --set`);
+- `override(cfg, {"section.field": value})`: a copy of a config with fields replaced;
+- `to_toml(cfg)`: a config as the TOML text a run directory's config.toml holds;
+- `PRESETS`: the preset names `load_config` takes, each a function returning its `Config`;
+- `Config`: the run's configuration (qurl/config/, docs/config.md);
+- `ConfigError`: a bad config field, in one line; an `InputError`;
+- `InputError`: every error that is bad user input (a field, a data row, a run directory), one line.
 
-- configure and run: load a config, override fields, train a run (the synchronous loop), read
-  what a run directory holds (its config, metrics), plot runs;
-- models and data: resolve a model name to a checkpoint, build / read HF models, the math sets,
-  rewards, the synthetic tasks;
-- generate: make the configured engine, the local engine and its 8-bit kernels, rollouts;
-- learn: the Megatron learner, its process group, the memory model;
-- quantize and sync: the 8-bit formats, UAQ, flips, the weight sync (sender, receiver, group,
-  delta encoding, digests);
-- stream: the trajectory wire format and channel;
-- the algorithm: the loss, its corrections, ratio statistics.
+Run:
+- `train(cfg, resume=False)`: run (or resume) `cfg` in this process with the synchronous loop;
+  returns the final evaluation record (`qurl train` also checks the data and model first, starts
+  the learner's ranks and runs the asynchronous pipeline when deploy.rollout asks for it);
+- `evaluate(run_dir, step=None, sets=None)`: greedy / Avg@k / pass@k of a run's latest checkpoint
+  (or `step`'s; `sets`: `--set` strings such as "eval.samples=8") on every eval set
+  (`qurl eval runs/<run>`); the evaluation record;
+- `evaluate_checkpoint(model_dir, cfg)`: the same for an HF checkpoint directory under `cfg`
+  (`qurl eval DIR --config`);
+- `export(run_dir, out, step=None, fmt="hf")`: a run's policy as an HF or 8-bit checkpoint that
+  transformers and SGLang load (`qurl export`); returns `out`;
+- `fetch(name, directory="data")`: download a paper training set (`qurl fetch NAME`);
+- `fetch_model(name, directory=None)`: a registered pretrained model as an HF checkpoint directory
+  (`qurl fetch smollm2-135m`);
+- `resolve_base(name_or_path)`: `model.base` as a checkpoint path (a fetched model's directory).
 
-Names resolve on first use (`from qurl.api import LocalEngine` imports the local engine, not
-megatron): reading a run's tables must not pay for the learner's imports.
+Read a run:
+- `read_config(run_dir)`: the `Config` a run directory was trained with;
+- `read_metrics(path)`: the records of a metrics.jsonl (one dict per line);
+- `report(run_dir, out=None)`: a run's metrics as one PNG of plots (`qurl report`); its path;
+- `plot_runs({label: records}, out)`: several runs' metrics overlaid in one PNG.
+
+What needs torch (training, evaluation, export, a run's checkpoints) is imported on first use:
+`import qurl.api` and reading a run's metrics do not pay for the learner's imports.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# public name -> "module" (same name there), "module:name", or "module:*" (the module itself)
-FACE: dict[str, str] = {
-    "CUT_PRESETS": "qurl.algo.corrections",
-    "Correction": "qurl.algo.corrections",
-    "is_weights": "qurl.algo.corrections",
-    "policy_loss": "qurl.algo.loss",
-    "ratio_stats": "qurl.algo.stats",
-    "read_config": "qurl.checkpoint.rundir",
-    "CheckpointDir": "qurl.checkpoint.rundir",
-    "TRAINING_SECTIONS": "qurl.config",
-    "AlgoConfig": "qurl.config",
-    "Config": "qurl.config",
-    "ConfigError": "qurl.config",
-    "DeployConfig": "qurl.config",
-    "LearnerConfig": "qurl.config",
-    "ModelConfig": "qurl.config",
-    "OptimConfig": "qurl.config",
-    "leaves": "qurl.config",
-    "load_config": "qurl.config",
-    "override": "qurl.config",
-    "to_toml": "qurl.config",
-    "validate": "qurl.config",
-    "first_box_close": "qurl.data.rewards",
-    "score": "qurl.data.rewards",
-    "load_datasets": "qurl.data.splits",
-    "load_eval_sets": "qurl.data.splits",
-    "arithmetic_task": "qurl.data.synthetic",
-    "worked_solution": "qurl.data.synthetic",
-    "make_engine": "qurl.engines.factory",
-    "engine_wire_dtype": "qurl.engines.factory",
-    "run_ranks": "qurl.deploy.ranks",
-    "Evaluator": "qurl.evaluation.suite",
-    "fbgemm_int8_available": "qurl.engines.kernels",
-    "fbgemm_int8_product": "qurl.engines.kernels",
-    "fbgemm_pack": "qurl.engines.kernels",
-    "int8_matmul": "qurl.engines.kernels",
-    "scaled_mm_available": "qurl.engines.kernels",
-    "LINEAR_KINDS": "qurl.engines.local",
-    "LocalEngine": "qurl.engines.local",
-    "from_linear": "qurl.engines.qlinear",
-    "learner_internals": "qurl.learner.megatron:*",
-    "destroy_learner_dist": "qurl.learner.dist",
-    "free_port": "qurl.learner.dist",
-    "init_learner_dist": "qurl.learner.dist",
-    "spawn": "qurl.learner.dist",
-    "MegatronLearner": "qurl.learner.megatron",
-    "grad_bytes": "qurl.learner.membudget",
-    "token_cost_from_fields": "qurl.learner.memory_plan",
-    "build_base_apart": "qurl.models.base",
-    "builds_base": "qurl.models.base",
-    "build_model": "qurl.models.hf",
-    "load_checkpoint": "qurl.models.hf",
-    "param_count": "qurl.models.hf",
-    "read_state_dict": "qurl.models.hf",
-    "MODELS": "qurl.models.registry",
-    "resolve_base": "qurl.models.registry",
-    "flip_fractions": "qurl.quant.flips",
-    "all_finite": "qurl.quant.formats",
-    "quantize_per_token": "qurl.quant.formats",
-    "engine_chunks": "qurl.quant.named",
-    "is_quantized_linear": "qurl.quant.named",
-    "quantize_named": "qurl.quant.named",
-    "apply_uaq": "qurl.quant.uaq",
-    "build_batch": "qurl.rollout.batch",
-    "rollout": "qurl.rollout.generate",
-    "PromptCodec": "qurl.rollout.requests",
-    "Receiver": "qurl.stream.channel",
-    "Sender": "qurl.stream.channel",
-    "pack_trajectories": "qurl.stream.payload",
-    "unpack_trajectories": "qurl.stream.payload",
-    "validate_packed": "qurl.stream.payload",
-    "DTYPES": "qurl.stream.frames",
-    "compute_mac": "qurl.stream.frames",
-    "tensor_frame": "qurl.stream.frames",
-    "ArenaQuantizer": "qurl.weights.arena",
-    "ChunkArena": "qurl.weights.arena",
-    "WeightSync": "qurl.weights.publish",
-    "WeightReceiver": "qurl.weights.receiver",
-    "train": "qurl.train.inline",
-    "read_metrics": "qurl.train.metrics_log",
-    "plot_runs": "qurl.train.report",
-    "apply_positions": "qurl.weights.delta",
-    "sync_memory": "qurl.weights.host",
-    "changed_positions": "qurl.weights.delta",
-    "changed_positions_bytewise": "qurl.weights.delta",
-    "check_delta": "qurl.weights.delta",
-    "delta_nbytes": "qurl.weights.delta",
-    "diff_named": "qurl.weights.delta",
-    "encode_named": "qurl.weights.delta",
-    "group_delta_chunks": "qurl.weights.delta",
-    "combine": "qurl.weights.digest",
-    "named_digests": "qurl.weights.digest",
-    "WeightGroup": "qurl.weights.group",
-    "WeightSender": "qurl.weights.sender",
+from qurl.config import PRESETS, Config, ConfigError, load_config, override, to_toml
+from qurl.data.fetch import fetch
+from qurl.errors import InputError
+from qurl.models.registry import fetch_model, resolve_base
+from qurl.train.metrics_log import read_metrics
+from qurl.train.report import plot_runs, report
+
+if TYPE_CHECKING:
+    from qurl.checkpoint.rundir import read_config
+    from qurl.commands.eval import eval_checkpoint as evaluate_checkpoint
+    from qurl.commands.eval import eval_run as evaluate
+    from qurl.commands.export import export_run as export
+    from qurl.train.inline import train
+
+# the names whose modules import torch: public name -> (module, name there)
+_LAZY: dict[str, tuple[str, str]] = {
+    "train": ("qurl.train.inline", "train"),
+    "evaluate": ("qurl.commands.eval", "eval_run"),
+    "evaluate_checkpoint": ("qurl.commands.eval", "eval_checkpoint"),
+    "export": ("qurl.commands.export", "export_run"),
+    "read_config": ("qurl.checkpoint.rundir", "read_config"),
 }
 
-__all__ = sorted(FACE)
+__all__ = ["PRESETS", "Config", "ConfigError", "InputError", "evaluate", "evaluate_checkpoint",
+           "export", "fetch", "fetch_model", "load_config", "override", "plot_runs", "read_config",
+           "read_metrics", "report", "resolve_base", "to_toml", "train"]
 
 
 def __getattr__(name: str) -> Any:
     try:
-        target = FACE[name]
+        module, attr = _LAZY[name]
     except KeyError:
-        raise AttributeError(f"qurl.api has no {name!r}: the public face is qurl.api.FACE") from None
-    module, _, attr = target.partition(":")
-    mod = importlib.import_module(module)
-    value = mod if attr == "*" else getattr(mod, attr or name)
+        raise AttributeError(f"qurl.api has no {name!r}: its names are qurl.api.__all__") from None
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -69,10 +69,10 @@ def _requests(tok, batch: int, prompt_len: int, new_tokens: int, seed: int) -> l
 def resolve_model(model: str, tmp: Path, seed: int = 0) -> Path:
     """A preset name (random weights, built under `tmp`), a fetched model's name, or a checkpoint dir."""
     if model in PRESETS:
-        from qurl.api import build_model
+        from qurl.models.hf import build_model
 
         return Path(build_model(tmp / model, model, seed=seed))
-    from qurl.api import MODELS, resolve_base
+    from qurl.models.registry import MODELS, resolve_base
 
     if model in MODELS or Path(model).is_dir():
         return Path(resolve_base(model))
@@ -82,7 +82,7 @@ def resolve_model(model: str, tmp: Path, seed: int = 0) -> Path:
 
 def _generate_arm(model_dir: Path) -> tuple[Callable[[list[GenRequest]], int], object]:
     """transformers `generate` in bf16 over left-padded requests; returns (run, model)."""
-    from qurl.api import load_checkpoint
+    from qurl.models.hf import load_checkpoint
 
     model, tok = load_checkpoint(model_dir, dtype=torch.bfloat16)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -104,7 +104,7 @@ def _generate_arm(model_dir: Path) -> tuple[Callable[[list[GenRequest]], int], o
 
 
 def _engine_arm(model_dir: Path, precision: str, dtype: torch.dtype, batch: int, seed: int):
-    from qurl.api import LocalEngine
+    from qurl.engines.local import LocalEngine
 
     eng = LocalEngine(model_dir, precision=precision, dtype=dtype, seed=seed, max_batch=batch,
                       eos_token_ids=())
@@ -148,7 +148,7 @@ def bench_gemms(model_dir: Path, batch: int = 32) -> dict[str, dict[str, float]]
     split used by Int8Linear, activation halves included), fp8 emulation. One thread."""
     import json
 
-    from qurl.api import fbgemm_int8_available, fbgemm_int8_product, fbgemm_pack
+    from qurl.engines.kernels import fbgemm_int8_available, fbgemm_int8_product, fbgemm_pack
 
     c = json.loads((model_dir / "config.json").read_text())
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -203,7 +203,7 @@ def bench_local_engine(
         raise InputError(f"--arms: unknown arm {bad[0] if bad else '(none)'!r} (known: {', '.join(ARMS)})")
     if rounds < 1:
         raise InputError(f"--rounds must be >= 1, got {rounds}")
-    from qurl.api import param_count
+    from qurl.models.hf import param_count
 
     prev = torch.get_num_threads()
     if num_threads is not None:

@@ -31,8 +31,9 @@ from qurl.research.bench.engines import resolve_model
 
 def _round_robin(rank: int, world: int, model_dir: str, rows: int, prompt: int, response: int,
                  rounds: int, threads: int) -> dict[str, Any]:
-    from qurl.api import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig, init_learner_dist
-    from qurl.api import learner_internals as lm
+    from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
+    from qurl.learner import megatron as lm
+    from qurl.learner.dist import init_learner_dist
 
     torch.set_num_threads(threads)
     init_learner_dist(LearnerConfig(tp=1), rank, world)
@@ -73,7 +74,7 @@ def _round_robin(rank: int, world: int, model_dir: str, rows: int, prompt: int, 
 def bench_learner(model: str = "smollm2-135m", rows: int = 16, prompt: int = 94, response: int = 24,
                   rounds: int = 2, threads: int = 2) -> dict[str, Any]:
     """Print (and return) the per-arm step times and the whole/cut ratio (module docstring)."""
-    from qurl.api import spawn
+    from qurl.learner.dist import spawn
 
     with tempfile.TemporaryDirectory(prefix="qurl-bench-learner-") as tmp:
         model_dir = resolve_model(model, Path(tmp))

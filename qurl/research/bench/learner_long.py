@@ -117,8 +117,9 @@ def build_random(layers: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], A
 
 
 def _point(rank: int, world: int, arm: str, L: int, layers: int, threads: int) -> dict[str, Any]:
-    from qurl.api import (AlgoConfig, DeployConfig, LearnerConfig, MegatronLearner, ModelConfig,
-                          OptimConfig, init_learner_dist)
+    from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig, RanksDeployConfig
+    from qurl.learner.dist import init_learner_dist
+    from qurl.learner.megatron import MegatronLearner
 
     torch.set_num_threads(threads)
     attention, recompute = ARMS[arm]
@@ -127,7 +128,7 @@ def _point(rank: int, world: int, arm: str, L: int, layers: int, threads: int) -
     learner = MegatronLearner(None, ModelConfig(dtype="float32"),
                               AlgoConfig(loss="acr", mini_batches=1, uaq_scale=1.0),
                               OptimConfig(lr=1e-6), LearnerConfig(tp=1, recompute=recompute),
-                              total_steps=3, seed=0, deploy=DeployConfig(attention=attention),
+                              total_steps=3, seed=0, ranks=RanksDeployConfig(attention=attention),
                               hf_state=state, hf_config=cfg)
     del state
     g = torch.Generator().manual_seed(1)
@@ -141,7 +142,7 @@ def _point(rank: int, world: int, arm: str, L: int, layers: int, threads: int) -
 
 def grad_bytes(learner: Any) -> float:
     """The cost model's gradient bytes of this learner rank (membudget.grad_bytes)."""
-    from qurl.api import grad_bytes as cost
+    from qurl.learner.membudget import grad_bytes as cost
 
     params = sum(p.numel() for p in learner.model.parameters())
     tied = learner._local_vocab * int(learner.hf_config.hidden_size) \
@@ -152,7 +153,7 @@ def grad_bytes(learner: Any) -> float:
 def predicted_row_bytes(arm: str, L: int, layers: int) -> float:
     """The cost model's bound on one row's step (`micro_bytes`) for one arm at width L (fp32, TP 1)
     for this benchmark's model: what a point is skipped by."""
-    from qurl.api import token_cost_from_fields
+    from qurl.learner.memory_plan import token_cost_from_fields
 
     attention, recompute = ARMS[arm]
     fields = dict(QWEN25_1P5B, num_hidden_layers=layers, architectures=["Qwen2ForCausalLM"])
@@ -165,7 +166,7 @@ def bench_memory(lengths: tuple[int, ...] = (1024, 2048, 4096, 8192),
                  arms: tuple[str, ...] = ("unfused", "sdpa", "sdpa+full"), layers: int = 2,
                  threads: int = 2, max_gb: float = 12.0) -> dict[str, dict[int, dict[str, Any]]]:
     """Print (and return) per arm and L: measured and predicted per-row peak, tokens/s."""
-    from qurl.api import spawn
+    from qurl.learner.dist import spawn
 
     for arm in arms:
         if arm not in ARMS:

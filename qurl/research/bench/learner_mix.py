@@ -45,13 +45,13 @@ def _batch(lengths: list[int], prompt: int, vocab: int, seed: int) -> dict[str, 
 
 
 def _learner(model_dir: str, dtype: str, mini_batches: int, attention: str, steps: int) -> Any:
-    from qurl.api import (AlgoConfig, DeployConfig, LearnerConfig, MegatronLearner, ModelConfig,
-                          OptimConfig)
+    from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig, RanksDeployConfig
+    from qurl.learner.megatron import MegatronLearner
 
     return MegatronLearner(model_dir, ModelConfig(dtype=dtype),
                            AlgoConfig(loss="acr", mini_batches=mini_batches, uaq_scale=1.0),
                            OptimConfig(lr=1e-6), LearnerConfig(tp=1), total_steps=steps, seed=0,
-                           deploy=DeployConfig(attention=attention))
+                           ranks=RanksDeployConfig(attention=attention))
 
 
 def _timed(learner: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -62,7 +62,8 @@ def _timed(learner: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
 
 def _attention_rounds(rank: int, world: int, model_dir: str, dtype: str, rows: int, mini: int,
                       prompt: int, answer: int, rounds: int, threads: int) -> dict[str, list[float]]:
-    from qurl.api import LearnerConfig, init_learner_dist
+    from qurl.config import LearnerConfig
+    from qurl.learner.dist import init_learner_dist
 
     torch.set_num_threads(threads)
     init_learner_dist(LearnerConfig(tp=1), rank, world)
@@ -82,7 +83,8 @@ def _attention_rounds(rank: int, world: int, model_dir: str, dtype: str, rows: i
 
 def bench_attention_step(rounds: int = 5, threads: int = 2, prompt: int = 12) -> dict[str, Any]:
     """Print (and return) train tokens/s of SDPA and unfused attention at the default run's shape."""
-    from qurl.api import load_config, spawn
+    from qurl.config import load_config
+    from qurl.learner.dist import spawn
     from qurl.research.bench.engines import resolve_model
 
     cfg = load_config()
@@ -114,10 +116,8 @@ def mix_lengths(rows: int, max_len: int, seed: int = 0) -> list[int]:
 
 def _arrival_plan(learner: Any):
     """Rows in arrival order, each micro-batch padded to the batch's longest row."""
-    from qurl.api import (
-        learner_internals as lm,  # its free_bytes: the figure _mix_rounds sets, as the
-    )
-    # learner's own plan reads it
+    from qurl.learner import megatron as lm  # its free_bytes: the figure _mix_rounds sets, as
+    # the learner's own plan reads it
 
     def plan(rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor | None = None):
         width = int(ends[rows].max())
@@ -131,8 +131,9 @@ def _arrival_plan(learner: Any):
 
 def _mix_rounds(rank: int, world: int, model_dir: str, rows: int, max_len: int, prompt: int,
                 budget_rows: int, rounds: int, threads: int) -> dict[str, Any]:
-    from qurl.api import LearnerConfig, init_learner_dist
-    from qurl.api import learner_internals as lm
+    from qurl.config import LearnerConfig
+    from qurl.learner import megatron as lm
+    from qurl.learner.dist import init_learner_dist
 
     torch.set_num_threads(threads)
     init_learner_dist(LearnerConfig(tp=1), rank, world)
@@ -168,7 +169,7 @@ def _mix_rounds(rank: int, world: int, model_dir: str, rows: int, max_len: int, 
 def bench_mix(model: str = "small", rows: int = 16, max_len: int = 1024, prompt: int = 64,
               budget_rows: int = 4, rounds: int = 2, threads: int = 2) -> dict[str, Any]:
     """Print (and return) useful tokens/s of the sorted and arrival plans on a lognormal mix."""
-    from qurl.api import spawn
+    from qurl.learner.dist import spawn
     from qurl.research.bench.engines import resolve_model
 
     with tempfile.TemporaryDirectory(prefix="qurl-bench-mix-") as tmp:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from qurl.api import is_quantized_linear
+from qurl.quant.named import is_quantized_linear
 
 
 def chunk_kind(name: str, t: torch.Tensor) -> str:
@@ -38,7 +38,7 @@ def chunk_kind(name: str, t: torch.Tensor) -> str:
 def change_fractions(prev: dict[str, torch.Tensor], new: list[tuple[str, torch.Tensor]]
                      ) -> dict[str, float]:
     """Per kind: changed elements / elements (bitwise); pass_bf16 compares the bf16 casts."""
-    from qurl.api import changed_positions
+    from qurl.weights.delta import changed_positions
 
     changed: dict[str, int] = {}
     total: dict[str, int] = {}
@@ -57,7 +57,10 @@ def change_fractions(prev: dict[str, torch.Tensor], new: list[tuple[str, torch.T
 def measure(sets: list[str]) -> list[dict[str, Any]]:
     """Run the sync loop with `--set` overrides; one dict per sync after the first: the change
     fractions, joined with that step's train record."""
-    from qurl.api import WeightSync, load_config, read_metrics, train
+    from qurl.config import load_config
+    from qurl.train.inline import train
+    from qurl.train.metrics_log import read_metrics
+    from qurl.weights.publish import WeightSync
 
     cfg = load_config(sets=sets)
     seen: list[dict[str, float]] = []

@@ -29,8 +29,14 @@ from typing import Any
 
 import torch
 
-from qurl.api import (ArenaQuantizer, ChunkArena, DeployConfig, WeightGroup, WeightReceiver,
-                      WeightSender, all_finite, engine_chunks, free_port)
+from qurl.config import DeployConfig
+from qurl.learner.dist import free_port
+from qurl.quant.formats import all_finite
+from qurl.quant.named import engine_chunks
+from qurl.weights.arena import ArenaQuantizer, ChunkArena
+from qurl.weights.group import WeightGroup
+from qurl.weights.receiver import WeightReceiver
+from qurl.weights.sender import WeightSender
 
 # Synthetic shapes: qurl's `small` preset (~104M) and Qwen2.5-0.5B's (~494M, tied embeddings).
 SHAPES = {"small": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=3072, vocab=384),
@@ -126,7 +132,7 @@ def bench_sync(bucket_mb: float | None = None, repeats: int = 5, shapes: str = "
     if shapes not in SHAPES:
         raise ValueError(f"shapes={shapes!r}: must be one of {', '.join(SHAPES)}")
     if bucket_mb is None:
-        bucket_mb = DeployConfig().bucket_mb
+        bucket_mb = DeployConfig().sync.bucket_mb
     named = synthetic_named(**SHAPES[shapes])
     n_params = sum(t.numel() for _, t in named)
     ctx = mp.get_context("spawn")

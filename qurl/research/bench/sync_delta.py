@@ -30,9 +30,14 @@ from typing import Any
 
 import torch
 
-from qurl.api import (ChunkArena, WeightGroup, WeightReceiver, WeightSender, apply_positions,
-                      check_delta, combine, delta_nbytes, diff_named, encode_named, free_port,
-                      group_delta_chunks, named_digests)
+from qurl.learner.dist import free_port
+from qurl.weights.arena import ChunkArena
+from qurl.weights.delta import (apply_positions, check_delta, delta_nbytes, diff_named, encode_named,
+                                group_delta_chunks)
+from qurl.weights.digest import combine, named_digests
+from qurl.weights.group import WeightGroup
+from qurl.weights.receiver import WeightReceiver
+from qurl.weights.sender import WeightSender
 
 # name: (hidden, layers, heads, kv_heads, ffn, vocab, tied embeddings)
 DELTA_SHAPES = {"qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),

@@ -13,8 +13,8 @@ after a warm-up round), so load from other jobs hits both alike:
   an element-wise compare (numpy `not_equal` writing one boolean per element, then `flatnonzero`
   over all of them: `changed_positions_bytewise`), torch's strided copy for the low bits and
   torch's advanced indexing for the values;
-- new: qurl.api's `diff_named` + `encode_named` (word-wise compare in cache-sized slices, numpy
-  gathers; qurl/weights/delta.py).
+- new: qurl/weights/delta.py's `diff_named` + `encode_named` (word-wise compare in cache-sized
+  slices, numpy gathers).
 
 Both arms' chunks must be equal name for name and bit for bit, or the bench fails. The versions
 are qurl.research.bench.sync_delta's engine chunks at Qwen2.5 shapes (random int8 codes, fp32 scales, bf16
@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from qurl.api import (ChunkArena, changed_positions_bytewise, delta_nbytes, diff_named,
-                      encode_named)
 from qurl.research.bench.sync_delta import FLIPS, KINDS, engine_chunks_at, perturb
+from qurl.weights.arena import ChunkArena
+from qurl.weights.delta import changed_positions_bytewise, delta_nbytes, diff_named, encode_named
 
 Chunks = list[tuple[str, torch.Tensor]]
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

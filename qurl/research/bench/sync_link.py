@@ -34,11 +34,16 @@ from typing import Any
 
 import torch
 
-from qurl.api import (ChunkArena, WeightGroup, WeightReceiver, WeightSender, combine, diff_named,
-                      encode_named, free_port, named_digests)
-from qurl.research.bench import netns
 from qurl.errors import InputError
+from qurl.learner.dist import free_port
+from qurl.research.bench import netns
 from qurl.research.bench.sync_delta import FLIPS, KINDS, Sink, engine_chunks_at, perturb
+from qurl.weights.arena import ChunkArena
+from qurl.weights.delta import diff_named, encode_named
+from qurl.weights.digest import combine, named_digests
+from qurl.weights.group import WeightGroup
+from qurl.weights.receiver import WeightReceiver
+from qurl.weights.sender import WeightSender
 
 LINK_TIMEOUT_S = 120.0  # the bench's group timeout (one bucket's broadcast must fit in it)
 CUT_TIMEOUT_S = 10.0  # the group timeout during the link-cut demonstration

@@ -64,7 +64,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from qurl.api import Config, ConfigError, override
+from qurl.config import Config, ConfigError, override
 from qurl.research.studies.store import (arm_dir, check_same, check_start, commit, committed, extends,
                                 training_diff)
 
@@ -156,7 +156,7 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
     evaluation with Avg@k where it has none (qurl/research/studies/final_eval.py); train_code: the qurl
     checkout whose `qurl train` runs the arms (qurl/research/studies/runner.py). Returns
     {seed: {arm: records}} of every finished arm in out_dir."""
-    from qurl.api import build_base_apart, builds_base
+    from qurl.models.base import build_base_apart, builds_base
     from qurl.research.studies import final_eval as fe
     from qurl.research.studies.runner import run_to_end
 

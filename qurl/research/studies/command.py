@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from qurl.api import ConfigError, load_config
+from qurl.config import ConfigError, load_config
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -47,8 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qurl.api import Config, override, read_metrics, to_toml
+from qurl.config import Config, override, to_toml
 from qurl.research.studies.runner import train_command
+from qurl.train.metrics_log import read_metrics
 
 ARMS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("sync-bf16", {"deploy.rollout": "inline", "rollout.precision": "bf16", "algo.loss": "decoupled",
@@ -300,7 +301,7 @@ def compare(cfg: Config, out_dir: str | Path = "runs/compare", arms: list[str] |
 
 def _compare_seed(cfg: Config, out: Path, arms: list[str] | None) -> tuple[Path, list[dict]]:
     """One compare at cfg's seed: (compare.md, its rows)."""
-    from qurl.api import plot_runs
+    from qurl.train.report import plot_runs
 
     rows, runs = [], {}
     for name, arm_cfg in arm_configs(cfg, out, arms).items():

@@ -35,7 +35,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from qurl.api import Correction, first_box_close
+from qurl.algo.corrections import Correction
+from qurl.data.rewards import first_box_close
 
 
 def box_end(decode: Callable[[list[int]], str], ids: Sequence[int]) -> int | None:
@@ -73,7 +74,11 @@ def masked_run_on(logits_f: torch.Tensor, logits_q: torch.Tensor, end_ids: Seque
 
 def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> list[str]:
     """Lines of the report (module docstring) for run_dir's held-out set."""
-    from qurl.api import PromptCodec, load_eval_sets, make_engine, read_config, validate
+    from qurl.checkpoint.rundir import read_config
+    from qurl.config import validate
+    from qurl.data.splits import load_eval_sets
+    from qurl.engines.factory import make_engine
+    from qurl.rollout.requests import PromptCodec
     from qurl.types import GenRequest, SamplingParams
 
     cfg = validate(read_config(run_dir))

@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from qurl.api import LINEAR_KINDS, LocalEngine, apply_uaq
+from qurl.engines.local import LINEAR_KINDS, LocalEngine
+from qurl.quant.uaq import apply_uaq
 from qurl.research.studies.uaq_codes import code_changes
 
 State = Mapping[str, torch.Tensor]
@@ -113,7 +114,9 @@ def compare_engines(base: str | Path, variants: Mapping[str, State],
 def worked_answer_pairs(cfg, tokenizer, n: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, worked answer ids + EOS) for the first `n` questions of the synthetic eval split
     of `cfg`, the prompt rendered with cfg.data.template."""
-    from qurl.api import PromptCodec, load_eval_sets, worked_solution
+    from qurl.data.splits import load_eval_sets
+    from qurl.data.synthetic import worked_solution
+    from qurl.rollout.requests import PromptCodec
 
     if cfg.data.eval != "synthetic":
         raise ValueError(f"data.eval={cfg.data.eval!r}: worked answers exist only for the synthetic task")
@@ -127,7 +130,8 @@ def worked_answer_pairs(cfg, tokenizer, n: int) -> list[tuple[list[int], list[in
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
-    from qurl.api import load_config, read_state_dict
+    from qurl.config import load_config
+    from qurl.models.hf import read_state_dict
 
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.engine_noise",
                                 description=__doc__.split("\n")[0])

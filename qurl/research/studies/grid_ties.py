@@ -39,7 +39,9 @@ def boundary_counts(w: torch.Tensor, deltas: Iterable[float]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qurl.api import is_quantized_linear, read_state_dict, resolve_base
+    from qurl.models.hf import read_state_dict
+    from qurl.models.registry import resolve_base
+    from qurl.quant.named import is_quantized_linear
 
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.grid_ties", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")

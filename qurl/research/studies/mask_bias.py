@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from qurl.api import CUT_PRESETS, Correction, is_weights
+from qurl.algo.corrections import CUT_PRESETS, Correction, is_weights
 
 
 def mask_profile(log_is: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, right: torch.Tensor,
@@ -80,7 +80,11 @@ def sample_batch(cfg, checkpoint: str | Path, n_prompts: int, precision: str):
     recompute their log-probs with an fp32 engine. Returns (tokens [B, L] prompt ++ response,
     right-padded; log_is [B, L]; response mask [B, L]; adv [B]; right [B] bool): log ρ = fp32 −
     engine log-prob of token j at column j, 0 off the mask."""
-    from qurl.api import LocalEngine, PromptCodec, build_batch, load_datasets, rollout
+    from qurl.data.splits import load_datasets
+    from qurl.engines.local import LocalEngine
+    from qurl.rollout.batch import build_batch
+    from qurl.rollout.generate import rollout
+    from qurl.rollout.requests import PromptCodec
     from qurl.types import SamplingParams
 
     behav = LocalEngine(checkpoint, precision=precision, seed=cfg.run.seed)
@@ -110,7 +114,7 @@ def sample_batch(cfg, checkpoint: str | Path, n_prompts: int, precision: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qurl.api import load_config
+    from qurl.config import load_config
 
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.mask_bias",
                                 description=__doc__.split("\n")[0])

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from qurl.api import policy_loss, ratio_stats
+from qurl.algo.loss import policy_loss
+from qurl.algo.stats import ratio_stats
 
 POSITION_EDGES: tuple[int, ...] = (0, 8, 16, 32, 64, 128)
 PROB_EDGES: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 1.0)

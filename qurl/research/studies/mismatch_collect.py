@@ -33,7 +33,7 @@ DTYPES = ("bfloat16", "float32")
 
 def study_config(model: str, precision: str, learner_dtype: str = "bfloat16", seed: int = 0):
     """The qurl Config of one arm: the real model, local engine, chat template, UAQ off."""
-    from qurl.api import load_config
+    from qurl.config import load_config
 
     return load_config("cpu-tiny", sets=[
         f"model.base={model}", "model.warmstart_steps=0", f"model.dtype={learner_dtype}",
@@ -42,14 +42,18 @@ def study_config(model: str, precision: str, learner_dtype: str = "bfloat16", se
 
 
 def questions(n: int, seed: int):
-    from qurl.api import arithmetic_task
+    from qurl.data.synthetic import arithmetic_task
 
     return arithmetic_task(n, seed=seed, split="train", digits=2, n_operands=2, ops="+-")
 
 
 def gen(out: Path, precision: str, model: str, n_prompts: int, group: int, new_tokens: int,
         seed: int) -> Path:
-    from qurl.api import PromptCodec, build_batch, make_engine, resolve_base, rollout
+    from qurl.engines.factory import make_engine
+    from qurl.models.registry import resolve_base
+    from qurl.rollout.batch import build_batch
+    from qurl.rollout.generate import rollout
+    from qurl.rollout.requests import PromptCodec
     from qurl.types import SamplingParams
 
     cfg = study_config(model, precision, seed=seed)
@@ -73,18 +77,19 @@ def gen(out: Path, precision: str, model: str, n_prompts: int, group: int, new_t
 
 
 def score(out: Path, precision: str, dtype: str, model: str, seed: int) -> Path:
-    from qurl.api import (MegatronLearner, destroy_learner_dist, free_port, init_learner_dist,
-                          resolve_base)
+    from qurl.learner.dist import destroy_learner_dist, free_port, init_learner_dist
+    from qurl.learner.megatron import MegatronLearner
+    from qurl.models.registry import resolve_base
 
     data = torch.load(out / f"gen_{precision}.pt")
     cfg = study_config(model, precision, dtype, seed)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
-    init_learner_dist(cfg.learner, 0, 1, deploy=cfg.deploy)
+    init_learner_dist(cfg.learner, 0, 1, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     try:
         t0 = time.perf_counter()
         learner = MegatronLearner(resolve_base(model), cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                                  total_steps=1, seed=seed, deploy=cfg.deploy)
+                                  total_steps=1, seed=seed, ranks=cfg.deploy.ranks)
         prox = learner.logprobs(data["tokens"], temperature=1.0).cpu()
         path = out / f"prox_{precision}_{dtype}.pt"
         torch.save({"prox_logp": prox, "seconds": time.perf_counter() - t0}, path)

@@ -89,7 +89,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
                     save_to: Path | None = None) -> torch.Tensor:
     """[N, V] fp32 log-softmax at the response positions, by the engine or the learner `side`;
     with save_to, the rows done so far are written there after each row."""
-    from qurl.api import resolve_base
+    from qurl.models.registry import resolve_base
     from qurl.research.studies.mismatch_collect import study_config
 
     kind, what = side.split(":")
@@ -97,7 +97,7 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
     toks = ctx["tokens"]
     parts = []
     if kind == "engine":
-        from qurl.api import make_engine
+        from qurl.engines.factory import make_engine
 
         engine = make_engine(study_config(model, what, seed=seed), resolve_base(model))
         for b, s, e in rows:
@@ -105,15 +105,16 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
             parts.append(torch.log_softmax(logits.float(), -1))
             _save(parts, save_to, last=len(parts) == len(rows))
         return torch.cat(parts)
-    from qurl.api import MegatronLearner, destroy_learner_dist, free_port, init_learner_dist
+    from qurl.learner.dist import destroy_learner_dist, free_port, init_learner_dist
+    from qurl.learner.megatron import MegatronLearner
 
     cfg = study_config(model, "int8", what, seed)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
-    init_learner_dist(cfg.learner, 0, 1, deploy=cfg.deploy)
+    init_learner_dist(cfg.learner, 0, 1, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     try:
         learner = MegatronLearner(resolve_base(model), cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                                  total_steps=1, seed=seed, deploy=cfg.deploy)
+                                  total_steps=1, seed=seed, ranks=cfg.deploy.ranks)
         for b, s, e in rows:  # one row at a time: full-vocab logits of a batch are large
             logits = learner.logits(toks[b:b + 1, :e])[0]  # [e, V]; row j predicts token j+1
             parts.append(torch.log_softmax(logits[s - 1:e - 1].float(), -1).cpu())

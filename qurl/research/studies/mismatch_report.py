@@ -184,7 +184,7 @@ def uaq_block(res: dict) -> str:
 
 
 def sync_block(model: str) -> tuple[str, dict]:
-    from qurl.api import resolve_base
+    from qurl.models.registry import resolve_base
     from qurl.research.studies.sync_bytes import measure, table
 
     out, raw = [], {}

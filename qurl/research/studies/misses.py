@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from qurl.api import first_box_close, score
+from qurl.data.rewards import first_box_close, score
 
 KINDS = ("right", "first wrong", "second box", "no box")
 
@@ -65,7 +65,9 @@ def tally(misses: list[Miss]) -> dict[str, tuple[int, int]]:
 
 def report(run_dir: Path, records: list[Path]) -> list[str]:
     """Lines: for each record, each set's kinds (count, of which run on) and accuracy."""
-    from qurl.api import load_eval_sets, read_config, validate
+    from qurl.checkpoint.rundir import read_config
+    from qurl.config import validate
+    from qurl.data.splits import load_eval_sets
     from qurl.research.studies.records import open_records
 
     # the run's config and the records may be packed in a study's archive (qurl/research/studies/records.py)

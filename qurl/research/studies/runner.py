@@ -38,12 +38,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qurl.api import Config, to_toml
+from qurl.config import Config, to_toml
 from qurl.research.studies.store import extends, read_run, training_diff
 
 
 def _resumable(run_dir: Path, cfg: Config) -> bool:
-    from qurl.api import read_config
+    from qurl.checkpoint.rundir import read_config
 
     if not (run_dir / "config.toml").exists() or not any((run_dir / "ckpt").glob("step_*")):
         return False

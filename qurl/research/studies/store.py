@@ -57,8 +57,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from qurl.api import TRAINING_SECTIONS, Config, ConfigError, leaves, override, read_metrics
+from qurl.config import TRAINING_SECTIONS, Config, ConfigError, leaves, override
 from qurl.research.studies.records import open_records
+from qurl.train.metrics_log import read_metrics
 
 FILES = ("config.toml", "metrics.jsonl")
 START = "base.json"
@@ -81,7 +82,7 @@ def finished(records: list[dict[str, Any]], steps: int) -> bool:
 def read_run(run_dir: Path) -> tuple[Config, list[dict[str, Any]]] | None:
     """(config, records) of a run or committed directory if it holds a finished run, else None.
     A committed directory may be packed into its study's archive (qurl/research/studies/records.py)."""
-    from qurl.api import read_config
+    from qurl.checkpoint.rundir import read_config
 
     rec = open_records(run_dir)
     if not all(rec.exists(f) for f in FILES):

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from qurl.api import is_quantized_linear
+from qurl.quant.named import is_quantized_linear
 
 KINDS = ("linear codes", "linear scales", "embedding", "lm_head", "norms", "other")
 
@@ -63,7 +63,8 @@ def bytes_by_kind(chunks: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict]
 def measure(model_dir: str, precision: str, wire_dtype: torch.dtype | None) -> dict[str, dict]:
     """Sync the checkpoint's weights (as fp32 masters, the learner's) through WeightSync.quantize
     with `wire_dtype`, and sort the chunks it would load into an engine by kind."""
-    from qurl.api import WeightSync, read_state_dict
+    from qurl.models.hf import read_state_dict
+    from qurl.weights.publish import WeightSync
 
     # a tied checkpoint holds no lm_head.weight, and the learner's named_weights yields none
     state = {k: v.float() for k, v in read_state_dict(model_dir).items()}
@@ -84,7 +85,7 @@ def table(rows: dict[str, dict], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qurl.api import resolve_base
+    from qurl.models.registry import resolve_base
 
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.sync_bytes",
                                 description="bytes of one weight sync by tensor kind")

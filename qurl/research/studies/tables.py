@@ -64,7 +64,7 @@ import io
 import math
 from typing import Any, Sequence
 
-from qurl.api import CUT_PRESETS
+from qurl.algo.corrections import CUT_PRESETS
 from qurl.research.studies.compare import _fmt, _md_table, _mean, _sd
 
 WINDOW = 10

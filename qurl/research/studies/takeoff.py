@@ -30,7 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from qurl.api import read_metrics
+from qurl.train.metrics_log import read_metrics
 
 THRESHOLD = 0.5
 LAST = 5

@@ -28,9 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qurl.api import read_metrics
 from qurl.research.studies.compare import _fmt, _md_table, _mean
 from qurl.research.studies.tables import WINDOW, acc_key
+from qurl.train.metrics_log import read_metrics
 
 COLUMNS = ["seed", "arm", "steps", "accuracy at steps", "greedy end", "reward by block",
            "KL(b‖p)", "flips scaled / other"]

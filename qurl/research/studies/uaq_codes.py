@@ -21,7 +21,9 @@ from collections.abc import Mapping
 
 import torch
 
-from qurl.api import apply_uaq, flip_fractions, quantize_named
+from qurl.quant.flips import flip_fractions
+from qurl.quant.named import quantize_named
+from qurl.quant.uaq import apply_uaq
 
 
 def code_changes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], fmt: str = "int8"
@@ -37,7 +39,7 @@ def code_shift(state: Mapping[str, torch.Tensor], s: float, fmt: str = "int8") -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qurl.api import read_state_dict
+    from qurl.models.hf import read_state_dict
 
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.uaq_codes",
                                 description=__doc__.split("\n")[0])

@@ -32,14 +32,15 @@ import torch
 
 
 def _learner(model: str, s: float, lr: float, seed: int):
-    from qurl.api import MegatronLearner, resolve_base
+    from qurl.learner.megatron import MegatronLearner
+    from qurl.models.registry import resolve_base
     from qurl.research.studies.mismatch_collect import study_config
 
     cfg = study_config(model, "int8", "float32", seed)
     algo = replace(cfg.algo, uaq_scale=s, mini_batches=1, loss="acr")
     optim = replace(cfg.optim, lr=lr, weight_decay=0.0, warmup_steps=0, schedule="constant")
     return MegatronLearner(resolve_base(model), cfg.model, algo, optim, cfg.learner,
-                           total_steps=100, seed=seed, deploy=cfg.deploy), cfg
+                           total_steps=100, seed=seed, ranks=cfg.deploy.ranks), cfg
 
 
 def _sync(syncs, learner) -> dict[str, float]:
@@ -55,7 +56,7 @@ def probe(batch: dict, model: str, scales: list[float], lrs: list[float], steps:
           seed: int, emit) -> None:
     """Flip fractions per sync (see the module docstring); each row is passed to `emit` as it is
     measured (a long run on a busy machine keeps what it measured if it is stopped)."""
-    from qurl.api import WeightSync
+    from qurl.weights.publish import WeightSync
 
     tokens, mask, behav, adv = _rows(batch, rows)
     for s in scales:
@@ -86,7 +87,9 @@ def _rows(batch: dict, rows: int):
 
 def invariance(batch: dict, model: str, scales: list[float], rows: int, emit) -> None:
     """max |Δlogit| of the fp32 HF model with UAQ at each s against s = 1, on `rows` responses."""
-    from qurl.api import apply_uaq, load_checkpoint, resolve_base
+    from qurl.models.hf import load_checkpoint
+    from qurl.models.registry import resolve_base
+    from qurl.quant.uaq import apply_uaq
 
     tokens, _, _, _ = _rows(batch, rows)
     hf, _ = load_checkpoint(resolve_base(model), dtype=torch.float32)
@@ -103,7 +106,7 @@ def invariance(batch: dict, model: str, scales: list[float], rows: int, emit) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qurl.api import destroy_learner_dist, init_learner_dist
+    from qurl.learner.dist import destroy_learner_dist, init_learner_dist
     from qurl.research.studies.mismatch_collect import study_config
 
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.uaq_probe",
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.batch.is_file():
         print(f"{a.batch}: no such file (run qurl.research.studies.mismatch_collect gen first)", file=sys.stderr)
         return 2
-    from qurl.api import free_port
+    from qurl.learner.dist import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         invariance(batch, a.model, [s for s in a.scales if s != 1.0], a.rows, emit)
     if a.steps:
         cfg = study_config(a.model, "int8", "float32", a.seed)
-        init_learner_dist(cfg.learner, 0, 1, deploy=cfg.deploy)
+        init_learner_dist(cfg.learner, 0, 1, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
         try:
             probe(batch, a.model, a.scales, a.lrs, a.steps, a.rows, a.seed, emit)
         finally:

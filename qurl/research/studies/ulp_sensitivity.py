@@ -32,8 +32,6 @@ from pathlib import Path
 
 import torch
 
-from qurl import api
-
 
 def nudged(masters: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """`masters` with every RMSNorm gain ([hidden] or [head_dim], fp32) moved one ulp toward +inf
@@ -49,25 +47,34 @@ def nudged(masters: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 
 
 def _entry(cfg, *, run_dir: str, nudges: int, rank: int, world_size: int) -> dict:
-    api.init_learner_dist(cfg.learner, rank, world_size, deploy=cfg.deploy)
-    model_dir = api.resolve_base(cfg.model.base)
-    learner = api.MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                                  total_steps=cfg.run.steps, seed=cfg.run.seed, deploy=cfg.deploy)
-    ckpt = api.CheckpointDir(Path(run_dir)).latest()
+    from qurl.checkpoint.rundir import CheckpointDir
+    from qurl.engines.factory import engine_wire_dtype, make_engine
+    from qurl.evaluation.suite import Evaluator
+    from qurl.learner.dist import init_learner_dist
+    from qurl.learner.megatron import MegatronLearner
+    from qurl.models.registry import resolve_base
+    from qurl.quant.uaq import apply_uaq
+    from qurl.weights.publish import WeightSync
+
+    init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
+    model_dir = resolve_base(cfg.model.base)
+    learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
+                              total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
+    ckpt = CheckpointDir(Path(run_dir)).latest()
     learner.load(ckpt)
     masters = {n: t.detach().to("cpu", torch.float32).clone() for n, t in learner.named_weights()}
     s = cfg.algo.uaq_scale
-    arms = {"run": masters, "round trip": api.apply_uaq(api.apply_uaq(masters, 1.0 / s), s)}
+    arms = {"run": masters, "round trip": apply_uaq(apply_uaq(masters, 1.0 / s), s)}
     arms.update({f"ulp {k}": nudged(masters, k) for k in range(nudges)})
     step = int(ckpt.name.removeprefix("step_"))
     out = {}
     for name, weights in arms.items():
-        engine = api.make_engine(cfg, model_dir)
+        engine = make_engine(cfg, model_dir)
         try:
-            api.WeightSync(cfg.rollout.precision, wire_dtype=api.engine_wire_dtype(cfg, model_dir)
-                           ).push(iter(weights.items()), engine, version=0)
-            ev = api.Evaluator(cfg, model_dir, main=True, max_examples=None, per_question=False,
-                               answers=True)
+            WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)
+                       ).push(iter(weights.items()), engine, version=0)
+            ev = Evaluator(cfg, model_dir, main=True, max_examples=None, per_question=False,
+                           answers=True)
             rec = ev.run(step, step, engine, learner)
         finally:
             engine.close()
@@ -79,6 +86,10 @@ def _entry(cfg, *, run_dir: str, nudges: int, rank: int, world_size: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qurl.checkpoint.rundir import read_config
+    from qurl.config import override
+    from qurl.deploy.ranks import run_ranks
+
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.ulp_sensitivity",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
@@ -86,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write every arm's answers here (JSON)")
     args = p.parse_args(argv)
     run = Path(args.run_dir)
-    cfg = api.override(api.read_config(run), {"deploy.dir": str(run.parent), "run.name": run.name,
-                                              "eval.fp_policy": False})
+    cfg = override(read_config(run), {"deploy.dir": str(run.parent), "run.name": run.name,
+                                      "eval.fp_policy": False})
     if cfg.rollout.precision == "bf16":
         raise SystemExit(f"{run}: a bf16 run; this study is about the 8-bit actor")
-    res = api.run_ranks(_entry, cfg, run_dir=str(run), nudges=args.nudges)
+    res = run_ranks(_entry, cfg, run_dir=str(run), nudges=args.nudges)
     ref = [a for v in res["run"]["answers"].values() for a in v]
     print(f"\n{run} ({cfg.model.base}, {cfg.rollout.precision}, UAQ s={cfg.algo.uaq_scale}), "
           f"{len(ref)} greedy held-out answers")

@@ -116,7 +116,7 @@ def gemm_ops(dev: torch.device, M: int, w: dict[str, torch.Tensor], g: torch.Gen
     """bf16 / int8 / fp8 products [M, K] x [N, K]^T as qurl's linears issue them (int8: qurl's
     `int8_matmul`, rows padded to 32 on CUDA; fp8: `_scaled_mm`, unit scales, fp32 out, on CUDA,
     the fp32 emulation on a CPU); an op this torch/device refuses is its error message instead."""
-    from qurl.api import int8_matmul
+    from qurl.engines.kernels import int8_matmul
 
     K = w["bf16"].shape[1]
     a = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
@@ -186,7 +186,7 @@ def section_gemm(dry: bool) -> dict[str, Any]:
 def _graph_case(lin: Any, x: torch.Tensor, whole: bool, g: torch.Generator) -> dict[str, Any]:
     """Capture `lin` (whole forward, or the code product alone on fixed activation codes) in a
     CUDA graph; replay vs eager before and after new codes are copied into the weight buffer."""
-    from qurl.api import quantize_per_token
+    from qurl.quant.formats import quantize_per_token
 
     fmt = lin.fmt
     xq, xs = quantize_per_token(x, fmt)
@@ -219,7 +219,8 @@ def section_cuda_graph(dry: bool) -> dict[str, Any]:
     """int8 (and fp8 where _scaled_mm runs) linears at Qwen2.5-1.5B's gate_up shape, 64 tokens."""
     if not torch.cuda.is_available():
         raise Skip("needs CUDA (graph capture)")
-    from qurl.api import from_linear, scaled_mm_available
+    from qurl.engines.kernels import scaled_mm_available
+    from qurl.engines.qlinear import from_linear
 
     dev, g = torch.device("cuda", 0), torch.Generator().manual_seed(0)
     fmts = ["int8"] + (["fp8"] if scaled_mm_available(dev) else [])
@@ -242,7 +243,8 @@ def section_cuda_graph(dry: bool) -> dict[str, Any]:
 def section_engine(dry: bool) -> dict[str, Any]:
     """LocalEngine log-probs (fp32 activations) of the same sequences on the device vs the CPU,
     per precision: bf16 (unquantized), int8 (_int_mm vs FBGEMM), fp8 (_scaled_mm vs emulation)."""
-    from qurl.api import LocalEngine, build_model
+    from qurl.engines.local import LocalEngine
+    from qurl.models.hf import build_model
 
     dev = _device(dry)
     preset, n, prompt, out_len = ("tiny", 2, 8, 16) if dry else ("small", 8, 32, 96)

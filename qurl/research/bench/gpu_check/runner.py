@@ -31,7 +31,7 @@ from pathlib import Path
 from qurl.research.bench.gpu_check import Skip
 from qurl.research.bench.gpu_check.wheels import install_site
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]  # above qurl/research/bench/gpu_check/
 SECTIONS: dict[str, tuple[str, int, int]] = {
     # name: (module holding `section_<name>`, timeout on the GPU (s), timeout in the dry run (s));
     # the dry run takes ~55 s on 2 idle cores, its timeouts leave room for busy ones

@@ -53,8 +53,9 @@ def _build_learner(layers: int, dtype: str, shape: dict[str, Any]) -> Any:
     """A MegatronLearner (TP 1, SDPA attention) over a random Qwen2 of Qwen2.5-1.5B's shapes."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from qurl.api import (AlgoConfig, DeployConfig, LearnerConfig, MegatronLearner, ModelConfig,
-                          OptimConfig, free_port, init_learner_dist)
+    from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig, RanksDeployConfig
+    from qurl.learner.dist import free_port, init_learner_dist
+    from qurl.learner.megatron import MegatronLearner
     from qurl.research.bench.learner_long import QWEN25_1P5B
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -68,7 +69,7 @@ def _build_learner(layers: int, dtype: str, shape: dict[str, Any]) -> Any:
     return MegatronLearner(None, ModelConfig(dtype=dtype),
                            AlgoConfig(loss="acr", mini_batches=1, uaq_scale=1.0),
                            OptimConfig(lr=1e-6), LearnerConfig(tp=1, recompute="none"),
-                           total_steps=8, seed=0, deploy=DeployConfig(attention="sdpa"),
+                           total_steps=8, seed=0, ranks=RanksDeployConfig(attention="sdpa"),
                            hf_state=state, hf_config=cfg)
 
 
@@ -164,7 +165,7 @@ def _qurl_train(root: Path, name: str, sets: dict[str, Any], timeout: float,
         print(f"qurl train {name} failed:\n" + text[-4000:])
         raise RuntimeError(f"qurl train {name}{' --resume' if resume else ''} exit "
                            f"{proc.returncode}: {' | '.join(tail)[:300]}")
-    from qurl.api import read_metrics
+    from qurl.train.metrics_log import read_metrics
 
     recs = read_metrics(root / name / "metrics.jsonl")
     return {"wall_s": wall, "train": [r for r in recs if r.get("kind") == "train"]}

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--python", default="3.12", choices=PYTHONS,
                    help="the GPU image's Python version (default 3.12)")
-    p.add_argument("--dest", type=Path, default=Path(__file__).resolve().parents[3] / ".gpu-wheels")
+    p.add_argument("--dest", type=Path, default=Path(__file__).resolve().parents[4] / ".gpu-wheels")
     p.add_argument("--limit-mib", type=float, default=LIMIT_BYTES / 2**20)
     args = p.parse_args(argv)
     man = prepare(args.dest, args.python, int(args.limit_mib * 2**20))
