@@ -32,6 +32,22 @@ def tiny_cfg(run_dir: Path, name: str, steps: int, **extra) -> Config:
     return load_config(sets=[f"{k}={v}" for k, v in tiny_sets(run_dir, name, steps, **extra).items()])
 
 
+def fleet_of(cfg: Config, run_dir: Path, **kwargs):
+    """A `Fleet` (qurl/pipeline/fleet.py) of `cfg`'s workers, handed the sections it takes, as the
+    controller hands them (a random run key; model dir `run_dir`/model)."""
+    import secrets
+
+    from qurl.engines.kind import EngineKind
+    from qurl.pipeline.fleet import Fleet
+    from qurl.weights.settings import SyncSettings
+
+    d = cfg.deploy
+    return Fleet(run_dir, secrets.token_bytes(32), str(Path(run_dir).parent / "model"),
+                 engines=d.engines, host=d.host, stream=d.stream,
+                 sync=SyncSettings.of(d.sync), kind=EngineKind.of(cfg.rollout, cfg.sglang),
+                 max_len=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens), **kwargs)
+
+
 def use_free_dist_port() -> None:
     """In-process runs join torch.distributed at MASTER_PORT (29500 by default): pick a free port
     instead, so concurrent test runs on one machine do not collide."""
@@ -58,7 +74,7 @@ def trained_uids(run_dir: Path) -> list[str]:
 
 def assert_each_prompt_once(cfg: Config, run_dir: Path) -> None:
     """Over the run (steps * B == dataset size), every train prompt was trained exactly once."""
-    train_set, _ = load_datasets(cfg)
+    train_set, _ = load_datasets(cfg.data, cfg.run.seed)
     got = Counter(trained_uids(run_dir))
     want = Counter(ex.uid for ex in train_set)
     assert got == want, (f"missing {sorted(want - got)}, extra {sorted(got - want)}")

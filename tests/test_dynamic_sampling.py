@@ -48,10 +48,13 @@ class ScriptedEngine:
         self.version = version
 
 
-def _cfg(dynamic: bool, rounds: int = 16):
-    return load_config(sets=[f"algo.dynamic_sampling_rounds={rounds if dynamic else 0}",
-                             "rollout.prompts_per_step=4", "rollout.group_size=2",
-                             "algo.mini_batches=2"])
+def _cfg(dynamic: bool, rounds: int = 16) -> dict:
+    """sample_groups' sections and settings, as the synchronous loop hands them."""
+    cfg = load_config(sets=[f"algo.dynamic_sampling_rounds={rounds if dynamic else 0}",
+                            "rollout.prompts_per_step=4", "rollout.group_size=2",
+                            "algo.mini_batches=2"])
+    return {"rollout": cfg.rollout, "rounds": cfg.algo.dynamic_sampling_rounds,
+            "seed": cfg.run.seed, "reward_timeout_s": cfg.deploy.reward_timeout_s}
 
 
 def test_dapo_batch_stays_full_when_some_groups_are_uniform() -> None:
@@ -59,7 +62,7 @@ def test_dapo_batch_stays_full_when_some_groups_are_uniform() -> None:
     cursor = DataCursor(len(DATA), seed=0)
     codec = PromptCodec(engine.tokenizer, "plain")
     groups, stats = sample_groups(engine, DATA, cursor, codec, SamplingParams(max_new_tokens=8),
-                                  _cfg(True), step=1)
+                                  **_cfg(True), step=1)
     assert len(groups) == 4 and all(len(g) == 2 and informative(g) for g in groups)
     assert all(int(g[0].prompt_uid[1:]) % 2 == 1 for g in groups)  # the odd (mixed) prompts
     assert stats["groups_sampled"] == stats["groups_filtered"] + 4 == cursor.position
@@ -70,7 +73,7 @@ def test_dapo_batch_stays_full_when_some_groups_are_uniform() -> None:
     # without dynamic sampling the uniform groups stay, in one round
     engine = ScriptedEngine()
     groups, stats = sample_groups(engine, DATA, DataCursor(len(DATA), seed=0), codec,
-                                  SamplingParams(max_new_tokens=8), _cfg(False), step=1)
+                                  SamplingParams(max_new_tokens=8), **_cfg(False), step=1)
     assert len(groups) == 4 and len(engine.calls) == 1 and "groups_filtered" not in stats
 
 
@@ -80,7 +83,7 @@ def test_too_many_rounds_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="algo.dynamic_sampling_rounds"):
         sample_groups(engine, everything_right, DataCursor(len(everything_right), seed=0),
                       PromptCodec(engine.tokenizer, "plain"), SamplingParams(max_new_tokens=8),
-                      _cfg(True, rounds=3), step=1)
+                      **_cfg(True, rounds=3), step=1)
     assert len(engine.calls) == 3
 
 

@@ -8,14 +8,13 @@ that records what would be broadcast, and control messages are captured instead 
 """
 from __future__ import annotations
 
-import secrets
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from qurl.pipeline.fleet import Fleet
-from tests.pipeline_helpers import tiny_cfg
+from tests.pipeline_helpers import fleet_of, tiny_cfg
 
 
 class _Group:
@@ -39,8 +38,7 @@ class _Group:
 def fleet(tmp_path):
     cfg = tiny_cfg(tmp_path, "fleet", 1, **{"deploy.engines": 2})
     (tmp_path / "fleet").mkdir()
-    f = Fleet(cfg, tmp_path / "fleet", secrets.token_bytes(32), str(tmp_path / "model"),
-              vocab_size=100, spawn=False)
+    f = fleet_of(cfg, tmp_path / "fleet", vocab_size=100, spawn=False)
     f.weights.close()
     f.weights = _Group()
     f.control: list[tuple[int, dict]] = []

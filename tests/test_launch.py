@@ -118,7 +118,10 @@ def test_run_node_runs_export_servers_learner_and_stops_servers(tmp_path):
 
 
 def test_async_workers_take_the_gpus_after_the_learners():
-    from qurl.node.placement import worker_gpu
+    from qurl.node import placement
+
+    def worker_gpu(cfg, slot, n_gpus):
+        return placement.worker_gpu(cfg.learner, cfg.deploy, slot, n_gpus)
 
     two = load_config("cpu-tiny", sets=["learner.tp=2", "deploy.engines=3"])
     assert [worker_gpu(two, s, 8) for s in range(3)] == [2, 3, 4]  # learner ranks on GPUs 0, 1
@@ -247,7 +250,10 @@ def _nccl_groups(out: str, cfg, variant: str) -> dict[str, list[tuple[str, str, 
     if variant == "workers":  # spawned by the learner: the environment the controller gives them
         from qurl.node.placement import spawned_worker_env
 
-        seen = spawned_worker_env(cfg).get("CUDA_VISIBLE_DEVICES")
+        from qurl.engines.kind import EngineKind
+
+        seen = spawned_worker_env(EngineKind.of(cfg.rollout, cfg.sglang).servers_attached
+                                  ).get("CUDA_VISIBLE_DEVICES")
         workers = {k: (f"worker {k} (spawned)", learner[0][1], None if seen == "" else 0)
                    for k in range(len(servers))}
     groups = {"learner": learner}
@@ -335,9 +341,8 @@ def test_async_plan_starts_workers_that_reach_their_servers(tmp_path):
     `python -m qurl.pipeline.worker --slot i` builds first — attaches to its own server: health
     probe, weight group formed, a generation served there. At 3817bc6 the learner kept
     deploy.engines=1 and every worker refused its slot (URL count check)."""
-    from test_sglang_engine import FAKE, _get, _wait_healthy
+    from test_sglang_engine import FAKE, _get, _wait_healthy, engine_of
 
-    from qurl.engines.factory import make_engine
     from qurl.learner.dist import free_port
     from qurl.types import GenRequest, SamplingParams
 
@@ -366,7 +371,7 @@ def test_async_plan_starts_workers_that_reach_their_servers(tmp_path):
             host = w.argv[w.argv.index("--host") + 1]
             url = learned.sglang.urls[slot]
             before = len(_get(url, "/_fake/requests"))
-            engine = make_engine(learned, str(model), slot=slot, host=host)
+            engine = engine_of(learned, str(model), slot=slot, host=host)
             try:
                 req = GenRequest(rid="r", prompt_ids=[3, 4],
                                  params=SamplingParams(max_new_tokens=2, temperature=0.0))

@@ -11,8 +11,6 @@ same decisions, and stop with the same error but for the holder's name.
 """
 from __future__ import annotations
 
-import secrets
-
 import pytest
 import torch
 
@@ -128,13 +126,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def fleet(tmp_path):
-    from pipeline_helpers import tiny_cfg
-    from qurl.pipeline.fleet import Fleet
+    from pipeline_helpers import fleet_of, tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "fleet", 1, **{"deploy.engines": 1})
     (tmp_path / "fleet").mkdir()
-    f = Fleet(cfg, tmp_path / "fleet", secrets.token_bytes(32), str(tmp_path / "model"),
-              vocab_size=100, spawn=False)
+    f = fleet_of(cfg, tmp_path / "fleet", vocab_size=100, spawn=False)
     yield f
     f.close()
 

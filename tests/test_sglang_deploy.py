@@ -14,13 +14,14 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_sglang_engine import FAST, _fake_cmd, _model_dir, _named, _post, _same, _wait_healthy
+from test_sglang_engine import (FAST, _fake_cmd, _model_dir, _named, _post, _same, _wait_healthy,
+                                engine_of)
 
 from qurl.config import ConfigError, load_config
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import SGLangError
-from qurl.node.placement import sglang_base_gpus
+from qurl.node import placement
 from qurl.weights.group import free_port
 
 
@@ -29,6 +30,10 @@ def test_sglang_servers_take_gpus_after_the_learner():
     """The learner's ranks on a node hold GPUs 0..P-1; each launched server takes sglang.tp
     GPUs after them, in order; a node with too few GPUs is a one-line error (servers never
     share a GPU: their memory pool and their NCCL ranks need one each); no GPUs, no placement."""
+    def sglang_base_gpus(cfg, count, n_gpus, **kw):
+        return placement.sglang_base_gpus(cfg.learner, cfg.deploy.ranks, cfg.sglang, count, n_gpus,
+                                          **kw)
+
     cfg = load_config(sets=["learner.tp=2", "sglang.tp=2", "deploy.engines=3"])
     assert sglang_base_gpus(cfg, 3, 8) == [2, 4, 6]  # servers on GPUs 2-3, 4-5, 6-7
     assert sglang_base_gpus(cfg, 3, 8, slot=1) == [4]  # async worker 1's one server
@@ -58,8 +63,6 @@ def test_make_engine_places_launched_servers(monkeypatch, tmp_path):
     """make_engine hands the placement to the adapter: on an 8-GPU node with 2 learner ranks,
     the sync loop's 2 servers of TP 2 start at GPUs 2 and 4, async worker 1's at GPU 4; attached
     servers (sglang.urls) are placed by whoever launched them."""
-    from qurl.engines import factory
-
     seen = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     from qurl.engines.sglang import from_config
@@ -68,9 +71,9 @@ def test_make_engine_places_launched_servers(monkeypatch, tmp_path):
                         lambda sg, md, **kw: seen.append(kw) or "engine")
     base = ["learner.tp=2", "sglang.tp=2", "deploy.engines=2", "rollout.engine=sglang",
             f"deploy.dir={tmp_path}"]
-    assert factory.make_engine(load_config(sets=base), "m") == "engine"
-    factory.make_engine(load_config(sets=base), "m", slot=1)
-    factory.make_engine(load_config(sets=base + ["sglang.urls=http://a:1,http://b:2"]), "m")
+    assert engine_of(load_config(sets=base), "m") == "engine"
+    engine_of(load_config(sets=base), "m", slot=1)
+    engine_of(load_config(sets=base + ["sglang.urls=http://a:1,http://b:2"]), "m")
     assert [kw["base_gpus"] for kw in seen] == [[2, 4], [4], None]
 
 
@@ -79,8 +82,6 @@ def test_weight_group_backend_is_a_config_choice(tmp_path):
     """sglang.backend reaches the engine's weight group: gloo as asked; nccl on a machine
     without CUDA is refused at once with the field to change (before any server is contacted);
     auto is nccl with a GPU, else gloo."""
-    from qurl.engines.factory import make_engine
-
     assert load_config().sglang.backend == "auto"
     with pytest.raises(ConfigError, match="sglang.backend"):
         load_config(sets=["sglang.backend=mpi"])
@@ -92,7 +93,7 @@ def test_weight_group_backend_is_a_config_choice(tmp_path):
         _wait_healthy(url)
         sets = ["rollout.engine=sglang", "rollout.precision=fp8_block", f"sglang.urls={url}",
                 f"deploy.dir={tmp_path}"]
-        eng = make_engine(load_config(sets=sets + ["sglang.backend=gloo"]), str(_model_dir(tmp_path)))
+        eng = engine_of(load_config(sets=sets + ["sglang.backend=gloo"]), str(_model_dir(tmp_path)))
         try:
             assert eng.weights.backend == "gloo" and eng.weights.formed
         finally:
@@ -100,10 +101,10 @@ def test_weight_group_backend_is_a_config_choice(tmp_path):
         if not torch.cuda.is_available():
             t0 = time.monotonic()
             with pytest.raises(ConfigError, match="sglang.backend=nccl: .*no CUDA device"):
-                make_engine(load_config(sets=sets + ["sglang.backend=nccl"]),
+                engine_of(load_config(sets=sets + ["sglang.backend=nccl"]),
                             str(_model_dir(tmp_path)))
             assert time.monotonic() - t0 < FAST.group_s  # refused, not a group that never forms
-            auto = make_engine(load_config(sets=sets), str(_model_dir(tmp_path)))
+            auto = engine_of(load_config(sets=sets), str(_model_dir(tmp_path)))
             try:
                 assert auto.weights.backend == "gloo"
             finally:

@@ -14,17 +14,25 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qurl.engines.factory import make_engine
+from qurl.engines.factory import ServerSite, make_engine
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.launcher import ServerSpec, server_command
 from qurl.engines.sglang.protocol import SGLangError, SGLangUnavailable, parse_generate
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
 from qurl.weights.group import free_port
+from qurl.weights.settings import SyncSettings
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 VOCAB = 50
 FAST = Timeouts(control_s=20, generate_s=30, group_s=30, launch_s=90, health_s=5)
+
+
+def engine_of(cfg, model_dir: str, **kwargs):
+    """`make_engine` handed the sections of `cfg`, as the sync loop and the workers hand them."""
+    return make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync), model_dir,
+                       seed=cfg.run.seed,
+                       site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner), **kwargs)
 
 
 def _model_dir(tmp: Path) -> Path:
@@ -283,7 +291,7 @@ def test_attached_server_malformed_replies_and_launch_failures(tmp_path):
                 break
             except OSError:
                 time.sleep(0.2)
-        eng = make_engine(cfg, str(_model_dir(tmp_path)))
+        eng = engine_of(cfg, str(_model_dir(tmp_path)))
         eng.timeouts, eng.max_restarts = Timeouts(control_s=5, generate_s=1.5, group_s=20,
                                                   launch_s=5, health_s=2), 0
         req = [GenRequest("m", [1, 2], SamplingParams(max_new_tokens=3))]

@@ -178,9 +178,10 @@ def test_engine_wire_dtype_follows_the_engine(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(meta))
         cfg = load_config(sets=["rollout.engine=sglang", "sglang.urls=http://h:1"])
         cfg = replace(cfg, sglang=replace(cfg.sglang, args=tuple(args)))
-        return engine_wire_dtype(cfg, tmp_path)
+        return engine_wire_dtype(cfg.rollout, cfg.sglang, tmp_path)
 
-    assert engine_wire_dtype(load_config(), tmp_path / "absent") is None  # local: never reads
+    local = load_config()
+    assert engine_wire_dtype(local.rollout, local.sglang, tmp_path / "absent") is None  # never reads
     assert wire({"dtype": "bfloat16"}) == torch.bfloat16
     assert wire({"torch_dtype": "float16"}) == torch.float16
     assert wire({"dtype": "float32", "model_type": "qwen2"}) == torch.float16
@@ -192,9 +193,9 @@ def test_engine_wire_dtype_follows_the_engine(tmp_path):
         wire({}, "--dtype", "int4")
     # servers qurl launches load its bf16 export, whatever the base model's dtype
     launched = load_config(sets=["rollout.engine=sglang"])
-    assert engine_wire_dtype(launched, tmp_path / "absent") == torch.bfloat16
-    launched = replace(launched, sglang=replace(launched.sglang, args=("--dtype", "float16")))
-    assert engine_wire_dtype(launched, tmp_path / "absent") == torch.float16
+    assert engine_wire_dtype(launched.rollout, launched.sglang, tmp_path / "absent") == torch.bfloat16
+    fp16 = replace(launched.sglang, args=("--dtype", "float16"))
+    assert engine_wire_dtype(launched.rollout, fp16, tmp_path / "absent") == torch.float16
 
 
 def test_announcement_round_trip_and_validation():

@@ -75,15 +75,11 @@ def test_second_failed_verification_stops_qurl_train_in_one_line_and_resume_fini
 
 @pytest.fixture
 def fleet(tmp_path):
-    import secrets
-
-    from pipeline_helpers import tiny_cfg
-    from qurl.pipeline.fleet import Fleet
+    from pipeline_helpers import fleet_of, tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "fleet", 1, **{"deploy.engines": 2})
     (tmp_path / "fleet").mkdir()
-    f = Fleet(cfg, tmp_path / "fleet", secrets.token_bytes(32), str(tmp_path / "model"),
-              vocab_size=100, spawn=False)
+    f = fleet_of(cfg, tmp_path / "fleet", vocab_size=100, spawn=False)
     yield f
     f.close()
 

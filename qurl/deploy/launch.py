@@ -60,7 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from qurl.checkpoint.rundir import run_dir_for
 from qurl.config import Config
+from qurl.engines.kind import EngineKind
 from qurl.engines.sglang.launcher import server_command
 from qurl.engines.sglang.protocol import QUANTIZATION
 from qurl.models.base import builds_base
@@ -142,9 +144,11 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
          gpus_per_node: int = 8, python: str = "python",
          base_port: int = BASE_PORT) -> list[NodePlan]:
     """Per-node commands for `cfg`. `config_args` are the `--preset/--config/--set` arguments
-    that reproduce cfg; they are forwarded to the learner's `qurl train`."""
+    that reproduce cfg; they are forwarded to the learner's `qurl train`. It takes the whole
+    `Config`: it lays out every process of the run (learner, servers, workers, the export) and
+    writes the `--set`s that make the learner's config agree with that layout."""
     lc, r, d, sg = cfg.learner, cfg.rollout, cfg.deploy, cfg.sglang
-    nproc, world = learner_ranks_per_node(cfg), lc.tp * lc.dp
+    nproc, world = learner_ranks_per_node(lc, d.ranks), lc.tp * lc.dp
     if d.ranks.nnodes * nproc != world:
         raise ValueError(f"learner.tp * learner.dp={world}: must equal deploy.ranks.nnodes * "
                          f"deploy.ranks.nproc_per_node = {d.ranks.nnodes} * {nproc}")
@@ -166,13 +170,14 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     learner_gpus = tuple(range(nproc))
     asynchronous = d.rollout != "inline"
     servers: list[tuple[str, int]] = []
-    if r.engine == "sglang" and asynchronous:  # SGLang workers hold no GPU (module docstring)
+    kind = EngineKind.of(r, sg)
+    if kind.forwards_weights and asynchronous:  # SGLang workers hold no GPU (module docstring)
         for name, value in (("deploy.sync.worker_backend", d.sync.worker_backend),
                             ("sglang.backend", sg.backend)):
             if value == "nccl":
                 raise ValueError(f"{name}='nccl': asynchronous SGLang workers forward weights "
                                  "from host memory and hold no GPU; use gloo (or auto)")
-    if r.engine == "sglang":
+    if kind.runs_on_servers:
         if sg.tp > gpus_per_node:
             raise ValueError(f"sglang.tp={sg.tp} > --gpus-per-node {gpus_per_node}")
         if urls:
@@ -189,12 +194,12 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                                  f"for sglang.tp={sg.tp} on some node (--nodes)")
             extra_sets.append("sglang.urls=" + ",".join(f"http://{h}:{p}"
                                                                  for h, p in servers))
-        if builds_base(cfg):
+        if builds_base(cfg.model):
             raise ValueError(f"model.base={cfg.model.base!r} is built per run (tiny/small, or "
                              "model.warmstart_checkpoint): SGLang servers launched here load a "
                              "checkpoint directory; set model.base to its path, as given")
         quant, fmt = QUANTIZATION[r.precision]
-        ckpt = str(Path(cfg.deploy.dir) / cfg.run.name / f"sglang_{fmt}")
+        ckpt = str(run_dir_for(d, cfg.run) / f"sglang_{fmt}")
         export = Command("export", [python, "-m", "qurl.checkpoint.shared_export", "--src",
                                     cfg.model.base, "--out", ckpt, "--fmt", fmt, "--uaq-scale",
                                     repr(cfg.algo.uaq_scale)], {"CUDA_VISIBLE_DEVICES": ""})
@@ -219,7 +224,8 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
                                 for k in range(len(servers))]
         if d.rollout == "external":  # each worker beside its server (it forwards; no GPU)
             for slot, (h, _) in enumerate(servers):
-                plans[nodes.index(h)].commands.append(_worker(cfg, slot, h, (), net, python))
+                plans[nodes.index(h)].commands.append(
+                    _worker(run_dir_for(d, cfg.run), slot, h, (), net, python))
     elif d.rollout == "workers":  # local engines the learner spawns, GPUs after its ranks
         if nproc + d.engines > gpus_per_node:
             raise ValueError(f"deploy.engines={d.engines}: the learner's local-engine workers "
@@ -234,7 +240,8 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
             raise ValueError("deploy.rollout='external' with rollout.engine='local': no free GPU "
                              f"on any node for a worker (--gpus-per-node {gpus_per_node})")
         for slot, (h, g) in enumerate(slots):
-            plans[nodes.index(h)].commands.append(_worker(cfg, slot, h, (g,), net, python))
+            plans[nodes.index(h)].commands.append(
+                _worker(run_dir_for(d, cfg.run), slot, h, (g,), net, python))
         if d.engines != len(slots):
             extra_sets.append(f"deploy.engines={len(slots)}")
     train_args = list(config_args) + [a for s in extra_sets for a in ("--set", s)]
@@ -252,12 +259,12 @@ def plan(cfg: Config, config_args: list[str], nodes: list[str] | None = None,
     return plans
 
 
-def _worker(cfg: Config, slot: int, host: str, gpus: tuple[int, ...], net: dict[str, str | Reach],
-            python: str) -> Command:
-    """An external rollout worker (qurl/pipeline/worker.py) for `slot` on node `host`."""
-    run_dir = str(Path(cfg.deploy.dir) / cfg.run.name)
+def _worker(run_dir: Path, slot: int, host: str, gpus: tuple[int, ...],
+            net: dict[str, str | Reach], python: str) -> Command:
+    """An external rollout worker (qurl/pipeline/worker.py) of the run in `run_dir` for `slot` on
+    node `host`."""
     env = {**_gpu_env(gpus), **net}
-    return Command("worker", [python, "-m", "qurl.pipeline.worker", "--run-dir", run_dir,
+    return Command("worker", [python, "-m", "qurl.pipeline.worker", "--run-dir", str(run_dir),
                               "--slot", str(slot), "--host", host], env, gpus)
 
 

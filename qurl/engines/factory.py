@@ -1,59 +1,98 @@
 """The engine a run's config asks for: the local torch decoder or an SGLang server adapter.
 
-`make_engine` builds the rollout engine (of the sync loop, or of async worker `slot`) or the
-fp policy's local evaluation engine; `engine_wire_dtype` is the dtype those engines hold full-precision
-tensors in, which the weight sync sends them in.
+`make_engine` builds the rollout engine (of the sync loop, or of async worker `slot`) from the
+sections it needs: `rollout`, `sglang`, the run's `SyncSettings` (qurl/weights/settings.py) and,
+for SGLang, the `ServerSite` (where the run's servers are launched and how they reach its weight
+group). `local_engine` is the local decoder alone (also the fp policy's evaluation engine).
+`engine_wire_dtype` is the dtype those engines hold full-precision tensors in, which the weight
+sync sends them in. Which kind of engine a run has is asked through `EngineKind` (kind.py).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from qurl.config import Config
+from qurl.config import (AlgoConfig, DeployConfig, LearnerConfig, RanksDeployConfig,
+                         RolloutConfig, RunConfig, SGLangConfig)
+from qurl.engines.kind import EngineKind
 from qurl.types import Engine
+from qurl.weights.settings import SyncSettings
 
 
-def make_engine(cfg: Config, model_dir: str, *, slot: int | None = None, host: str = "",
-                local: bool = False, precision: str | None = None) -> Engine:
-    """The rollout engine of the sync loop (slot None) or of async worker `slot` (`host`: the
-    worker's address, where SGLang servers reach its weight group). local=True: a LocalEngine
-    whatever rollout.engine says (the fp policy's evaluation engine, which must not take the
-    rollout's SGLang servers); block-scaled FP8, which it does not run, becomes per-channel FP8.
-    The local engine runs on this process's current GPU when there is one; SGLang servers
-    launched here get GPUs of their own after the learner's (qurl/node/placement.py). precision: overrides
-    rollout.precision (with local=True; "bf16" = the unquantized policy, for evaluation)."""
-    if cfg.rollout.engine == "local" or local:
-        import torch
+@dataclass(frozen=True)
+class ServerSite:
+    """What the SGLang servers of a run need beyond the `sglang` section: the run directory (the
+    8-bit export of launched servers, their logs; `qurl.checkpoint.rundir.run_dir_for`), how many
+    engines the run has (deploy.engines), the address they reach the weight group at
+    (deploy.host), the UAQ scale of the export (algo.uaq_scale), and the learner's `learner` and
+    `deploy.ranks` sections: launched servers take GPUs after the learner's ranks on this node
+    (qurl/node/placement.py `sglang_base_gpus`)."""
+    run_dir: Path
+    count: int
+    group_host: str
+    uaq_scale: float
+    learner: LearnerConfig
+    ranks: RanksDeployConfig
 
-        from qurl.engines.local import LocalEngine
+    @classmethod
+    def of(cls, deploy: DeployConfig, run: RunConfig, algo: AlgoConfig,
+           learner: LearnerConfig) -> ServerSite:
+        """A run's site from its `deploy`, `run`, `algo` and `learner` sections."""
+        from qurl.checkpoint.rundir import run_dir_for
 
-        precision = precision or cfg.rollout.precision
-        precision = "fp8" if precision == "fp8_block" else precision
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
-        return LocalEngine(model_dir, precision=precision, seed=cfg.run.seed, device=device)
+        return cls(run_dir=run_dir_for(deploy, run), count=deploy.engines, group_host=deploy.host,
+                   uaq_scale=algo.uaq_scale, learner=learner, ranks=deploy.ranks)
+
+
+def local_engine(model_dir: str, precision: str, *, seed: int) -> Engine:
+    """A LocalEngine of `model_dir` at `precision` ("bf16" = the unquantized policy, for
+    evaluation; block-scaled FP8, which it does not run, becomes per-channel FP8), on this
+    process's current GPU when there is one."""
     import torch
 
-    from qurl.checkpoint.rundir import run_dir_for
+    from qurl.engines.local import LocalEngine
+
+    precision = "fp8" if precision == "fp8_block" else precision
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    return LocalEngine(model_dir, precision=precision, seed=seed, device=device)
+
+
+def make_engine(rollout: RolloutConfig, sglang: SGLangConfig, sync: SyncSettings, model_dir: str,
+                *, seed: int, site: ServerSite | None = None, slot: int | None = None,
+                host: str = "") -> Engine:
+    """The rollout engine of the sync loop (slot None) or of async worker `slot` (`host`: the
+    worker's address, where SGLang servers reach its weight group; default site.group_host).
+    seed: run.seed (the local engine's sampling). The local engine runs on this process's current
+    GPU when there is one (`local_engine`); SGLang servers launched here get GPUs of their own
+    after the learner's (qurl/node/placement.py) and need `site`."""
+    kind = EngineKind.of(rollout, sglang)
+    if kind.in_process:
+        return local_engine(model_dir, rollout.precision, seed=seed)
+    if site is None:
+        raise ValueError("make_engine: SGLang engines need the run's ServerSite (site=)")
+    import torch
+
     from qurl.engines.sglang import from_config
     from qurl.node.placement import sglang_base_gpus
 
-    d = cfg.deploy
-    gpus = None if cfg.sglang.urls else sglang_base_gpus(  # launched here: after the learner's
-        cfg, d.engines, torch.cuda.device_count(), slot=slot)
+    gpus = None if kind.servers_attached else sglang_base_gpus(  # launched: after the learner's
+        site.learner, site.ranks, sglang, site.count, torch.cuda.device_count(), slot=slot)
     return from_config.from_section(
-        cfg.sglang, model_dir, precision=cfg.rollout.precision, run_dir=run_dir_for(cfg),
-        count=d.engines, uaq_scale=cfg.algo.uaq_scale, group_host=host or d.host,
-        group_port=d.sync.port if slot is None else 0,  # async workers: one group each
-        bucket_bytes=int(d.sync.bucket_mb * (1 << 20)), slot=slot, base_gpus=gpus,
-        verify_kernels_every=d.sync.verify_kernels_every)  # the post-repack read-back
+        sglang, model_dir, precision=rollout.precision, run_dir=site.run_dir,
+        count=site.count, uaq_scale=site.uaq_scale, group_host=host or site.group_host,
+        group_port=sync.port if slot is None else 0,  # async workers: one group each
+        bucket_bytes=sync.bucket_bytes, slot=slot, base_gpus=gpus,
+        verify_kernels_every=sync.verify_kernels_every)  # the post-repack read-back
 
 
 _SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                   "float": "float32", "float32": "float32"}
 
 
-def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None":
+def engine_wire_dtype(rollout: RolloutConfig, sglang: SGLangConfig,
+                      model_dir: str | Path) -> "torch.dtype | None":
     """The dtype the rollout engines hold full-precision tensors in (embeddings, lm_head, norms,
     biases; everything with precision bf16), which is the dtype the weight sync sends them in
     (qurl.quant.named.travels_as). None for the local engine: it computes in fp32, as the masters.
@@ -65,16 +104,17 @@ def engine_wire_dtype(cfg: Config, model_dir: str | Path) -> "torch.dtype | None
     weight loaders cast), at the cost of a second rounding."""
     import torch
 
-    if cfg.rollout.engine != "sglang":
+    kind = EngineKind.of(rollout, sglang)
+    if kind.keeps_fp32:
         return None
-    args = list(cfg.sglang.args)
+    args = list(sglang.args)
     flag = "auto"
     for i, a in enumerate(args):
         if a == "--dtype" and i + 1 < len(args):
             flag = args[i + 1].lower()
         elif a.startswith("--dtype="):
             flag = a.split("=", 1)[1].lower()
-    if flag == "auto" and not cfg.sglang.urls:
+    if flag == "auto" and not kind.servers_attached:
         # servers qurl launches load its own export (qurl.models.export8bit), written in bf16:
         # the base model's dtype does not matter (an fp16 guess here made every pass-through
         # land rounded to bf16 on the server: the verified sync found it, qurl/engines/sglang/verified_sync.py)

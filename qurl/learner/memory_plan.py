@@ -15,19 +15,23 @@ learner rank with the checked cost model (membudget.py) before anything starts:
 - one micro-batch of one row at the run's length L = `prompt_tokens` + rollout.max_new_tokens,
   at the run's attention (TE or SDPA: no L x L scores; unfused) and learner.recompute.
 
-`plan_ranks` returns the per-rank figures; `render` prints them with the rows per micro-batch the
-rest of the memory allows; `refusal` says in one line why a plan cannot fit at one row per
+What it reads of the config: `[model]` (dtype; base, for the shape), `[learner]` (tp, dp,
+recompute), `[rollout]` (max_new_tokens, engine), `[deploy]` (ranks.attention,
+ranks.distributed_optimizer, sync.bucket_mb) and algo.kl_coef, passed as those sections and that
+value. `plan_ranks` returns the per-rank figures; `render` prints them with the rows per
+micro-batch the rest of the memory allows; `refusal` says in one line why a plan cannot fit at one row per
 micro-batch and which field to change (learner.tp, learner.recompute, the length). The model's
 shape comes from the checkpoint's config.json, or for the paper presets' hub ids, which are not
 on disk before a run, from their published config fields (`KNOWN_SHAPES`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
-from qurl.config import Config
+from qurl.config import DeployConfig, LearnerConfig, ModelConfig, RanksDeployConfig, RolloutConfig
+from qurl.engines.kind import EngineKind
 from qurl.learner.membudget import GPU_FRACTION, TokenCost, fixed_bytes, grad_bytes, rows_per_micro
 
 GB = 1e9
@@ -92,29 +96,33 @@ def token_cost_from_fields(f: dict[str, Any], *, tp: int, elem: int, attention: 
                      tp=tp, elem=elem, attention=attention, recompute=recompute)
 
 
-def attention_kind(cfg: Config, te: bool) -> str:
+def attention_kind(ranks: RanksDeployConfig, te: bool) -> str:
     """'flash' (TE or SDPA) or 'unfused', as the learner will build it."""
-    return "flash" if te or cfg.deploy.ranks.attention == "sdpa" else "unfused"
+    return "flash" if te or ranks.attention == "sdpa" else "unfused"
 
 
-def plan_ranks(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: bool = False,
-               prompt_tokens: int = PROMPT_TOKENS, reserve: float = RESERVE) -> list[RankPlan]:
-    """Every learner rank's plan (TP rank order within DP replica 0; DP replicas hold the same)."""
+def plan_ranks(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfig,
+               deploy: DeployConfig, fields: dict[str, Any], gpu_bytes: float, *, kl_coef: float,
+               te: bool = False, prompt_tokens: int = PROMPT_TOKENS,
+               reserve: float = RESERVE) -> list[RankPlan]:
+    """Every learner rank's plan (TP rank order within DP replica 0; DP replicas hold the same);
+    kl_coef: algo.kl_coef (> 0: a frozen reference copy)."""
     from qurl.models.convert import padded_vocab_size
 
-    tp, dp = cfg.learner.tp, cfg.learner.dp
-    elem = 2 if cfg.model.dtype == "bfloat16" else 4
-    cost = token_cost_from_fields(fields, tp=tp, elem=elem, attention=attention_kind(cfg, te),
-                                  recompute=cfg.learner.recompute)
+    tp, dp = learner.tp, learner.dp
+    elem = 2 if model.dtype == "bfloat16" else 4
+    cost = token_cost_from_fields(fields, tp=tp, elem=elem,
+                                  attention=attention_kind(deploy.ranks, te),
+                                  recompute=learner.recompute)
     per_rank, _, tied = _params(fields, tp, padded_vocab_size(int(fields["vocab_size"]), tp))
-    L = prompt_tokens + cfg.rollout.max_new_tokens
-    ref = per_rank * elem if cfg.algo.kl_coef > 0 else 0
+    L = prompt_tokens + rollout.max_new_tokens
+    ref = per_rank * elem if kl_coef > 0 else 0
     weights = per_rank * elem + grad_bytes(per_rank, elem, tied) + ref
-    optimizer = fixed_bytes(per_rank, elem, dp, cfg.deploy.ranks.distributed_optimizer) - 2 * per_rank * elem
+    optimizer = fixed_bytes(per_rank, elem, dp, deploy.ranks.distributed_optimizer) - 2 * per_rank * elem
     # the largest wire tensor: embedding / head rows in bf16 (SGLang) or fp32 (the local engine)
-    wire_elem = 2 if cfg.rollout.engine == "sglang" else 4
+    wire_elem = EngineKind.of(rollout).wire_element_bytes
     largest = int(fields["vocab_size"]) * int(fields["hidden_size"]) * wire_elem
-    staging = 2.0 * max(cfg.deploy.sync.bucket_mb * 2**20, largest)
+    staging = 2.0 * max(deploy.sync.bucket_mb * 2**20, largest)
     out = []
     for rank in range(tp * dp):
         sync = staging if rank == 0 else 0.0
@@ -125,16 +133,15 @@ def plan_ranks(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: boo
     return out
 
 
-def longest_fit(cfg: Config, fields: dict[str, Any], gpu_bytes: float, *, te: bool = False,
-                prompt_tokens: int = PROMPT_TOKENS) -> int:
+def longest_fit(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfig,
+                deploy: DeployConfig, fields: dict[str, Any], gpu_bytes: float, *, kl_coef: float,
+                te: bool = False, prompt_tokens: int = PROMPT_TOKENS) -> int:
     """The largest rollout.max_new_tokens (a multiple of 256; 0 if none) at which every learner
-    rank holds one row, all else as in `cfg`."""
-    from qurl.config import override
-
+    rank holds one row, all else as given (plan_ranks' arguments)."""
     def fits(n: int) -> bool:
-        c = override(cfg, {"rollout.max_new_tokens": n})
-        return all(p.fits for p in plan_ranks(c, fields, gpu_bytes, te=te,
-                                              prompt_tokens=prompt_tokens))
+        r = replace(rollout, max_new_tokens=n)
+        return all(p.fits for p in plan_ranks(model, learner, r, deploy, fields, gpu_bytes,
+                                              kl_coef=kl_coef, te=te, prompt_tokens=prompt_tokens))
 
     lo, hi = 0, 1 << 10  # in 256-token steps: up to 262,144 tokens
     while lo < hi:
@@ -169,8 +176,8 @@ def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
     return "\n".join(lines)
 
 
-def refusal(cfg: Config, fields: dict[str, Any], plans: list[RankPlan],
-            gpu_bytes: float) -> str | None:
+def refusal(learner: LearnerConfig, rollout: RolloutConfig, ranks: RanksDeployConfig,
+            fields: dict[str, Any], plans: list[RankPlan], gpu_bytes: float) -> str | None:
     """One line when some rank cannot hold one row, naming the fields that would change it."""
     bad = [p for p in plans if not p.fits]
     if not bad:
@@ -179,14 +186,14 @@ def refusal(cfg: Config, fields: dict[str, Any], plans: list[RankPlan],
     heads, groups = int(fields["num_attention_heads"]), int(fields.get("num_key_value_heads")
                                                              or fields["num_attention_heads"])
     fixes = []
-    bigger = [t for t in (2, 4, 8) if t > cfg.learner.tp and heads % t == 0 and groups % t == 0]
+    bigger = [t for t in (2, 4, 8) if t > learner.tp and heads % t == 0 and groups % t == 0]
     if bigger:
-        fixes.append(f"learner.tp={bigger[0]} (now {cfg.learner.tp})")
-    if cfg.learner.recompute != "full":
-        fixes.append(f"learner.recompute=full (now {cfg.learner.recompute})")
-    if cfg.deploy.ranks.attention == "unfused":
+        fixes.append(f"learner.tp={bigger[0]} (now {learner.tp})")
+    if learner.recompute != "full":
+        fixes.append(f"learner.recompute=full (now {learner.recompute})")
+    if ranks.attention == "unfused":
         fixes.append("deploy.ranks.attention=sdpa (now unfused)")
-    fixes.append(f"a shorter rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})")
+    fixes.append(f"a shorter rollout.max_new_tokens (now {rollout.max_new_tokens})")
     return (f"learner rank {p.rank} needs {(p.fixed + p.row) / GB:.1f} GB for one {p.L}-token row "
             f"({p.fixed / GB:.1f} GB weights, optimizer and sync + {p.row / GB:.1f} GB the row) "
             f"but a {gpu_bytes / GB:.0f} GB GPU leaves {GPU_FRACTION * (gpu_bytes - RESERVE - p.fixed) / GB:.1f} GB "
@@ -210,19 +217,25 @@ def model_fields(base: str) -> dict[str, Any] | None:
     return None
 
 
-def plan_text(cfg: Config, memory_bytes: float, memory: str, *, gpu: bool = True,
-              te: bool = False, prompt_tokens: int = PROMPT_TOKENS) -> tuple[str, str | None]:
-    """(the printed plan, a one-line refusal or None) for this config with `memory_bytes` per
-    learner rank (a GPU's, or on CPU a share of the host's: no reserve, no refusal)."""
-    fields = model_fields(cfg.model.base)
+def plan_text(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfig,
+              deploy: DeployConfig, memory_bytes: float, memory: str, *, kl_coef: float,
+              gpu: bool = True, te: bool = False,
+              prompt_tokens: int = PROMPT_TOKENS) -> tuple[str, str | None]:
+    """(the printed plan, a one-line refusal or None) for these sections (plan_ranks') with
+    `memory_bytes` per learner rank (a GPU's, or on CPU a share of the host's: no reserve, no
+    refusal)."""
+    fields = model_fields(model.base)
     if fields is None:
-        return (f"# learner memory plan: skipped: model.base={cfg.model.base!r} has no config.json "
+        return (f"# learner memory plan: skipped: model.base={model.base!r} has no config.json "
                 f"here to read its shape from", None)
-    plans = plan_ranks(cfg, fields, memory_bytes, te=te, prompt_tokens=prompt_tokens,
-                       reserve=RESERVE if gpu else 0.0)
+    plans = plan_ranks(model, learner, rollout, deploy, fields, memory_bytes, kl_coef=kl_coef,
+                       te=te, prompt_tokens=prompt_tokens, reserve=RESERVE if gpu else 0.0)
     text = render(plans, f"{memory} {memory_bytes / GB:.0f} GB", gpu)
     if gpu:
-        longest = longest_fit(cfg, fields, memory_bytes, te=te, prompt_tokens=prompt_tokens)
+        longest = longest_fit(model, learner, rollout, deploy, fields, memory_bytes,
+                              kl_coef=kl_coef, te=te, prompt_tokens=prompt_tokens)
         text += (f"\n#   longest rollout.max_new_tokens at which every rank holds one row: {longest:,}"
-                 f" (learner.recompute={cfg.learner.recompute})")
-    return text, refusal(cfg, fields, plans, memory_bytes) if gpu else None
+                 f" (learner.recompute={learner.recompute})")
+    if not gpu:
+        return text, None
+    return text, refusal(learner, rollout, deploy.ranks, fields, plans, memory_bytes)

@@ -40,11 +40,13 @@ import torch
 
 from qurl.config import Config
 from qurl.engines.factory import engine_wire_dtype
+from qurl.engines.kind import EngineKind
 from qurl.node.placement import learner_threads
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.pipeline.remote_eval import WorkerEval
 from qurl.weights.publish import WeightSync
+from qurl.weights.settings import SyncSettings
 from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
 
@@ -83,15 +85,17 @@ class Controller:
         self.trained_log = TrainedLog(self.run_dir / TRAINED_FILE, z.run.start)
         key = load_or_create_key(self.run_dir, cfg.deploy.stream.key)
         self.chunks: list[tuple[str, torch.Tensor]] = []
+        sync, d = SyncSettings.of(cfg.deploy.sync), cfg.deploy
         # What passes through is sent in the workers' engines' dtype (bf16/fp16 for SGLang)
-        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.sync.bucket_mb * (1 << 20)),
-                               engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync.mode,
-                               full_every=cfg.deploy.sync.full_every)
-        self.fleet = Fleet(cfg, self.run_dir, key, z.run.model_dir,
+        self.sync = WeightSync.of(cfg.rollout.precision, sync,
+                                  engine_wire_dtype(cfg.rollout, cfg.sglang, z.run.model_dir))
+        self.fleet = Fleet(self.run_dir, key, z.run.model_dir, engines=d.engines, host=d.host,
+                           stream=d.stream, sync=sync, kind=EngineKind.of(cfg.rollout, cfg.sglang),
                            vocab_size=z.vocab_size,
-                           spawn=cfg.deploy.rollout == "workers",
+                           max_len=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens),
+                           spawn=d.rollout == "workers",
                            # each local worker gets the learner's share of the node's cores
-                           worker_threads=learner_threads(cfg),
+                           worker_threads=learner_threads(cfg.learner, cfg.rollout, d),
                            planner=self.sync.planner)  # one compare pass: flips + delta
         self.fleet.inbox.current_version = self.version
         self.evals = WorkerEval(self.fleet, z.tokenizer, self._tend, self._accept)

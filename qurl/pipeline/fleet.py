@@ -60,7 +60,8 @@ from typing import Any, Callable
 
 import torch
 
-from qurl.config import Config
+from qurl.config import StreamDeployConfig
+from qurl.engines.kind import EngineKind
 from qurl.engines.sglang.launcher import STOP_WAIT_S
 from qurl.pipeline.procs import WorkerProcs
 from qurl.pipeline.session import write_session
@@ -70,6 +71,7 @@ from qurl.weights.resync import OK, OTHER, RESYNC_REASONS, ResyncRule
 from qurl.errors import InputError
 from qurl.weights.broadcaster import Broadcaster, GroupFormError, GroupSpec
 from qurl.weights.group import GroupAddressError
+from qurl.weights.settings import SyncSettings
 
 log = logging.getLogger("qurl.fleet")
 
@@ -88,19 +90,24 @@ class _SlotState:
 
 
 class Fleet:
-    def __init__(self, cfg: Config, run_dir: Path, key: bytes, model_dir: str, *, vocab_size: int,
-                 spawn: bool = True, worker_threads: int = 0,
+    def __init__(self, run_dir: Path, key: bytes, model_dir: str, *, engines: int, host: str,
+                 stream: StreamDeployConfig, sync: SyncSettings, kind: EngineKind,
+                 vocab_size: int, max_len: int, spawn: bool = True, worker_threads: int = 0,
                  planner: SyncPlanner | None = None) -> None:
+        """engines: deploy.engines (one worker slot each); host: deploy.host (the inbox and the
+        weight group); stream: `[deploy.stream]`; sync: the run's sync settings (the weight
+        group's port, backend, bucket size; the planner's mode when `planner` is None); kind: the
+        workers' engines (their stop grace and environment); vocab_size / max_len: bounds of a
+        trajectory message (max_len: the longest answer asked, rollouts or evaluations)."""
         from qurl.stream.channel import Receiver, Sender
 
-        self.cfg, self.run_dir, self.key = cfg, Path(run_dir), key
-        d = cfg.deploy
-        self.n = d.engines
+        self.run_dir, self.key, self.stream = Path(run_dir), key, stream
+        self.n = engines
         self.senders: list[Sender | None] = [None] * self.n  # connected on the worker's hello
-        self.inbox = Receiver(f"tcp://{d.host}:{d.stream.port}", key, bind=True,
-                              kinds=("trajectory", "control"), hwm=d.stream.hwm,
+        self.inbox = Receiver(f"tcp://{host}:{stream.port}", key, bind=True,
+                              kinds=("trajectory", "control"), hwm=stream.hwm,
                               vocab_size=vocab_size,  # answers: rollouts or evaluations
-                              max_len=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens))
+                              max_len=max_len)
         self.session = secrets.token_hex(8)
         write_session(self.run_dir, {
             "session": self.session, "inbound": self.inbox.endpoint, "model_dir": str(model_dir),
@@ -110,18 +117,18 @@ class Fleet:
         self.resync = ResyncRule()
         # A worker stops its SGLang server itself (SIGTERM to the worker, then `finally`; the server
         # runs in its own session, so a SIGKILLed worker would leave it running): wait that long.
-        grace = 2 * STOP_WAIT_S + 10.0 if cfg.rollout.engine == "sglang" else 5.0
+        grace = 2 * STOP_WAIT_S + 10.0 if kind.worker_stop_waits_for_server else 5.0
         from qurl.node.placement import spawned_worker_env
 
         self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads, grace_s=grace,
-                                 extra_env=spawned_worker_env(cfg)) if spawn else None
-        self.weights = Broadcaster(d.host, d.sync.port, d.sync.worker_backend,
+                                 extra_env=spawned_worker_env(kind.servers_attached)
+                                 ) if spawn else None
+        self.weights = Broadcaster(host, sync.port, sync.worker_backend,
                                    name=f"qurl_weights_{self.session}",
-                                   bucket_bytes=int(d.sync.bucket_mb * (1 << 20)),
-                                   timeout_s=GROUP_TIMEOUT_S)
+                                   bucket_bytes=sync.bucket_bytes, timeout_s=GROUP_TIMEOUT_S)
         self.need_group = True
         self.need_full = False  # a worker asked for a full sync (refused delta, failed verify)
-        self.planner = planner or SyncPlanner(d.sync.mode, d.sync.full_every)
+        self.planner = planner or SyncPlanner.of(sync)
         self._holder: tuple[int, str] | None = None  # what every group member was last sent
         self._replaced: list[int] = []
         self.sync_acks: list[dict[str, Any]] = []  # "synced" acks since the caller last took them
@@ -220,7 +227,7 @@ class Fleet:
         if old is not None:
             old.close(linger_ms=0)
         self.senders[slot] = Sender(endpoint, self.key, bind=False, name=f"controller-slot{slot}",
-                                    hwm=self.cfg.deploy.stream.hwm, linger_ms=0)
+                                    hwm=self.stream.hwm, linger_ms=0)
 
     def poll(self, timeout_ms: int = 0) -> list[Any]:
         """Receive for up to timeout_ms; handle control messages, return trajectory messages."""

@@ -95,27 +95,33 @@ class RolloutWorker(WeightClient):
         """threads: torch CPU threads, as the controller decided for the workers it starts;
         0 (a worker started by hand on its own machine) = deploy.torch_threads or every core."""
         from qurl.checkpoint.rundir import read_config
-        from qurl.engines.factory import make_engine
+        from qurl.engines.factory import ServerSite, make_engine
+        from qurl.engines.kind import EngineKind
         from qurl.node.placement import set_threads, threads_for
         from qurl.pipeline.session import read_key
         from qurl.rollout.requests import PromptCodec
+        from qurl.weights.settings import SyncSettings
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
         self.reconnect_s = float(reconnect_s)
         info = _wait_for_session(self.run_dir)  # written after the config and the key
-        self.cfg = read_config(self.run_dir)
-        set_threads(threads or threads_for(self.cfg, busy=1))
+        cfg = self.cfg = read_config(self.run_dir)
+        self.kind = EngineKind.of(cfg.rollout, cfg.sglang)
+        set_threads(threads or threads_for(cfg.deploy, busy=1))
         self.key = read_key(self.run_dir)
         if not 0 <= self.slot < int(info["num_workers"]):
             raise ValueError(f"--slot {slot}: the controller has {info['num_workers']} slots")
         self.host = host or _default_host(info["inbound"])
-        if self.cfg.rollout.engine == "local" and torch.cuda.is_available():
+        if self.kind.worker_holds_gpu and torch.cuda.is_available():
             from qurl.node.placement import worker_gpu  # one GPU per worker, after the learner's
 
             # spawned: among the learner's GPUs; planned by `qurl launch`: its one GPU is cuda:0
-            torch.cuda.set_device(worker_gpu(self.cfg, self.slot, torch.cuda.device_count())
-                                  if self.parent_pid else 0)
-        self.engine = make_engine(self.cfg, info["model_dir"], slot=self.slot, host=self.host)
+            torch.cuda.set_device(worker_gpu(cfg.learner, cfg.deploy, self.slot,
+                                             torch.cuda.device_count()) if self.parent_pid else 0)
+        self.engine = make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync),
+                                  info["model_dir"], seed=cfg.run.seed,
+                                  site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner),
+                                  slot=self.slot, host=self.host)
         self.codec = PromptCodec(self.engine.tokenizer, self.cfg.data.template)
         self.tasks: deque[tuple[Any, dict[str, Any], float]] = deque()  # (PromptTask, extra, t_recv)
         self.inbox = self.outbox = None

@@ -13,8 +13,9 @@ the run) is the controller's decision, made by the same rule the synchronous loo
 (qurl/weights/resync.py `ResyncRule`, per worker slot in qurl/pipeline/fleet.py).
 
 `WeightClient` is that part of `RolloutWorker` (qurl/pipeline/worker.py): it uses the worker's
-engine, inbox, session, counts and `_queue_prompt` / `_handle` / `_send_control`. `Abort` and
-`Unverified` are how a sync (or a control message) stops the generation in progress.
+engine and its `kind` (qurl/engines/kind.py), inbox, session, counts and `_queue_prompt` /
+`_handle` / `_send_control`. `Abort` and `Unverified` are how a sync (or a control message) stops
+the generation in progress.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class WeightClient:
         # The local engine adopts the receive buffers (two banks, no copy: qurl/weights/receiver.py);
         # the SGLang adapter keeps the chunks (to re-send them to a restarted server): fresh buffers.
         self.weights_rx = WeightReceiver(self.group, self.engine,
-                                         reuse_buffers=self.cfg.rollout.engine == "local")
+                                         reuse_buffers=self.kind.adopts_receive_buffers)
         self.joined = True
         log.info("slot %d: joined weight group gen %s", self.slot, meta.get("gen"))
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from qurl.config import Config
+from qurl.config import RolloutConfig
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
 from qurl.types import Engine
-from qurl.rollout.generate import group_stats, rollout
+from qurl.rollout.generate import group_stats, rollout as generate
 from qurl.rollout.requests import PromptCodec
 from qurl.types import SamplingParams, Trajectory
 
@@ -50,19 +50,21 @@ def _merge(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
 
 
 def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCursor,
-                  codec: PromptCodec, params: SamplingParams, cfg: Config, *,
+                  codec: PromptCodec, params: SamplingParams, rollout: RolloutConfig, *,
+                  rounds: int, seed: int, reward_timeout_s: float,
                   step: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
     """The groups one synchronous step trains on: rollout.prompts_per_step groups of
-    rollout.group_size samples, from prompts taken off `cursor`. With algo.dynamic_sampling_rounds
-    > 0, groups that are not `informative` are dropped and more prompts are sampled until the batch
-    is full; needing more than that many rounds is an error (the data is too easy or too hard for the
-    policy). Returns (groups, rollout stats; with dynamic sampling also sample_rounds,
-    groups_sampled, groups_filtered)."""
-    want, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    rollout.group_size samples, from prompts taken off `cursor`. With `rounds`
+    (algo.dynamic_sampling_rounds) > 0, groups that are not `informative` are dropped and more
+    prompts are sampled until the batch is full; needing more than that many rounds is an error
+    (the data is too easy or too hard for the policy). seed: run.seed (the requests' seeds);
+    reward_timeout_s: deploy.reward_timeout_s. Returns (groups, rollout stats; with dynamic
+    sampling also sample_rounds, groups_sampled, groups_filtered)."""
+    want, G = rollout.prompts_per_step, rollout.group_size
     groups: list[list[Trajectory]] = []
     parts: list[tuple[dict[str, float], int]] = []
     sampled = 0
-    rounds = cfg.algo.dynamic_sampling_rounds  # 0: off, one round keeps every group
+    # rounds = 0: dynamic sampling off, one round keeps every group
     while len(groups) < want:
         if rounds and len(parts) == rounds:
             raise RuntimeError(
@@ -70,9 +72,8 @@ def sample_groups(engine: Engine, train_set: Sequence[Example], cursor: DataCurs
                 f"with mixed accuracy in {sampled} sampled prompts ({len(parts)} rounds = "
                 f"algo.dynamic_sampling_rounds); every other group was all right or all wrong")
         examples = [train_set[i] for i in cursor.take(want - len(groups))]
-        got, stats = rollout(engine, examples, codec, params, group_size=G,
-                             run_seed=cfg.run.seed, step=step,
-                             reward_timeout_s=cfg.deploy.reward_timeout_s)
+        got, stats = generate(engine, examples, codec, params, group_size=G,
+                              run_seed=seed, step=step, reward_timeout_s=reward_timeout_s)
         sampled_stats = group_stats(got, step - 1)  # every response of the round, kept or not
         stats.update({key: sampled_stats[key] for key in _SAMPLED_KEYS})
         parts.append((stats, len(examples) * G))

@@ -21,6 +21,7 @@ from qurl.types import CountingEngine, Engine
 from qurl.engines.factory import engine_wire_dtype
 from qurl.rollout.dynamic_sampling import sample_groups
 from qurl.weights.publish import WeightSync
+from qurl.weights.settings import SyncSettings
 from qurl.train.loop import RankZero, train_loop
 from qurl.types import Trajectory
 
@@ -37,17 +38,19 @@ class InProcessRollout:
         self.cursor = DataCursor(len(z.train_set), seed=cfg.run.seed)
         if z.run.state is not None:
             self.cursor.load_state_dict(z.run.state["cursor"])
-        self.sync = WeightSync(cfg.rollout.precision, int(cfg.deploy.sync.bucket_mb * (1 << 20)),
-                               engine_wire_dtype(cfg, z.run.model_dir), mode=cfg.deploy.sync.mode,
-                               full_every=cfg.deploy.sync.full_every)
+        self.sync = WeightSync.of(cfg.rollout.precision, SyncSettings.of(cfg.deploy.sync),
+                                  engine_wire_dtype(cfg.rollout, cfg.sglang, z.run.model_dir))
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         return self.sync.push(named, self.engine, version)
 
     def next_groups(self, step: int,
                     version: int) -> tuple[list[list[Trajectory]], dict[str, float]]:
+        cfg = self.z.cfg
         return sample_groups(self.engine, self.z.train_set, self.cursor, self.z.codec,
-                             self.z.params, self.z.cfg, step=step)
+                             self.z.params, cfg.rollout, rounds=cfg.algo.dynamic_sampling_rounds,
+                             seed=cfg.run.seed, reward_timeout_s=cfg.deploy.reward_timeout_s,
+                             step=step)
 
     def step_stats(self, step: int) -> dict[str, float]:
         return self.engine.stats() if isinstance(self.engine, CountingEngine) else {}

@@ -43,7 +43,7 @@ from qurl.config import Config, ConfigError
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
 from qurl.types import Engine
-from qurl.engines.factory import make_engine
+from qurl.engines.factory import ServerSite, make_engine
 from qurl.errors import RunHalted
 from qurl.evaluation.suite import Evaluator, Generator, summary
 from qurl.learner.dist import broadcast_object
@@ -55,6 +55,7 @@ from qurl.train.alarm import MismatchAlarm
 from qurl.train.metrics_log import MetricsLogger
 from qurl.train.run_setup import OpenedRun, open_run, save_checkpoint
 from qurl.types import SamplingParams, Trajectory
+from qurl.weights.settings import SyncSettings
 
 
 @dataclass
@@ -134,13 +135,17 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
     run = open_run(cfg, resume=resume, rank=rank, world_size=world_size)
     learner, start, version = run.learner, run.start, run.start
     source: BatchSource | None = None
-    evaluator = Evaluator(cfg, run.model_dir, main=run.main,  # before the source starts workers
+    evaluator = Evaluator(cfg.eval, cfg.data, cfg.rollout, cfg.deploy, run.model_dir,
+                          seed=cfg.run.seed, main=run.main,  # before the source starts workers
                           asynchronous=not engine)
     logger = codec = None
     pad_id = 0
     if run.main:
-        train_set, _ = load_datasets(cfg)  # the eval sets are the Evaluator's
-        eng = make_engine(cfg, run.model_dir) if engine else None
+        train_set, _ = load_datasets(cfg.data, cfg.run.seed)  # the eval sets are the Evaluator's
+        eng = make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync),
+                          run.model_dir, seed=cfg.run.seed,
+                          site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner)
+                          ) if engine else None
         tok = eng.tokenizer if eng is not None else load_tokenizer(run.model_dir)
         vocab = eng.vocab_size if eng is not None else vocab_size(run.model_dir)
         codec = PromptCodec(tok, cfg.data.template)

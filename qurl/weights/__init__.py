@@ -17,6 +17,8 @@ broadcaster.py  the sender plus the group's lifecycle, as the learner side holds
 host.py         where the 8-bit copies live between syncs: host memory (pinned with CUDA)
 nccl_env.py     the NCCL environment a weight group needs across nodes
 receiver.py     the engine side in an async worker: receive buckets, install, verify
+settings.py     `SyncSettings`: the run's `[deploy.sync]` table, read once (bucket bytes, delta or
+                full, periodic full syncs, kernel read-backs, the workers' backend, the port)
 
 The transport files (delta, digest, buckets, group, sender, broadcaster, host, nccl_env) know
 tensors, bytes and process groups, never an engine or the learner. They stay import-light: the

@@ -36,6 +36,7 @@ import torch
 
 from qurl.weights.delta import Chunks, DeltaStats, diff_named, encode_named
 from qurl.weights.digest import combine, named_digests
+from qurl.weights.settings import SyncSettings
 
 SYNC_MODES = ("delta", "full")
 
@@ -96,6 +97,11 @@ class SyncPlanner:
         self._since_full = 0
         self.fallbacks: Counter[str] = Counter()
         self._diffed: tuple[Sequence, dict[str, torch.Tensor]] | None = None
+
+    @classmethod
+    def of(cls, sync: SyncSettings) -> SyncPlanner:
+        """The planner of a run's sync settings (mode and full_every)."""
+        return cls(sync.mode, sync.full_every)
 
     def diff(self, chunks: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Changed positions of `chunks` (the next version) against the last version planned,

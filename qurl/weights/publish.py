@@ -29,6 +29,7 @@ from qurl.quant.named import NAMED_FORMATS
 from qurl.weights.arena import ArenaQuantizer
 from qurl.weights.plan import SyncPlanner
 from qurl.weights.resync import ACCEPT, MISMATCH, OK, REFUSED, ResyncRule, engine_label
+from qurl.weights.settings import SyncSettings
 
 CODES = (torch.int8, torch.float8_e4m3fn)
 
@@ -40,13 +41,23 @@ class WeightSync:
                  wire_dtype: torch.dtype | None = None, mode: str = "delta",
                  full_every: int = 0) -> None:
         """wire_dtype: the dtype the engine holds full-precision tensors in (None: the masters').
-        mode / full_every: deploy.sync.mode / deploy.sync.full_every (qurl/weights/plan.py)."""
+        bucket_bytes / mode / full_every: a run's come from its `SyncSettings` (`of`;
+        qurl/weights/settings.py, qurl/weights/plan.py)."""
         if precision not in NAMED_FORMATS:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision
         self.quantizer = ArenaQuantizer(precision, bucket_bytes, wire_dtype)
         self.planner = SyncPlanner(mode, full_every)
         self.resync = ResyncRule()  # what follows each load: accept, resend in full, or halt
+
+    @classmethod
+    def of(cls, precision: str, sync: SyncSettings,
+           wire_dtype: torch.dtype | None = None) -> WeightSync:
+        """A run's weight sync: rollout.precision, its `[deploy.sync]` settings (bucket size, delta
+        or full, periodic full syncs) and the engines' wire dtype
+        (qurl.engines.factory.engine_wire_dtype)."""
+        return cls(precision, sync.bucket_bytes, wire_dtype, mode=sync.mode,
+                   full_every=sync.full_every)
 
     def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this sync keeps between versions: its arenas (qurl/weights/host.py `sync_memory`)."""

@@ -9,7 +9,7 @@ could start: at the token right after the answer's closing brace, the probabilit
     p_q = P_int8(end | prompt, answer)      p_f = P_fp32(end | prompt, answer)
 
 on every held-out question, both teacher-forced on the same answer (the greedy answer of one of the
-two engines, built from one checkpoint as `make_engine` builds them for training). At temperature 1
+two engines, built from one checkpoint as `local_engine` builds them for training). At temperature 1
 a rollout runs on past its answer with probability 1 − p; if p_q < p_f on most questions, the
 quantized engine samples run-ons more often than the policy it stands for, and the correct ones
 among them are then rewarded, with all of their tokens, by GRPO.
@@ -77,7 +77,7 @@ def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> l
     from qurl.checkpoint.rundir import read_config
     from qurl.config import validate
     from qurl.data.splits import load_eval_sets
-    from qurl.engines.factory import make_engine
+    from qurl.engines.factory import local_engine
     from qurl.rollout.requests import PromptCodec
     from qurl.types import GenRequest, SamplingParams
 
@@ -85,11 +85,12 @@ def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> l
     model_dir = str(base or run_dir / "base_model")
     corr = Correction.of(cfg.algo)  # the run's IcePop bounds (its own, or the usual [0.5, 5])
     icepop = (corr.icepop_low, corr.icepop_high)
-    engines = {p: make_engine(cfg, model_dir, local=True, precision=p) for p in ("bf16", precision)}
+    engines = {p: local_engine(model_dir, p, seed=cfg.run.seed) for p in ("bf16", precision)}
     tok = engines[precision].tokenizer
     end_ids = sorted(engines[precision].eos_token_ids)
     codec = PromptCodec(tok, cfg.data.template)
-    prompts = [codec.encode(e.prompt) for exs in load_eval_sets(cfg).values() for e in exs]
+    prompts = [codec.encode(e.prompt) for exs in load_eval_sets(cfg.data, cfg.run.seed).values()
+               for e in exs]
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
     lines = [f"{model_dir}: {len(prompts)} held-out questions, end tokens {end_ids}"]
     for by in engines:

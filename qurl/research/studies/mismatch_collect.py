@@ -49,16 +49,19 @@ def questions(n: int, seed: int):
 
 def gen(out: Path, precision: str, model: str, n_prompts: int, group: int, new_tokens: int,
         seed: int) -> Path:
-    from qurl.engines.factory import make_engine
+    from qurl.engines.factory import ServerSite, make_engine
     from qurl.models.registry import resolve_base
     from qurl.rollout.batch import build_batch
     from qurl.rollout.generate import rollout
     from qurl.rollout.requests import PromptCodec
     from qurl.types import SamplingParams
+    from qurl.weights.settings import SyncSettings
 
     cfg = study_config(model, precision, seed=seed)
     model_dir = resolve_base(model)
-    engine = make_engine(cfg, model_dir)
+    engine = make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync), model_dir,
+                         seed=cfg.run.seed,
+                         site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner))
     codec = PromptCodec(engine.tokenizer, "chat")
     exs = questions(n_prompts, seed)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens)

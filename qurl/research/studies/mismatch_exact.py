@@ -97,9 +97,13 @@ def side_logsoftmax(ctx: dict, side: str, model: str, seed: int = 0,
     toks = ctx["tokens"]
     parts = []
     if kind == "engine":
-        from qurl.engines.factory import make_engine
+        from qurl.engines.factory import ServerSite, make_engine
+        from qurl.weights.settings import SyncSettings
 
-        engine = make_engine(study_config(model, what, seed=seed), resolve_base(model))
+        cfg = study_config(model, what, seed=seed)
+        engine = make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync),
+                             resolve_base(model), seed=cfg.run.seed,
+                             site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner))
         for b, s, e in rows:
             logits = engine.token_logits(toks[b, :s].tolist(), toks[b, s:e].tolist())
             parts.append(torch.log_softmax(logits.float(), -1))

@@ -48,13 +48,14 @@ def nudged(masters: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 
 def _entry(cfg, *, run_dir: str, nudges: int, rank: int, world_size: int) -> dict:
     from qurl.checkpoint.rundir import CheckpointDir
-    from qurl.engines.factory import engine_wire_dtype, make_engine
+    from qurl.engines.factory import ServerSite, engine_wire_dtype, make_engine
     from qurl.evaluation.suite import Evaluator
     from qurl.learner.dist import init_learner_dist
     from qurl.learner.megatron import MegatronLearner
     from qurl.models.registry import resolve_base
     from qurl.quant.uaq import apply_uaq
     from qurl.weights.publish import WeightSync
+    from qurl.weights.settings import SyncSettings
 
     init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     model_dir = resolve_base(cfg.model.base)
@@ -69,11 +70,15 @@ def _entry(cfg, *, run_dir: str, nudges: int, rank: int, world_size: int) -> dic
     step = int(ckpt.name.removeprefix("step_"))
     out = {}
     for name, weights in arms.items():
-        engine = make_engine(cfg, model_dir)
+        engine = make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync), model_dir,
+                             seed=cfg.run.seed,
+                             site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner))
         try:
-            WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)
+            WeightSync(cfg.rollout.precision,
+                       wire_dtype=engine_wire_dtype(cfg.rollout, cfg.sglang, model_dir)
                        ).push(iter(weights.items()), engine, version=0)
-            ev = Evaluator(cfg, model_dir, main=True, max_examples=None, per_question=False,
+            ev = Evaluator(cfg.eval, cfg.data, cfg.rollout, cfg.deploy, model_dir,
+                           seed=cfg.run.seed, main=True, max_examples=None, per_question=False,
                            answers=True)
             rec = ev.run(step, step, engine, learner)
         finally:
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "eval.fp_policy": False})
     if cfg.rollout.precision == "bf16":
         raise SystemExit(f"{run}: a bf16 run; this study is about the 8-bit actor")
-    res = run_ranks(_entry, cfg, run_dir=str(run), nudges=args.nudges)
+    res = run_ranks(_entry, cfg.learner, cfg, run_dir=str(run), nudges=args.nudges)
     ref = [a for v in res["run"]["answers"].values() for a in v]
     print(f"\n{run} ({cfg.model.base}, {cfg.rollout.precision}, UAQ s={cfg.algo.uaq_scale}), "
           f"{len(ref)} greedy held-out answers")
