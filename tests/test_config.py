@@ -83,7 +83,13 @@ def test_auto_threads_give_every_run_the_whole_node(monkeypatch):
     learner ranks + local workers. η = 0 and one worker alternate, so each may use every core."""
     import torch
 
-    from qurl.node.placement import busy_processes, learner_threads
+    from qurl.node import placement
+
+    def busy_processes(c, **kw):
+        return placement.busy_processes(c.learner, c.rollout, c.deploy, **kw)
+
+    def learner_threads(c):
+        return placement.learner_threads(c.learner, c.rollout, c.deploy)
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     sync = load_config()
@@ -115,11 +121,13 @@ def test_multi_node_default_ranks_share_only_their_node(monkeypatch):
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     cfg = load_config(sets=["deploy.ranks.nnodes=2", "learner.tp=8"])
-    assert learner_ranks_per_node(cfg) == 4 and learner_threads(cfg) == 4
+    assert learner_ranks_per_node(cfg.learner, cfg.deploy.ranks) == 4
+    assert learner_threads(cfg.learner, cfg.rollout, cfg.deploy) == 4
     learner = plan(cfg, [], nodes=["a", "b"], gpus_per_node=8)[0].commands[-1]
     assert "--nproc-per-node=4" in learner.argv
     with pytest.raises(ConfigError, match="deploy.ranks.nnodes=3"):
-        learner_ranks_per_node(load_config(sets=["deploy.ranks.nnodes=3", "learner.tp=8"]))
+        bad = load_config(sets=["deploy.ranks.nnodes=3", "learner.tp=8"])
+        learner_ranks_per_node(bad.learner, bad.deploy.ranks)
 
 
 def test_every_field_is_documented_and_training_fields_are_few():

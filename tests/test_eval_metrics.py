@@ -82,13 +82,19 @@ def test_eval_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="data.eval"):
         from qurl.data.splits import load_eval_sets
 
-        load_eval_sets(load_config(sets=["data.eval=aime24,aime24"]))
+        load_eval_sets(load_config(sets=["data.eval=aime24,aime24"]).data, 0)
     with pytest.raises(ConfigError, match="data.eval_size=0"):
-        load_eval_sets(load_config(sets=["data.eval=synthetic,aime24", "data.eval_size=0"]))
+        load_eval_sets(load_config(sets=["data.eval=synthetic,aime24", "data.eval_size=0"]).data, 0)
+
+
+def _needs_fp_policy(cfg) -> bool:
+    from qurl.evaluation.suite import needs_fp_policy
+
+    return needs_fp_policy(cfg.eval, cfg.rollout)
 
 
 def test_fp_policy_is_scored_only_beside_a_quantized_engine() -> None:
-    from qurl.evaluation.suite import needs_fp_policy
+    needs_fp_policy = _needs_fp_policy
 
     assert needs_fp_policy(load_config(sets=["rollout.precision=int8"]))
     assert needs_fp_policy(load_config(sets=["rollout.precision=fp8"]))
@@ -100,7 +106,7 @@ def test_fp_policy_is_scored_only_beside_a_quantized_engine() -> None:
 def test_paper_presets_do_not_score_the_fp_policy_in_the_learner(preset) -> None:
     """Their evaluations (up to 20k tokens, Avg@32) would not fit qurl's fp32 decoder beside the
     learner on its GPU; the preset's 8-bit rollout would otherwise turn it on."""
-    from qurl.evaluation.suite import needs_fp_policy
+    needs_fp_policy = _needs_fp_policy
 
     cfg = load_config(preset)
     assert cfg.eval.fp_policy is False and not needs_fp_policy(cfg)

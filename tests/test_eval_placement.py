@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 
 from qurl.config import ConfigError, load_config
-from qurl.evaluation.eval_placement import check_eval, eval_placement, local_eval_bytes
+from qurl.evaluation import eval_placement as ep
+from qurl.evaluation.eval_placement import local_eval_bytes
 from qurl.learner.memory_plan import KNOWN_SHAPES
 
 R1_15B = KNOWN_SHAPES["deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"]
+
+
+def eval_placement(cfg, **kw):
+    return ep.eval_placement(cfg.eval, cfg.rollout, **kw)
+
+
+def check_eval(cfg, placement, fields, n_problems):
+    ep.check_eval(cfg.eval, cfg.deploy, placement, fields, n_problems)
 
 
 def test_placement_by_loop_and_precision():

@@ -43,7 +43,7 @@ def runs(runs_dir):
     frozen = _cfg(root, "frozen", **{"model.dtype": "bfloat16", "learner.tp": 2, "optim.lr": 1e-30})
     from qurl.deploy.ranks import run_ranks
 
-    run_ranks(train, frozen, resume=False)  # TP 2: two spawned learner ranks
+    run_ranks(train, frozen.learner, frozen, resume=False)  # TP 2: two spawned learner ranks
     train(qwen3)  # in this process (TP 1)
     train(plain)
     return root
@@ -58,7 +58,7 @@ def _masters(run_dir):
 
     cfg = read_config(run_dir)
     init_learner_dist(cfg.learner, 0, 1, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
-    learner = MegatronLearner(str(base_dir(cfg)), cfg.model, cfg.algo, cfg.optim, cfg.learner,
+    learner = MegatronLearner(str(base_dir(cfg.model, run_dir)), cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
     learner.load(CheckpointDir(run_dir).latest())
     return learner, {k: v.detach().clone() for k, v in learner.named_weights()}
@@ -102,7 +102,7 @@ def test_hf_export_of_an_untrained_tp2_bf16_run_equals_its_base(runs, tmp_path):
 
     out = tmp_path / "frozen"
     assert main(["export", str(runs / "frozen"), "--out", str(out), "--dtype", "float32"]) == 0
-    base = read_state_dict(base_dir(read_config(runs / "frozen")))
+    base = read_state_dict(base_dir(read_config(runs / "frozen").model, runs / "frozen"))
     got = read_state_dict(out)
     assert sorted(got) == sorted(base)
     for name, t in base.items():  # UAQ undone in fp32: x / 1.5 * 1.5 is x to one rounding

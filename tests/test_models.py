@@ -173,11 +173,14 @@ def test_base_model_key_follows_the_recipe_not_the_rl_prompt_count():
     from qurl.config import load_config
     from qurl.models.base import _base_key
 
-    key = _base_key(load_config())
-    assert _base_key(load_config(sets=["data.train_size=16"])) == key
+    def key_of(cfg):
+        return _base_key(cfg.model, cfg.data, cfg.run.seed)
+
+    key = key_of(load_config())
+    assert key_of(load_config(sets=["data.train_size=16"])) == key
     for changed in ("run.seed=1", "model.warmstart_steps=40", "model.warmstart_lr=1e-3",
                     "data.digits=2", "data.operands=2", "data.template=boxed", "model.base=small"):
-        assert _base_key(load_config(sets=[changed])) != key, changed
+        assert key_of(load_config(sets=[changed])) != key, changed
 
 
 def _checkpoint_cfg(base, tmp_path, *sets):
@@ -187,19 +190,24 @@ def _checkpoint_cfg(base, tmp_path, *sets):
                              "deploy.torch_threads=1", *sets])
 
 
+def _recipe(cfg):
+    """build_base's arguments (qurl/models/base.py) from a run's config."""
+    return cfg.model, cfg.data, cfg.run.seed, cfg.deploy
+
+
 def test_a_checkpoint_base_is_used_as_given_unless_warm_start_is_asked(micro_dir, tmp_path):
     """The default warmstart_steps (250, the tiny model's recipe) must not fine-tune a checkpoint
     on its own: without model.warmstart_checkpoint the run reads model.base where it is."""
     from qurl.models.base import build_base, builds_base, prepare_base_model
 
     cfg = _checkpoint_cfg(micro_dir, tmp_path)
-    assert cfg.model.warmstart_steps == 250 and not builds_base(cfg)
-    assert prepare_base_model(cfg, tmp_path / "run") == str(micro_dir)
+    assert cfg.model.warmstart_steps == 250 and not builds_base(cfg.model)
+    assert prepare_base_model(*_recipe(cfg), tmp_path / "run") == str(micro_dir)
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
     with pytest.raises(ValueError, match="no base to build"):
-        build_base(cfg)
+        build_base(*_recipe(cfg))
     assert not builds_base(_checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
-                                           "model.warmstart_steps=0"))
+                                           "model.warmstart_steps=0").model)
 
 
 def test_a_checkpoint_is_warm_started_on_the_synthetic_recipe(micro_dir, tmp_path):
@@ -211,7 +219,7 @@ def test_a_checkpoint_is_warm_started_on_the_synthetic_recipe(micro_dir, tmp_pat
 
     cfg = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
                           "model.warmstart_steps=3", "model.warmstart_lr=1e-3", "run.seed=4")
-    got = Path(prepare_base_model(cfg, tmp_path / "run_a"))
+    got = Path(prepare_base_model(*_recipe(cfg), tmp_path / "run_a"))
     assert got == tmp_path / "run_a" / "base_model"
     check_checkpoint(got)
     log = json.loads((got / "warmstart.json").read_text())
@@ -228,7 +236,7 @@ def test_a_checkpoint_is_warm_started_on_the_synthetic_recipe(micro_dir, tmp_pat
 
     cached = [p for p in (tmp_path / "runs" / "_base").iterdir() if p.is_dir()]  # beside: its .lock
     assert len(cached) == 1 and cached[0].name.startswith(micro_dir.name + "-")
-    again = Path(prepare_base_model(cfg, tmp_path / "run_b"))  # a second run: the cache, linked
+    again = Path(prepare_base_model(*_recipe(cfg), tmp_path / "run_b"))  # a second run: the cache, linked
     assert [p.name for p in (tmp_path / "runs" / "_base").iterdir() if p.is_dir()] == [cached[0].name]
     weights = "model.safetensors"
     assert (again / weights).stat().st_ino == (cached[0] / weights).stat().st_ino == (got / weights).stat().st_ino
@@ -241,15 +249,15 @@ def test_a_base_built_apart_is_the_cache_build_base_reads(micro_dir, tmp_path):
 
     cfg = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
                           "model.warmstart_steps=1", "run.seed=2")
-    got = build_base_apart(cfg)
+    got = build_base_apart(*_recipe(cfg))
     assert got.parent == tmp_path / "runs" / "_base" and (got / "warmstart.json").is_file()
     check_checkpoint(got)
     mtime = (got / "model.safetensors").stat().st_mtime_ns
-    assert build_base(cfg) == got  # found in the cache, not built again
+    assert build_base(*_recipe(cfg)) == got  # found in the cache, not built again
     assert (got / "model.safetensors").stat().st_mtime_ns == mtime
     assert not any(micro_dir.name in p.name and p.name.endswith(".tmp") for p in got.parent.iterdir())
     with pytest.raises(ValueError, match="no base to build"):
-        build_base_apart(_checkpoint_cfg(micro_dir, tmp_path))
+        build_base_apart(*_recipe(_checkpoint_cfg(micro_dir, tmp_path)))
 
 
 def test_the_warm_start_cache_key_follows_the_checkpoint(micro_dir, tmp_path):
@@ -258,14 +266,18 @@ def test_the_warm_start_cache_key_follows_the_checkpoint(micro_dir, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(micro_dir, other)
     sets = ("model.warmstart_checkpoint=true",)
-    key = _base_key(_checkpoint_cfg(other, tmp_path, *sets), other)
-    assert _base_key(_checkpoint_cfg(other, tmp_path, *sets), other) == key
+    def key_of():
+        cfg = _checkpoint_cfg(other, tmp_path, *sets)
+        return _base_key(cfg.model, cfg.data, cfg.run.seed, other)
+
+    key = key_of()
+    assert key_of() == key
     conf = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**conf, "rms_norm_eps": 1e-5}))
-    assert _base_key(_checkpoint_cfg(other, tmp_path, *sets), other) != key
+    assert key_of() != key
     (other / "config.json").write_text(json.dumps(conf))
     (other / "extra.bin").write_bytes(b"x")
-    assert _base_key(_checkpoint_cfg(other, tmp_path, *sets), other) != key
+    assert key_of() != key
 
 
 def test_warm_starting_a_checkpoint_needs_the_synthetic_task(micro_dir, tmp_path):
@@ -311,12 +323,12 @@ def test_a_second_builder_of_the_same_base_waits_for_the_first(micro_dir, tmp_pa
 
     cfg = _checkpoint_cfg(micro_dir, tmp_path, "model.warmstart_checkpoint=true",
                           "model.warmstart_steps=1", "run.seed=3")
-    first = build_base(cfg)
+    first = build_base(*_recipe(cfg))
     (lock,) = (tmp_path / "runs" / "_base").glob("*.lock")
     got: list[Path] = []
     with open(lock, "w") as held:  # as a builder in another process would
         fcntl.flock(held, fcntl.LOCK_EX)
-        t = threading.Thread(target=lambda: got.append(build_base(cfg)), daemon=True)
+        t = threading.Thread(target=lambda: got.append(build_base(*_recipe(cfg))), daemon=True)
         t.start()
         t.join(3)
         assert t.is_alive() and not got, "build_base went past a lock another builder holds"

@@ -194,7 +194,7 @@ def _trained_rows(run_dir):
     from qurl.data.splits import load_datasets
 
     cfg = read_config(run_dir)
-    train_set, _ = load_datasets(cfg)
+    train_set, _ = load_datasets(cfg.data, cfg.run.seed)
     cur = DataCursor(len(train_set), seed=cfg.run.seed)
     return [[train_set[i].uid for i in cur.take(cfg.rollout.prompts_per_step)]
             for _ in range(cfg.run.steps)]

@@ -7,7 +7,18 @@ import pytest
 
 from qurl.config import load_config
 from qurl.commands.launch import main_launch
-from qurl.learner.memory_plan import KNOWN_SHAPES, plan_ranks, plan_text
+from qurl.learner import memory_plan
+from qurl.learner.memory_plan import KNOWN_SHAPES
+
+
+def plan_ranks(cfg, fields, gpu_bytes):
+    return memory_plan.plan_ranks(cfg.model, cfg.learner, cfg.rollout, cfg.deploy, fields, gpu_bytes,
+                                  kl_coef=cfg.algo.kl_coef)
+
+
+def plan_text(cfg, memory_bytes, memory):
+    return memory_plan.plan_text(cfg.model, cfg.learner, cfg.rollout, cfg.deploy, memory_bytes,
+                                 memory, kl_coef=cfg.algo.kl_coef)
 
 
 @pytest.mark.parametrize("preset,L", [("paper-deepscaler-1.5b", 8704), ("paper-dapo-7b", 20992)])

@@ -63,7 +63,7 @@ def test_olympiadbench_answers_drop_the_dollars() -> None:
 
 def test_paper_presets_evaluate_on_shipped_sets_and_fetch_their_training_sets() -> None:
     cfg = load_config("paper-deepscaler-1.5b")
-    sets = load_eval_sets(cfg)
+    sets = load_eval_sets(cfg.data, cfg.run.seed)
     assert {k: len(v) for k, v in sets.items()} == {
         "aime24": 30, "amc23": 40, "math500": 500, "minerva_math": 272, "olympiadbench": 675}
     for preset, name in (("paper-deepscaler-1.5b", "deepscaler"), ("paper-dapo-7b", "dapo-math-17k"),

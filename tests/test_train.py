@@ -112,7 +112,8 @@ def test_resume_refuses_immutable_change_and_fresh_overwrite(runs_root):
     # (qurl/research/studies/misses.py) agree with the right answers the evaluation counted
     got = eval_run(tmp_path / "r", step=1, answers=True, per_question=True)
     texts, counts = got["eval_answers"]["synthetic/greedy"], got["eval_counts"]["synthetic/greedy"]
-    exs = load_eval_sets(validate(cfg))["synthetic"]
+    cfg = validate(cfg)
+    exs = load_eval_sets(cfg.data, cfg.run.seed)["synthetic"]
     assert len(texts) == len(exs) == got["n"]
     assert [int(classify(t, ex.answer, ex.answer_kind).kind == "right")
             for t, ex in zip(texts, exs)] == counts

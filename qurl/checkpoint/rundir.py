@@ -34,19 +34,22 @@ import numpy as np
 import torch
 
 from qurl.checkpoint.checksums import FileSum, damage, has_manifest, write_manifest
-from qurl.config import Config, ConfigError, from_toml, immutable_changes, to_toml, validate
+from qurl.config import (Config, ConfigError, DeployConfig, RunConfig, from_toml, immutable_changes,
+                         validate)
 from qurl.errors import CheckpointError
 
 log = logging.getLogger("qurl.checkpoint.rundir")
 
 
-def run_dir_for(cfg: Config) -> Path:
-    return Path(cfg.deploy.dir) / cfg.run.name
+def run_dir_for(deploy: DeployConfig, run: RunConfig) -> Path:
+    """The run's directory: `<deploy.dir>/<run.name>`."""
+    return Path(deploy.dir) / run.name
 
 
-def write_config(run_dir: Path, cfg: Config) -> None:
+def write_config(run_dir: Path, toml: str) -> None:
+    """Write the resolved config, as TOML text (`qurl.config.to_toml`), to run_dir/config.toml."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(run_dir / "config.toml", to_toml(cfg))
+    _atomic_write(run_dir / "config.toml", toml)
 
 
 def read_config(run_dir: Path) -> Config:

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from qurl.checkpoint.rundir import CheckpointDir, read_config, run_dir_for
-from qurl.config import Config, ConfigError, load_config, override, parse_sets, validate
+from qurl.config import Config, ConfigError, EvalConfig, load_config, override, parse_sets, validate
 from qurl.deploy.ranks import run_ranks
-from qurl.engines.factory import engine_wire_dtype, make_engine
+from qurl.engines.factory import ServerSite, engine_wire_dtype, make_engine
 from qurl.errors import InputError
 from qurl.evaluation.suite import Evaluator, summary
 from qurl.learner.dist import init_learner_dist, is_main_rank
@@ -45,22 +45,29 @@ from qurl.models.base import builds_base
 from qurl.models.registry import resolve_base
 from qurl.node.placement import learner_threads, set_threads
 from qurl.weights.publish import WeightSync
+from qurl.weights.settings import SyncSettings
 
 
 def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_question: bool,
                 answers: bool, rank: int, world_size: int) -> dict:
-    set_threads(learner_threads(cfg, workers=False))
+    """A learner rank of `qurl eval` (the whole `Config`: it opens the run's learner and engine,
+    as a run's step 0 does, and hands each component its sections)."""
+    set_threads(learner_threads(cfg.learner, cfg.rollout, cfg.deploy, workers=False))
     init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
-    model_dir = str(run_dir_for(cfg) / "base_model") if builds_base(cfg) \
+    model_dir = str(run_dir_for(cfg.deploy, cfg.run) / "base_model") if builds_base(cfg.model) \
         else resolve_base(cfg.model.base)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
     if ckpt is not None:  # None: the base checkpoint itself, as a run's step 0
         learner.load(Path(ckpt))
     main = is_main_rank()
-    engine = make_engine(cfg, model_dir) if main else None
+    engine = make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync), model_dir,
+                         seed=cfg.run.seed,
+                         site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner)
+                         ) if main else None
     try:
-        WeightSync(cfg.rollout.precision, wire_dtype=engine_wire_dtype(cfg, model_dir)).push(
+        wire = engine_wire_dtype(cfg.rollout, cfg.sglang, model_dir)
+        WeightSync(cfg.rollout.precision, wire_dtype=wire).push(
             learner.named_weights(), engine, version=0)  # the version the record states is below
         step = version = 0
         if ckpt is not None:
@@ -68,7 +75,8 @@ def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_
             state = Path(ckpt) / "state.pt"
             if main and state.is_file():  # the policy version trained into these weights
                 version = int(torch.load(state, weights_only=False).get("version", step))
-        evaluator = Evaluator(cfg, model_dir, main=main, max_examples=max_examples,
+        evaluator = Evaluator(cfg.eval, cfg.data, cfg.rollout, cfg.deploy, model_dir,
+                              seed=cfg.run.seed, main=main, max_examples=max_examples,
                               per_question=per_question, answers=answers)
         return evaluator.run(step, version, engine, learner) or {}
     finally:
@@ -76,8 +84,8 @@ def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_
             engine.close()
 
 
-def _check_answers(cfg: Config, answers: bool) -> None:
-    if answers and not cfg.eval.greedy:
+def _check_answers(ecfg: EvalConfig, answers: bool) -> None:
+    if answers and not ecfg.greedy:
         raise ConfigError("qurl eval --answers: the answers kept are the greedy ones; "
                           "eval.greedy is false")
 
@@ -89,11 +97,11 @@ def eval_run(run_dir: Path, max_examples: int | None = None, sets: list[str] | N
     also the greedy answers' text (`eval_answers`, needs eval.greedy)."""
     cfg = override(read_config(run_dir), {"deploy.dir": str(run_dir.parent), "run.name": run_dir.name})
     cfg = validate(override(cfg, parse_sets(sets or [])))
-    _check_answers(cfg, answers)
+    _check_answers(cfg.eval, answers)
     ckpt = CheckpointDir(run_dir).latest() if step is None else CheckpointDir(run_dir).at(step)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
-    return run_ranks(_eval_entry, cfg, ckpt=str(ckpt), max_examples=max_examples,
+    return run_ranks(_eval_entry, cfg.learner, cfg, ckpt=str(ckpt), max_examples=max_examples,
                      per_question=per_question, answers=answers)
 
 
@@ -111,10 +119,10 @@ def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = Non
                          "or evaluate the run it came from")
     cfg = validate(override(cfg, {"model.base": str(model_dir), "model.warmstart_steps": 0,
                                   "run.name": f"eval-{model_dir.name}"}))
-    _check_answers(cfg, answers)
+    _check_answers(cfg.eval, answers)
     check_fits(str(model_dir), learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
-    return run_ranks(_eval_entry, cfg, ckpt=None, max_examples=max_examples,
+    return run_ranks(_eval_entry, cfg.learner, cfg, ckpt=None, max_examples=max_examples,
                      per_question=per_question, answers=answers)
 
 

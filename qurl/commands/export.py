@@ -35,12 +35,12 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None, fmt: str = 
     if ckpt is None:
         raise InputError(f"{run_dir}: no checkpoint to export")
     if dtype is None:
-        base = json.loads((base_dir(cfg) / "config.json").read_text())
+        base = json.loads((base_dir(cfg.model, run_dir) / "config.json").read_text())
         dtype = base.get("torch_dtype") or base.get("dtype") or "float32"
         dtype = dtype if dtype in DTYPES else "float32"
     if fmt != "hf" and dtype == "float32":
         dtype = "bfloat16"  # SGLang's w8a8 kernels take bf16 / fp16 activations only
-    run_ranks(write_export, cfg, ckpt=str(ckpt), out=str(out), fmt=fmt, dtype=dtype)
+    run_ranks(write_export, cfg.learner, cfg, ckpt=str(ckpt), out=str(out), fmt=fmt, dtype=dtype)
     return out
 
 

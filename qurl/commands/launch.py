@@ -53,7 +53,9 @@ def main_launch(argv: list[str] | None = None) -> int:
         return 2
     from qurl.learner.memory_plan import plan_text
 
-    text, refused = plan_text(cfg, args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU")
+    text, refused = plan_text(cfg.model, cfg.learner, cfg.rollout, cfg.deploy,
+                              args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU",
+                              kl_coef=cfg.algo.kl_coef)
     if refused:
         print(f"qurl launch: error: {refused}", file=sys.stderr)
         return 2

@@ -17,7 +17,8 @@ import argparse
 import os
 from pathlib import Path
 
-from qurl.config import LOCAL_BASES, Config, load_config, override, parse_sets, validate
+from qurl.config import (LOCAL_BASES, Config, DeployConfig, LearnerConfig, ModelConfig,
+                         RolloutConfig, load_config, override, parse_sets, validate)
 from qurl.errors import InputError
 
 
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from qurl.deploy.ranks import run_ranks
     from qurl.models.registry import resolve_base
 
-    load_datasets(cfg)  # a bad row fails now, the same on every rank, before any slow setup
+    # a bad row fails now, the same on every rank, before any slow setup
+    load_datasets(cfg.data, cfg.run.seed)
     from qurl.models.fits import check_fits
 
     base = cfg.model.base
@@ -51,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     # a model the layout cannot split (TP over its heads, SGLang's block FP8): one line, not ranks
     check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
-    _print_memory_plan(cfg)
-    result = run_ranks(_train_entry, cfg, resume=bool(args.resume))
+    _print_memory_plan(cfg.model, cfg.learner, cfg.rollout, cfg.deploy, kl_coef=cfg.algo.kl_coef)
+    result = run_ranks(_train_entry, cfg.learner, cfg, resume=bool(args.resume))
     if result:
         from qurl.evaluation.suite import summary
 
@@ -60,11 +62,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_memory_plan(cfg: Config) -> None:
-    """The learner ranks' memory plan (qurl/learner/memory_plan.py); on a GPU a plan that cannot hold
-    one row is refused here, in one line, before any rank starts. On CPU it is printed against
-    each rank's share of the host's memory, and only printed (micro-batches there follow the
-    fixed logits budget)."""
+def _print_memory_plan(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfig,
+                       deploy: DeployConfig, *, kl_coef: float) -> None:
+    """The learner ranks' memory plan (qurl/learner/memory_plan.py, `plan_text`'s sections and
+    algo.kl_coef); on a GPU a plan that cannot hold one row is refused here, in one line, before
+    any rank starts. On CPU it is printed against each rank's share of the host's memory, and
+    only printed (micro-batches there follow the fixed logits budget)."""
     import torch
 
     from qurl.learner.build import use_transformer_engine
@@ -72,18 +75,22 @@ def _print_memory_plan(cfg: Config) -> None:
 
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
-        text, refused = plan_text(cfg, total, f"GPU {torch.cuda.get_device_name(0)}",
-                                  te=use_transformer_engine(cfg.deploy.ranks.transformer_engine))
+        text, refused = plan_text(model, learner, rollout, deploy, total,
+                                  f"GPU {torch.cuda.get_device_name(0)}", kl_coef=kl_coef,
+                                  te=use_transformer_engine(deploy.ranks.transformer_engine))
         if refused:
             raise InputError(refused)
     else:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        text, _ = plan_text(cfg, host / (cfg.learner.tp * cfg.learner.dp),
-                            "CPU, each rank's share of the host memory", gpu=False)
+        text, _ = plan_text(model, learner, rollout, deploy, host / (learner.tp * learner.dp),
+                            "CPU, each rank's share of the host memory", kl_coef=kl_coef,
+                            gpu=False)
     print(text, flush=True)
 
 
 def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> dict:
+    """A learner rank of `qurl train`: the run's loop, as deploy.rollout says (the whole `Config`:
+    the loop opens the run, qurl/train/run_setup.py)."""
     if cfg.deploy.rollout != "inline":
         from qurl.pipeline.controller import train_async
 

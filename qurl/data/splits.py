@@ -16,29 +16,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qurl.config import Config, ConfigError
+from qurl.config import ConfigError, DataConfig
 from qurl.data.datasets import Example, load_dataset
 from qurl.data.sets import resolve_data_path
 from qurl.data.synthetic import arithmetic_task
 
 
-def eval_set_names(cfg: Config) -> list[str]:
+def eval_set_names(data: DataConfig) -> list[str]:
     """data.eval as a list: comma-separated set names or paths ("aime24,amc23,math500")."""
-    names = [n.strip() for n in cfg.data.eval.split(",") if n.strip()]
+    names = [n.strip() for n in data.eval.split(",") if n.strip()]
     if not names:
         raise ConfigError("data.eval: name at least one evaluation set")
     if len(set(names)) != len(names):
-        raise ConfigError(f"data.eval={cfg.data.eval!r}: a set is named twice")
-    if "synthetic" in names and cfg.data.eval_size <= 0:
-        raise ConfigError(f"data.eval_size={cfg.data.eval_size}: the synthetic eval split needs a "
+        raise ConfigError(f"data.eval={data.eval!r}: a set is named twice")
+    if "synthetic" in names and data.eval_size <= 0:
+        raise ConfigError(f"data.eval_size={data.eval_size}: the synthetic eval split needs a "
                           "size > 0 (0 means whole files, for file sets only)")
     return names
 
 
-def _load(cfg: Config, source: str, split: str, n: int) -> list[Example]:
-    d = cfg.data
+def _load(d: DataConfig, seed: int, source: str, split: str, n: int) -> list[Example]:
     if source == "synthetic":
-        return arithmetic_task(n, seed=cfg.run.seed, split=split, digits=d.digits,
+        return arithmetic_task(n, seed=seed, split=split, digits=d.digits,
                                n_operands=d.operands)
     # each eval set is detected from its own rows unless the fields are spelled out
     fmt = d.format if split == "train" or d.format == "custom" else "auto"
@@ -47,18 +46,20 @@ def _load(cfg: Config, source: str, split: str, n: int) -> list[Example]:
                         limit=(n or None) if split == "eval" else None)
 
 
-def load_eval_sets(cfg: Config) -> dict[str, list[Example]]:
+def load_eval_sets(data: DataConfig, seed: int) -> dict[str, list[Example]]:
     """{set name: examples} for every set of data.eval, at most data.eval_size each (0 = all of
-    a file set). Names are file stems ("synthetic" for the generated split)."""
-    names = eval_set_names(cfg)
+    a file set). Names are file stems ("synthetic" for the generated split, from run seed `seed`)."""
+    names = eval_set_names(data)
     stems = [Path(name).stem for name in names]
     if len(set(stems)) != len(stems):
-        raise ConfigError(f"data.eval={cfg.data.eval!r}: two sets share a file name {stems}")
-    return {stem: _load(cfg, name, "eval", cfg.data.eval_size) for stem, name in zip(stems, names)}
+        raise ConfigError(f"data.eval={data.eval!r}: two sets share a file name {stems}")
+    return {stem: _load(data, seed, name, "eval", data.eval_size)
+            for stem, name in zip(stems, names)}
 
 
-def load_datasets(cfg: Config) -> tuple[list[Example], list[Example]]:
-    """(train split, every eval set concatenated; uids stay unique: they carry the set's name)."""
-    evals = load_eval_sets(cfg)
-    return (_load(cfg, cfg.data.train, "train", cfg.data.train_size),
+def load_datasets(data: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train split, every eval set concatenated; uids stay unique: they carry the set's name).
+    `seed`: the run's (run.seed), which generates the synthetic splits."""
+    evals = load_eval_sets(data, seed)
+    return (_load(data, seed, data.train, "train", data.train_size),
             [ex for exs in evals.values() for ex in exs])

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qurl.config import Config, ConfigError
+from qurl.config import ConfigError, DeployConfig, EvalConfig, RolloutConfig
 
 LOCAL_MAX_BATCH = 256  # rows a LocalEngine decodes at once (qurl/engines/local.py max_batch)
 PROMPT_TOKENS = 512  # prompt tokens assumed in front of eval.max_new_tokens (as learner/memory_plan.py)
@@ -45,9 +45,11 @@ class EvalPlacement:
         return ["fp"] if self.fp else []
 
 
-def eval_placement(cfg: Config, *, cuda: bool, asynchronous: bool) -> EvalPlacement:
-    """Which engine scores which policy (module docstring)."""
-    fp = cfg.eval.fp_policy and cfg.rollout.precision != "bf16"
+def eval_placement(ecfg: EvalConfig, rollout: RolloutConfig, *, cuda: bool,
+                   asynchronous: bool) -> EvalPlacement:
+    """Which engine scores which policy (module docstring); rollout: for rollout.precision (a
+    bf16 actor has no fp policy beside it)."""
+    fp = ecfg.fp_policy and rollout.precision != "bf16"
     return EvalPlacement(actor="workers" if asynchronous else "rollout", fp=fp, on_gpu=cuda)
 
 
@@ -67,14 +69,13 @@ def local_eval_bytes(fields: dict[str, Any], *, rows: int, tokens: int, weight_b
     return weights + kv
 
 
-def check_eval(cfg: Config, placement: EvalPlacement, fields: dict[str, Any] | None,
-               n_problems: int) -> None:
+def check_eval(e: EvalConfig, deploy: DeployConfig, placement: EvalPlacement,
+               fields: dict[str, Any] | None, n_problems: int) -> None:
     """Refuse, in one line, the fp policy's local engine on the learner's GPU when it is estimated
     over deploy.eval_gpu_gb. `fields`: the model's config.json fields (None: cannot estimate, so
     nothing is checked); n_problems: problems over all eval sets."""
     if not placement.on_gpu or fields is None or not placement.local_engines:
         return
-    e = cfg.eval
     requests = n_problems * max(1 if e.greedy else 0, e.samples)
     rows = max(1, min(LOCAL_MAX_BATCH, requests))
     tokens = PROMPT_TOKENS + e.max_new_tokens
@@ -82,10 +83,10 @@ def check_eval(cfg: Config, placement: EvalPlacement, fields: dict[str, Any] | N
         need = local_eval_bytes(fields, rows=rows, tokens=tokens, weight_bytes=4.0)  # fp32
     except (KeyError, TypeError, ValueError):
         return  # a config.json without the usual shape fields: cannot estimate
-    if need > cfg.deploy.eval_gpu_gb * GB:
+    if need > deploy.eval_gpu_gb * GB:
         raise ConfigError(
             f"evaluation: the full-precision policy (eval.fp_policy) would take ~{need / GB:.1f} "
             f"GB on learner rank 0's GPU (a local decoder: weights + fp32 KV of {rows} rows x "
-            f"{tokens} tokens) but deploy.eval_gpu_gb={cfg.deploy.eval_gpu_gb:g}: set "
+            f"{tokens} tokens) but deploy.eval_gpu_gb={deploy.eval_gpu_gb:g}: set "
             f"eval.fp_policy=false, lower eval.samples (now {e.samples}) or eval.max_new_tokens "
             f"(now {e.max_new_tokens}), or raise deploy.eval_gpu_gb")

@@ -32,7 +32,7 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from qurl.config import Config, EvalConfig
+from qurl.config import DataConfig, DeployConfig, EvalConfig, RolloutConfig
 from qurl.data.datasets import Example
 from qurl.types import Engine
 from qurl.evaluation.metrics import mean_over_sets, set_metrics
@@ -52,9 +52,9 @@ class Generator(Protocol):
     def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...
 
 
-def needs_fp_policy(cfg: Config) -> bool:
+def needs_fp_policy(ecfg: EvalConfig, rollout: RolloutConfig) -> bool:
     """Whether evaluations also score the full-precision policy (a collective on every rank)."""
-    return cfg.eval.fp_policy and cfg.rollout.precision != "bf16"
+    return ecfg.fp_policy and rollout.precision != "bf16"
 
 
 def _correct(engine: Generator, sets: dict[str, list[Example]], codec: PromptCodec,
@@ -124,7 +124,8 @@ def summary(rec: dict[str, Any]) -> str:
             + f" over {len(sets)} set(s), {int(rec['n'])} problems")
 
 
-def _check_placement(cfg: Config, model_dir: str, asynchronous: bool, n_problems: int) -> None:
+def _check_placement(ecfg: EvalConfig, rollout: RolloutConfig, deploy: DeployConfig,
+                     model_dir: str, asynchronous: bool, n_problems: int) -> None:
     import json
     from pathlib import Path
 
@@ -132,35 +133,43 @@ def _check_placement(cfg: Config, model_dir: str, asynchronous: bool, n_problems
 
     from qurl.evaluation.eval_placement import check_eval, eval_placement
 
-    placement = eval_placement(cfg, cuda=torch.cuda.is_available(), asynchronous=asynchronous)
+    placement = eval_placement(ecfg, rollout, cuda=torch.cuda.is_available(),
+                               asynchronous=asynchronous)
     path = Path(model_dir) / "config.json"
     fields = json.loads(path.read_text()) if path.is_file() else None
-    check_eval(cfg, placement, fields, n_problems)
+    check_eval(ecfg, deploy, placement, fields, n_problems)
 
 
 class Evaluator:
     """Scores the rollout engine and, side by side, the full-precision policy on data.eval."""
 
-    def __init__(self, cfg: Config, model_dir: str, *, main: bool,
+    def __init__(self, ecfg: EvalConfig, data: DataConfig, rollout: RolloutConfig,
+                 deploy: DeployConfig, model_dir: str, *, seed: int, main: bool,
                  max_examples: int | None = None, per_question: bool = False,
                  answers: bool = False, asynchronous: bool = False) -> None:
-        """asynchronous: the actor is scored on the async controller's workers, not on rank 0;
-        the local evaluation engine (the fp policy) on a GPU is checked against
+        """What is scored and how: `[eval]`; the sets and their prompt template: `[data]` with
+        the run's seed (run.seed, which also seeds the sampled answers); rollout.precision
+        (whether there is an fp policy to score beside the actor); deploy.reward_timeout_s and
+        deploy.eval_gpu_gb. asynchronous: the actor is scored on the async controller's workers,
+        not on rank 0; the local evaluation engine (the fp policy) on a GPU is checked against
         deploy.eval_gpu_gb first (qurl/evaluation/eval_placement.py), on rank 0 (`main`)."""
         from qurl.data.splits import load_eval_sets
-        from qurl.engines.factory import make_engine
+        from qurl.engines.factory import local_engine
         from qurl.weights.publish import WeightSync
 
-        self.cfg, self.fp, self.per_question, self.answers = \
-            cfg, needs_fp_policy(cfg), per_question, answers
+        self.ecfg, self.template, self.seed = ecfg, data.template, seed
+        self.reward_timeout_s = deploy.reward_timeout_s
+        self.fp = needs_fp_policy(ecfg, rollout)
+        self.per_question, self.answers = per_question, answers
         self.sets: dict[str, list[Example]] = {}
         self.fp_engine: Engine | None = None
         if main:
             self.sets = {k: v[:max_examples] if max_examples else v
-                         for k, v in load_eval_sets(cfg).items()}
-            _check_placement(cfg, model_dir, asynchronous, sum(map(len, self.sets.values())))
+                         for k, v in load_eval_sets(data, seed).items()}
+            _check_placement(ecfg, rollout, deploy, model_dir, asynchronous,
+                             sum(map(len, self.sets.values())))
             if self.fp:
-                self.fp_engine = make_engine(cfg, model_dir, local=True, precision="bf16")
+                self.fp_engine = local_engine(model_dir, "bf16", seed=seed)
         self.fp_sync = WeightSync("bf16") if self.fp else None
 
     def run(self, step: int, version: int, engine: Generator | None, learner: Any) -> dict | None:
@@ -172,10 +181,9 @@ class Evaluator:
             self.fp_sync.push(learner.named_weights(), self.fp_engine, version)
         if engine is None:
             return None
-        ecfg, kw = self.cfg.eval, dict(max_new_tokens=self.cfg.eval.max_new_tokens,
-                                       run_seed=self.cfg.run.seed,
-                                       reward_timeout_s=self.cfg.deploy.reward_timeout_s)
-        codec = PromptCodec(engine.tokenizer, self.cfg.data.template)
+        ecfg, kw = self.ecfg, dict(max_new_tokens=self.ecfg.max_new_tokens, run_seed=self.seed,
+                                   reward_timeout_s=self.reward_timeout_s)
+        codec = PromptCodec(engine.tokenizer, self.template)
         rec: dict[str, Any] = {"kind": "eval", "step": step, "version": version}
         counts: dict[str, list[int]] = {}
         texts: dict[str, list[str]] | None = {} if self.answers else None

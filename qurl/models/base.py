@@ -24,7 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from qurl.config import LOCAL_BASES, Config
+from qurl.config import LOCAL_BASES, DataConfig, DeployConfig, ModelConfig
 from qurl.data.synthetic import arithmetic_task, worked_solution
 from qurl.data.templates import render_prompt
 
@@ -38,10 +38,9 @@ T = TypeVar("T")
 WARMSTART_QUESTIONS = 2000
 
 
-def builds_base(cfg: Config) -> bool:
+def builds_base(m: ModelConfig) -> bool:
     """Whether the run's base model is built here (tiny/small, or a warm-started checkpoint) and
     lives in the run dir, rather than read from model.base as it is."""
-    m = cfg.model
     return m.base in LOCAL_BASES or (m.warmstart_checkpoint and m.warmstart_steps > 0)
 
 
@@ -52,9 +51,8 @@ def _checkpoint_identity(path: Path) -> dict:
             "files": [[f.name, f.stat().st_size] for f in files]}
 
 
-def _base_key(cfg: Config, checkpoint: Path | None = None) -> str:
-    m, d = cfg.model, cfg.data
-    ident = {"preset": m.base, "seed": cfg.run.seed, "steps": m.warmstart_steps,
+def _base_key(m: ModelConfig, d: DataConfig, seed: int, checkpoint: Path | None = None) -> str:
+    ident = {"preset": m.base, "seed": seed, "steps": m.warmstart_steps,
              "lr": m.warmstart_lr, "digits": d.digits, "operands": d.operands, "template": d.template,
              "questions": WARMSTART_QUESTIONS, "v": 3}
     # Not in the key: how the warm start got its bf16 matmuls (native or emulated, warmstart.py),
@@ -76,39 +74,43 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def prepare_base_model(cfg: Config, run_dir: Path) -> str:
-    """Return the HF checkpoint dir RL starts from (inside the run dir for built models)."""
+def prepare_base_model(model: ModelConfig, data: DataConfig, seed: int, deploy: DeployConfig,
+                       run_dir: Path) -> str:
+    """Return the HF checkpoint dir RL starts from (inside the run dir for built models); the
+    arguments are build_base's."""
     from qurl.models.hf import check_checkpoint
     from qurl.models.registry import resolve_base
 
-    if not builds_base(cfg):
-        path = resolve_base(cfg.model.base)
+    if not builds_base(model):
+        path = resolve_base(model.base)
         check_checkpoint(path)
         return path
     target = Path(run_dir) / "base_model"
     if (target / "config.json").exists():
         return str(target)
-    shutil.copytree(build_base(cfg), target, dirs_exist_ok=True, copy_function=_link_or_copy)
+    shutil.copytree(build_base(model, data, seed, deploy), target, dirs_exist_ok=True,
+                    copy_function=_link_or_copy)
     return str(target)
 
 
-def build_base(cfg: Config) -> Path:
+def build_base(m: ModelConfig, data: DataConfig, seed: int, deploy: DeployConfig) -> Path:
     """The cached base model (`<deploy.dir>/_base/<name>-<key>/`) of a run that builds_base: built
     (tiny/small) or read (a checkpoint) and warm-started first if missing. A caller asking for a
-    key another thread or process is building waits for it (a file lock beside the cache)."""
+    key another thread or process is building waits for it (a file lock beside the cache). What
+    it reads: the run's `[model]`, the synthetic task of `[data]` (digits, operands, template),
+    its seed (run.seed), and deploy.dir, deploy.torch_threads."""
     from qurl.models.hf import build_model, check_checkpoint
     from qurl.models.registry import resolve_base
     from qurl.models.warmstart import sft_warmstart
 
-    m = cfg.model
-    if not builds_base(cfg):
+    if not builds_base(m):
         raise ValueError(f"model.base={m.base!r} is used as given (model.warmstart_checkpoint is "
                          "off or model.warmstart_steps is 0): there is no base to build")
     checkpoint = None if m.base in LOCAL_BASES else Path(resolve_base(m.base))
     if checkpoint is not None:
         check_checkpoint(checkpoint)
     name = m.base if checkpoint is None else checkpoint.name
-    cache = Path(cfg.deploy.dir) / "_base" / f"{name}-{_base_key(cfg, checkpoint)}"
+    cache = Path(deploy.dir) / "_base" / f"{name}-{_base_key(m, data, seed, checkpoint)}"
     cache.parent.mkdir(parents=True, exist_ok=True)
     # one builder per key, across threads and processes (two studies, or two arms of one seed,
     # started together): the others wait on the lock and then find the cache
@@ -117,11 +119,12 @@ def build_base(cfg: Config) -> Path:
         if not (cache / "config.json").exists():
             tmp = cache.with_name(cache.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            init = checkpoint or build_model(tmp / "init", m.base, seed=cfg.run.seed)
+            init = checkpoint or build_model(tmp / "init", m.base, seed=seed)
             if m.warmstart_steps > 0:
-                sft_warmstart(init, _warmstart_pairs(cfg, init), steps=m.warmstart_steps,
-                              lr=m.warmstart_lr, batch_size=32, seed=cfg.run.seed,
-                              out_dir=tmp / "sft", num_threads=cfg.deploy.torch_threads or None)
+                sft_warmstart(init, _warmstart_pairs(m.base, data, seed, init),
+                              steps=m.warmstart_steps, lr=m.warmstart_lr, batch_size=32,
+                              seed=seed, out_dir=tmp / "sft",
+                              num_threads=deploy.torch_threads or None)
                 shutil.move(str(tmp / "sft"), str(cache))
             else:
                 shutil.move(str(init), str(cache))
@@ -129,21 +132,22 @@ def build_base(cfg: Config) -> Path:
         return cache
 
 
-def _warmstart_pairs(cfg: Config, model_dir: Path) -> list[tuple[str, str]]:
+def _warmstart_pairs(base: str, d: DataConfig, seed: int, model_dir: Path
+                     ) -> list[tuple[str, str]]:
     """(prompt as the run renders it, worked solution) for the warm start's fixed training questions."""
     from transformers import AutoTokenizer
 
     from qurl.models.tokenizer import build_tokenizer
 
-    tok = (build_tokenizer() if cfg.model.base in LOCAL_BASES
+    tok = (build_tokenizer() if base in LOCAL_BASES
            else AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
-    train = arithmetic_task(WARMSTART_QUESTIONS, seed=cfg.run.seed, split="train",
-                            digits=cfg.data.digits, n_operands=cfg.data.operands, at_most=True)
-    return [(render_prompt(ex.prompt, cfg.data.template, tokenizer=tok), worked_solution(ex))
+    train = arithmetic_task(WARMSTART_QUESTIONS, seed=seed, split="train",
+                            digits=d.digits, n_operands=d.operands, at_most=True)
+    return [(render_prompt(ex.prompt, d.template, tokenizer=tok), worked_solution(ex))
             for ex in train]
 
 
-def build_base_apart(cfg: Config) -> Path:
+def build_base_apart(model: ModelConfig, data: DataConfig, seed: int, deploy: DeployConfig) -> Path:
     """build_base in a child process, for a caller that lives on after it and starts runs beside
     it (a study): the warm start's optimizer state and activations (~7 GB on SmolLM2-135M) stay in
     the heap of the process that ran it even when freed, and would sit in the caller's memory for
@@ -151,7 +155,7 @@ def build_base_apart(cfg: Config) -> Path:
     the child's, raised here; a child killed outright (the kernel's out-of-memory killer: one
     SmolLM2-135M warm start peaked at 12.7-12.8 GB on a 24-GB machine, so two at once may not fit) is a
     RuntimeError, not a wait without end."""
-    return run_apart(build_base, cfg)
+    return run_apart(build_base, model, data, seed, deploy)
 
 
 def run_apart(fn: Callable[..., T], *args: Any) -> T:

@@ -10,6 +10,20 @@ are masked out), i.e. for pair (p, c) with c' = c + [eos]:  -1/N sum_t log pi(c'
 N = total completion tokens in the batch. Optimiser: torch AdamW (betas 0.9/0.95, no weight decay),
 linear warm-up over the first 10% of steps then cosine decay to 10% of `lr`, grad-norm clip 1.0.
 
+Why not the learner's optimizer. The learning-rate curve is the learner's own function,
+qurl/algo/schedule.py `warmup_then_decay` (which qurl/learner/optim.py `lr_at` runs with floor 0;
+here warm-up = a tenth of the steps, floor = a tenth): the same values, to the bit, as this module's
+formula before it was shared. The update cannot be: the learner's `DistributedAdamW`
+(qurl/learner/distopt.py) is not tied to Megatron (it takes any parameters, on one process), but it
+runs torch's fused AdamW over flat fp32 buffers and clips by a float64 grad norm, applied only when
+the coefficient is below 1, where this is torch's per-tensor AdamW after `clip_grad_norm_` (a
+float32 norm). Same math on paper, other roundings: on the tiny model, the same gradients, betas,
+eps and lr leave 42 of its 50 tensors different after one unclipped step (by up to 6e-8), and all 50
+after six clipped ones. A built base is cached under a key of its recipe (qurl/models/base.py
+`_base_key`), which existing caches, and the run directories built from them, hold; a base rebuilt
+by the learner's optimizer under the same key would be another model. Moving the warm start onto
+it is a change of results, to make with a new cache key, not a refactoring.
+
 Determinism: batches are drawn from epoch-wise permutations of a generator seeded by `seed`, and
 the model has no dropout, so the same inputs, seed and thread count give bitwise the same weights.
 The run uses `num_threads` torch threads (2 by default, what the CPU machines give one job) and
@@ -29,11 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from pathlib import Path
 
 import torch
 
+from qurl.algo.schedule import warmup_then_decay
 from qurl.models.bf16_emulated import EmulatedBf16Autocast
 from qurl.models.hf import load_checkpoint
 
@@ -97,11 +111,9 @@ def cpu_has_native_bf16() -> bool:
 
 
 def _lr_at(step: int, steps: int, lr: float) -> float:
-    warm = max(1, steps // 10)
-    if step < warm:
-        return lr * (step + 1) / warm
-    frac = (step - warm) / max(1, steps - warm)
-    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+    """Linear warm-up over the first tenth of the steps (at least one), then cosine to lr / 10."""
+    return warmup_then_decay(step, steps, lr=lr, warmup=max(1, steps // 10), schedule="cosine",
+                             floor=0.1)
 
 
 def sft_warmstart(

@@ -27,35 +27,38 @@ from pathlib import Path
 
 import torch
 
-from qurl.config import Config
+from qurl.config import Config, ModelConfig
 
 FORMATS = ("hf", "int8", "fp8", "fp8_block")  # `--format`
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def base_dir(cfg: Config) -> Path:
-    """The HF checkpoint the run started from (config, tokenizer, chat template)."""
-    from qurl.checkpoint.rundir import run_dir_for
+def base_dir(model: ModelConfig, run_dir: Path) -> Path:
+    """The HF checkpoint the run in `run_dir` with `[model]` section `model` started from (config,
+    tokenizer, chat template)."""
     from qurl.models.base import builds_base
     from qurl.models.registry import resolve_base
 
-    return run_dir_for(cfg) / "base_model" if builds_base(cfg) else Path(resolve_base(cfg.model.base))
+    return Path(run_dir) / "base_model" if builds_base(model) else Path(resolve_base(model.base))
 
 
 def write_export(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, rank: int,
                  world_size: int) -> str:
     """One learner rank's part of an export (module docstring): load checkpoint `ckpt` of the run
     `cfg` describes; rank 0 writes `out` in `fmt` (one of FORMATS), unquantized tensors in `dtype`
-    (a key of DTYPES). Returns `out`."""
+    (a key of DTYPES). Returns `out`. It takes the whole `Config`: like a run's `open_run`, it
+    opens the run's learner (threads, process groups, the Megatron model from `[model]`, `[algo]`,
+    `[optim]`, `[learner]`, `[run]` and `[deploy]`), the rank entry of `qurl export`."""
+    from qurl.checkpoint.rundir import run_dir_for
     from qurl.learner.dist import init_learner_dist, is_main_rank
     from qurl.learner.megatron import MegatronLearner
     from qurl.models.export8bit import write_checkpoint
     from qurl.node.placement import learner_threads, set_threads
     from qurl.quant.uaq import apply_uaq
 
-    set_threads(learner_threads(cfg, workers=False))
+    set_threads(learner_threads(cfg.learner, cfg.rollout, cfg.deploy, workers=False))
     init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
-    model_dir = base_dir(cfg)
+    model_dir = base_dir(cfg.model, run_dir_for(cfg.deploy, cfg.run))
     learner = MegatronLearner(str(model_dir), cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
     learner.load(Path(ckpt))

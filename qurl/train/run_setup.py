@@ -16,7 +16,7 @@ import torch
 from qurl.checkpoint.checksums import save_torch
 from qurl.checkpoint.rundir import (CheckpointDir, check_resume_config, read_config, run_dir_for,
                                     write_config)
-from qurl.config import Config, ConfigError
+from qurl.config import Config, ConfigError, to_toml
 from qurl.errors import CheckpointError
 from qurl.learner.dist import broadcast_object, gather_object, init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
@@ -36,9 +36,13 @@ class OpenedRun:
 
 
 def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> OpenedRun:
-    run_dir = run_dir_for(cfg)
+    """Open the run `cfg` describes on this learner rank (module docstring). It takes the whole
+    `Config`, as the run's entry: it compares the whole tree with a resumed run's config.toml,
+    writes it there, and hands each component its sections (the base model, the learner, the
+    threads and process groups)."""
+    run_dir = run_dir_for(cfg.deploy, cfg.run)
     ckpts = CheckpointDir(run_dir, keep=cfg.deploy.keep_ckpts)
-    set_threads(learner_threads(cfg))
+    set_threads(learner_threads(cfg.learner, cfg.rollout, cfg.deploy))
     init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
     main = is_main_rank()
     found = None
@@ -51,8 +55,9 @@ def open_run(cfg: Config, *, resume: bool, rank: int, world_size: int) -> Opened
         elif (run_dir / "ckpt" / "latest").exists():
             raise ConfigError(f"{run_dir} already holds a run: resume it with --resume {run_dir} "
                               "or pick another run.name")
-        write_config(run_dir, cfg)
-    model_dir = broadcast_object(prepare_base_model(cfg, run_dir) if main else None)
+        write_config(run_dir, to_toml(cfg))
+    model_dir = broadcast_object(prepare_base_model(cfg.model, cfg.data, cfg.run.seed, cfg.deploy,
+                                                    run_dir) if main else None)
     torch.manual_seed(cfg.run.seed)
     learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
                               total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks,

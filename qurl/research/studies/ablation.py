@@ -197,8 +197,9 @@ def run_study(cfg: Config, out_dir: str | Path, *, seeds: list[int], arms: list[
                   flush=True)
 
     def one(c: Config) -> None:
-        if builds_base(c):  # one warm start per seed: its first arm builds it, the others wait
-            warning = check_start(out, c.run.seed, build_base_apart(c))
+        if builds_base(c.model):  # one warm start per seed: its first arm builds it, the others wait
+            base = build_base_apart(c.model, c.data, c.run.seed, c.deploy)
+            warning = check_start(out, c.run.seed, base)
             if warning:
                 print(f"[ablation] {warning}", flush=True)
         print(f"[ablation] seed {c.run.seed} {c.run.name}: {c.run.steps} steps", flush=True)

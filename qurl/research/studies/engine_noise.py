@@ -121,7 +121,7 @@ def worked_answer_pairs(cfg, tokenizer, n: int) -> list[tuple[list[int], list[in
     if cfg.data.eval != "synthetic":
         raise ValueError(f"data.eval={cfg.data.eval!r}: worked answers exist only for the synthetic task")
     codec = PromptCodec(tokenizer, cfg.data.template)
-    exs = load_eval_sets(cfg)["synthetic"][:n]
+    exs = load_eval_sets(cfg.data, cfg.run.seed)["synthetic"][:n]
     return [(codec.encode(ex.prompt),
              list(tokenizer.encode(worked_solution(ex), add_special_tokens=False))
              + [tokenizer.eos_token_id]) for ex in exs]

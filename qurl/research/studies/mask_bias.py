@@ -92,7 +92,7 @@ def sample_batch(cfg, checkpoint: str | Path, n_prompts: int, precision: str):
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             stop_token_ids=(behav.tokenizer.eos_token_id,))
-    train_set, _ = load_datasets(cfg)
+    train_set, _ = load_datasets(cfg.data, cfg.run.seed)
     groups, _ = rollout(behav, train_set[:n_prompts], codec, params,
                         group_size=cfg.rollout.group_size, run_seed=cfg.run.seed, step=0,
                         reward_timeout_s=5.0)

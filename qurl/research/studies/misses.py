@@ -77,7 +77,8 @@ def report(run_dir: Path, records: list[Path]) -> list[str]:
         if not rec.get("eval_answers"):
             raise ValueError(f"{path}: no eval_answers; write it with `qurl eval --answers --out`")
     with open_records(run_dir).on_disk("config.toml") as where:
-        sets = load_eval_sets(validate(read_config(where)))
+        cfg = validate(read_config(where))
+        sets = load_eval_sets(cfg.data, cfg.run.seed)
     lines = []
     for path, rec in recs.items():
         for key, texts in sorted(rec["eval_answers"].items()):
