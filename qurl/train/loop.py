@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from qurl.checkpoint.rundir import rng_state, set_rng_state
-from qurl.config import Config, ConfigError
+from qurl.config import AlarmDeployConfig, Config, ConfigError
 from qurl.data.datasets import Example
 from qurl.data.splits import load_datasets
 from qurl.types import Engine
@@ -112,15 +112,14 @@ def _drain(named: Iterable[Any]) -> dict[str, float]:
     return {}
 
 
-def mismatch_alarm(cfg: Config, state: dict | None) -> MismatchAlarm | None:
-    """Rank 0's mismatch alarm (qurl/train/alarm.py) from deploy.alarm_*, with the history a
+def mismatch_alarm(alarm_cfg: AlarmDeployConfig, state: dict | None) -> MismatchAlarm | None:
+    """Rank 0's mismatch alarm (qurl/train/alarm.py) from `[deploy.alarm]`, with the history a
     resumed run's checkpoint kept; None when deploy.alarm.kl_factor = 0."""
-    d = cfg.deploy
-    if d.alarm.kl_factor == 0:
+    if alarm_cfg.kl_factor == 0:
         return None
-    if d.alarm.kl_factor <= 1:
-        raise ConfigError(f"deploy.alarm.kl_factor={d.alarm.kl_factor}: must be 0 (off) or > 1")
-    alarm = MismatchAlarm(d.alarm.kl_factor, d.alarm.steps)
+    if alarm_cfg.kl_factor <= 1:
+        raise ConfigError(f"deploy.alarm.kl_factor={alarm_cfg.kl_factor}: must be 0 (off) or > 1")
+    alarm = MismatchAlarm(alarm_cfg.kl_factor, alarm_cfg.steps)
     if state is not None and "alarm" in state:
         alarm.load_state_dict(state["alarm"])
     return alarm
@@ -178,7 +177,7 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
                                    wandb=cfg.deploy.wandb,
                                    run_name=cfg.run.name, config=asdict(cfg),
                                    progress=cfg.deploy.progress)
-        alarm = mismatch_alarm(cfg, run.state) if run.main else None
+        alarm = mismatch_alarm(cfg.deploy.alarm, run.state) if run.main else None
         publish()
         last_eval = run_eval(0) if start == 0 else None
         for step in range(start + 1, cfg.run.steps + 1):
