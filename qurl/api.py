@@ -44,22 +44,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from qurl.config import PRESETS, Config, ConfigError, load_config, override, to_toml
-from qurl.data.fetch import fetch
+from qurl.data.download import fetch
 from qurl.errors import InputError
 from qurl.models.registry import fetch_model, resolve_base
 from qurl.train.metrics_log import read_metrics
-from qurl.train.report import plot_runs, report
+from qurl.train.plots import plot_runs, report
 
 if TYPE_CHECKING:
     from qurl.checkpoint.rundir import read_config
     from qurl.commands.eval import eval_checkpoint as evaluate_checkpoint
     from qurl.commands.eval import eval_run as evaluate
     from qurl.commands.export import export_run as export
-    from qurl.train.inline import train
+    from qurl.commands.train import train
 
 # the names whose modules import torch: public name -> (module, name there)
 _LAZY: dict[str, tuple[str, str]] = {
-    "train": ("qurl.train.inline", "train"),
+    "train": ("qurl.commands.train", "train"),
     "evaluate": ("qurl.commands.eval", "eval_run"),
     "evaluate_checkpoint": ("qurl.commands.eval", "eval_checkpoint"),
     "export": ("qurl.commands.export", "export_run"),

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answers", action="store_true", help="the record also holds the greedy "
                    "answers' text (eval_answers), for `python -m qurl.research.studies.misses`")
     p = sub.add_parser("export", help="a run's policy as an HF checkpoint (UAQ undone) or an "
-                       "SGLang 8-bit one (qurl/train/export.py)")
+                       "SGLang 8-bit one (qurl/commands/export.py)")
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="the checkpoint directory to write")
     p.add_argument("--step", type=int, default=None, help="this step's checkpoint (default: latest)")
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                         "mix (qurl/research/bench/learner_mix.py)")
     p.add_argument("--attention", action="store_true",
                    help="learner: SDPA vs unfused attention at the default run's shape")
-    from qurl.data.fetch import TRAINING_SETS
+    from qurl.data.download import TRAINING_SETS
     from qurl.models.registry import MODELS
 
     p = sub.add_parser("fetch", help="download a training set of the paper's recipes, or a "

@@ -4,7 +4,7 @@ a run directory), and a run stopped by one of its own checks (`RunHalted`).
 Each carries one line that names what is wrong (the field, file and line, or checkpoint file; the
 engine and tensors of a failed weight verification; the alarm that fired). The command line prints
 that line and exits with status 2, on whichever learner rank the error was found
-(qurl/deploy/ranks.py); any other exception is a bug and keeps its traceback.
+(qurl/commands/ranks.py); any other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 

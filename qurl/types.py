@@ -8,7 +8,7 @@ that produced that token — in async mode one response may span versions (parti
 
 The rollout-engine interface (`Engine`, below) every engine implements (qurl/engines/: the local
 torch decoder, SGLang over HTTP). It lives here, under every room, because the rooms that drive
-an engine (rollout/, weights/, train/, pipeline/) reach it only through this contract.
+an engine (weights/, train/, pipeline/) reach it only through this contract.
 
 An engine samples responses with its own — usually 8-bit — copy of the policy and reports, per
 sampled token, the log-prob under those weights and the policy version that sampled it. It receives

@@ -1,7 +1,7 @@
 """Trajectories -> padded batch: alignment of tokens, mask, behaviour logp, staleness, advantages."""
 import torch
 
-from qurl.rollout.batch import build_batch
+from qurl.train.batch import build_batch
 from qurl.types import Trajectory
 
 

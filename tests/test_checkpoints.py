@@ -17,7 +17,7 @@ from test_train import assert_records_close, comparable
 from qurl.checkpoint.checksums import MANIFEST, damage, hash_file, read_manifest
 from qurl.checkpoint.rundir import CheckpointDir
 from qurl.errors import CheckpointError
-from qurl.train.inline import train
+from qurl.commands.train import train
 from qurl.train.metrics_log import read_metrics
 
 pytestmark = pytest.mark.slow  # one real 2-step run (base model from the session cache) + a resume

@@ -116,7 +116,7 @@ def test_multi_node_default_ranks_share_only_their_node(monkeypatch):
     """The fix of issue 14: with deploy.ranks.nproc_per_node left at its default, a rank of a 2-node
     TP-8 learner shares its node's cores with the 3 other ranks there (not with 7, nor alone),
     the same count `qurl launch` plans its torchrun with."""
-    from qurl.deploy.launch import plan
+    from qurl.commands.launch_plan import plan
     from qurl.node.placement import learner_ranks_per_node, learner_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))

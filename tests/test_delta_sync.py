@@ -387,7 +387,8 @@ def test_twenty_delta_syncs_of_a_run_equal_a_full_sync_and_train_the_same(runs_d
     and the same run with full syncs logs the same training metrics, step for step (5 steps)."""
     from pipeline_helpers import tiny_cfg, use_free_dist_port
 
-    from qurl.train.inline import InProcessRollout, train
+    from qurl.commands.train import train
+    from qurl.train.inline import InProcessRollout
     from qurl.train.metrics_log import metric_differences, read_metrics
 
     use_free_dist_port()

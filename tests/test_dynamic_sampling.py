@@ -14,8 +14,8 @@ from qurl.config import ConfigError, load_config
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
 from qurl.models.tokenizer import build_tokenizer
-from qurl.rollout.dynamic_sampling import informative, sample_groups
-from qurl.rollout.requests import PromptCodec
+from qurl.train.dynamic_sampling import informative, sample_groups
+from qurl.train.requests import PromptCodec
 from qurl.types import GenRequest, GenResult, SamplingParams, Trajectory
 
 DATA = [Example(uid=f"q{i}", prompt=f"{i}+0=", answer=str(i)) for i in range(40)]

@@ -11,9 +11,9 @@ from test_dynamic_sampling import DATA, ScriptedEngine
 
 from qurl.config import ConfigError, load_config
 from qurl.data.rewards import extract_answer
-from qurl.evaluation.metrics import mean_over_sets, pass_at_k, set_metrics
-from qurl.evaluation.suite import score_engine, summary
-from qurl.rollout.requests import PromptCodec
+from qurl.train.eval_metrics import mean_over_sets, pass_at_k, set_metrics
+from qurl.train.eval_suite import score_engine, summary
+from qurl.train.requests import PromptCodec
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -88,7 +88,7 @@ def test_eval_config_is_validated() -> None:
 
 
 def _needs_fp_policy(cfg) -> bool:
-    from qurl.evaluation.suite import needs_fp_policy
+    from qurl.train.eval_suite import needs_fp_policy
 
     return needs_fp_policy(cfg.eval, cfg.rollout)
 

@@ -1,12 +1,12 @@
 """Which engine evaluates which policy, and the bound on local evaluation engines on the learner's
-GPU (issue 59 item 7; qurl/evaluation/eval_placement.py). Pure decisions: testable without CUDA."""
+GPU (issue 59 item 7; qurl/train/eval_placement.py). Pure decisions: testable without CUDA."""
 from __future__ import annotations
 
 import pytest
 
 from qurl.config import ConfigError, load_config
-from qurl.evaluation import eval_placement as ep
-from qurl.evaluation.eval_placement import local_eval_bytes
+from qurl.train import eval_placement as ep
+from qurl.train.eval_placement import local_eval_bytes
 from qurl.learner.memory_plan import KNOWN_SHAPES
 
 R1_15B = KNOWN_SHAPES["deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"]

@@ -1,4 +1,4 @@
-"""`qurl export` (qurl/train/export.py): a trained run's policy out as an HF checkpoint that
+"""`qurl export` (qurl/commands/export.py): a trained run's policy out as an HF checkpoint that
 transformers loads with the learner's logits, UAQ undone to fp32 rounding, and as the 8-bit
 checkpoint SGLang loads, byte-equal to what the run's weight sync sends.
 
@@ -16,7 +16,7 @@ import torch
 
 from qurl.cli import main
 from qurl.config import load_config
-from qurl.train.inline import train
+from qurl.commands.train import train
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def runs(runs_dir):
     qwen3 = _cfg(root, "qwen3", **{"model.base": "tiny-qwen3", "model.dtype": "float32"})
     plain = _cfg(root, "plain", **{"model.dtype": "float32", "algo.uaq_scale": 1.0})
     frozen = _cfg(root, "frozen", **{"model.dtype": "bfloat16", "learner.tp": 2, "optim.lr": 1e-30})
-    from qurl.deploy.ranks import run_ranks
+    from qurl.commands.ranks import run_ranks
 
     run_ranks(train, frozen.learner, frozen, resume=False)  # TP 2: two spawned learner ranks
     train(qwen3)  # in this process (TP 1)
@@ -54,7 +54,7 @@ def _masters(run_dir):
     from qurl.checkpoint.rundir import CheckpointDir, read_config
     from qurl.learner.dist import init_learner_dist
     from qurl.learner.megatron import MegatronLearner
-    from qurl.train.export import base_dir
+    from qurl.commands.export import base_dir
 
     cfg = read_config(run_dir)
     init_learner_dist(cfg.learner, 0, 1, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
@@ -98,7 +98,7 @@ def test_hf_export_loads_in_transformers_with_the_learners_logits(runs, tmp_path
 def test_hf_export_of_an_untrained_tp2_bf16_run_equals_its_base(runs, tmp_path):
     from qurl.checkpoint.rundir import read_config
     from qurl.models.hf import read_state_dict
-    from qurl.train.export import base_dir
+    from qurl.commands.export import base_dir
 
     out = tmp_path / "frozen"
     assert main(["export", str(runs / "frozen"), "--out", str(out), "--dtype", "float32"]) == 0

@@ -101,7 +101,7 @@ def test_sigkill_controller_then_resume_trains_each_prompt_once(run_root):
 
 
 def test_sigkill_worker_is_replaced_and_no_prompt_is_lost(run_root):
-    from qurl.pipeline.controller import train_async
+    from qurl.commands.train import train
 
     cfg = tiny_cfg(run_root, "wkr", 4, **ASYNC)
     run_dir = run_root / "wkr"
@@ -119,7 +119,7 @@ def test_sigkill_worker_is_replaced_and_no_prompt_is_lost(run_root):
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
-    train_async(cfg)
+    train(cfg)
     t.join(5)
     assert killed, "the worker was never killed"
     last = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"][-1]

@@ -15,7 +15,7 @@ import pytest
 
 from qurl.commands.launch import main_launch
 from qurl.config import load_config
-from qurl.deploy.launch import Command, NodePlan, Reach, plan, run_node
+from qurl.commands.launch_plan import Command, NodePlan, Reach, plan, run_node
 
 EXAMPLE = str(Path(__file__).parents[1] / "scripts" / "example_2node.toml")
 
@@ -424,7 +424,7 @@ def test_a_stopped_launch_stops_what_it_started(tmp_path):
               f"open({str(pids)!r}, 'a').write(f'{{c.pid}}\\n'); time.sleep(300)")
     learner = (f"import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); "
                "time.sleep(300)")
-    script = ("import sys; from qurl.deploy.launch import Command, NodePlan, run_node; "
+    script = ("import sys; from qurl.commands.launch_plan import Command, NodePlan, run_node; "
               f"sys.exit(run_node(NodePlan(0, 'localhost', ["
               f"Command('sglang', [sys.executable, '-c', {server!r}]), "
               f"Command('learner', [sys.executable, '-c', {learner!r}])])))")

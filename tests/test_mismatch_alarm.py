@@ -93,7 +93,7 @@ def test_alarm_quiet_on_a_healthy_run_and_fires_on_a_quantizer_fault(runs_root, 
     from pipeline_helpers import tiny_cfg
     from qurl.errors import RunHalted
     from qurl.weights.publish import WeightSync
-    from qurl.train.inline import train
+    from qurl.commands.train import train
 
     extra = {"rollout.precision": "int8", "deploy.alarm.steps": 2, "deploy.ckpt_every": 0,
              "data.eval_size": 4}

@@ -23,8 +23,8 @@ from pipeline_helpers import (TIMING, assert_each_prompt_once, tiny_cfg, trained
 
 from qurl.pipeline.ledger import Ledger, split_key
 from qurl.pipeline.session import load_or_create_key, read_key, read_session
-from qurl.stream.payload import pack_trajectories
-from qurl.stream.frames import encode
+from qurl.pipeline.payload import pack_trajectories
+from qurl.pipeline.frames import encode
 from qurl.train.metrics_log import read_metrics
 from qurl.types import Trajectory
 
@@ -157,12 +157,11 @@ def _comparable(rec: dict) -> dict:
 
 @pytest.mark.slow
 def test_eta0_async_reproduces_sync(run_root):
-    from qurl.pipeline.controller import train_async
-    from qurl.train.inline import train
+    from qurl.commands.train import train
 
     steps = 3
     train(tiny_cfg(run_root, "sync", steps))
-    train_async(tiny_cfg(run_root, "async0", steps, **{"deploy.rollout": "workers"}))
+    train(tiny_cfg(run_root, "async0", steps, **{"deploy.rollout": "workers"}))
     sync = read_metrics(run_root / "sync" / "metrics.jsonl")
     asyn = read_metrics(run_root / "async0" / "metrics.jsonl")
     assert [r["kind"] for r in sync] == [r["kind"] for r in asyn]
@@ -239,7 +238,7 @@ def _stray_peer(run_dir, stop: threading.Event, sent: dict) -> None:
 
 @pytest.mark.slow
 def test_eta1_two_workers_stale_tokens_exactly_once_and_stray_peer(run_root):
-    from qurl.pipeline.controller import train_async
+    from qurl.commands.train import train
 
     cfg = tiny_cfg(run_root, "async1", 4, **{"deploy.rollout": "workers", "rollout.max_staleness": 1,
                                               "deploy.engines": 2})
@@ -248,7 +247,7 @@ def test_eta1_two_workers_stale_tokens_exactly_once_and_stray_peer(run_root):
     stray = threading.Thread(target=_stray_peer, args=(run_dir, stop, sent), daemon=True)
     stray.start()
     try:
-        final = train_async(cfg)
+        final = train(cfg)
     finally:
         stop.set()
         stray.join(30)

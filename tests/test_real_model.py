@@ -57,7 +57,7 @@ def _tokenizer():
 
 
 def _chat_ids(tok, question: str) -> list[int]:
-    from qurl.rollout.requests import PromptCodec
+    from qurl.train.requests import PromptCodec
 
     return PromptCodec(tok, "chat").encode(question)
 
@@ -73,8 +73,8 @@ def _hf_logp(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- tokenizer and template
 def test_bpe_tokenizer_chat_template_and_eos_that_is_also_pad() -> None:
     from qurl.engines.local import LocalEngine
-    from qurl.rollout.batch import build_batch
-    from qurl.rollout.requests import PromptCodec
+    from qurl.train.batch import build_batch
+    from qurl.train.requests import PromptCodec
     from qurl.types import Trajectory
 
     tok = _tokenizer()

@@ -1,13 +1,13 @@
 """Request seeding shared by the sync loop and the async workers, and the train record's batch
-statistics (qurl/rollout/generate.py), with values worked by hand."""
+statistics (qurl/train/generate.py), with values worked by hand."""
 import pytest
 import torch
 
 from qurl.data import rewards
 from qurl.data.datasets import Example
 from qurl.data.synthetic import arithmetic_task
-from qurl.rollout.generate import group_stats, to_trajectories
-from qurl.rollout.requests import make_requests
+from qurl.train.generate import group_stats, to_trajectories
+from qurl.train.requests import make_requests
 from qurl.types import GenResult, SamplingParams, Trajectory
 
 

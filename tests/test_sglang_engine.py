@@ -345,7 +345,7 @@ def test_sync_loop_trains_against_an_attached_server_with_fp8_block_syncs(tmp_pa
 
     from qurl.config import load_config
     from qurl.models.convert import megatron_to_hf
-    from qurl.train.inline import train
+    from qurl.commands.train import train
 
     port = free_port()
     proc = subprocess.Popen(_fake_cmd(tmp_path, port, delay=0.0, quantization="fp8"),
@@ -394,8 +394,8 @@ def test_async_worker_drives_its_sglang_server(tmp_path, runs_dir):
     from pipeline_helpers import assert_each_prompt_once, tiny_cfg, use_free_dist_port
     from transformers import AutoConfig
 
+    from qurl.commands.train import train
     from qurl.models.convert import megatron_to_hf
-    from qurl.pipeline.controller import train_async
 
     port = free_port()
     proc = subprocess.Popen(_fake_cmd(tmp_path, port, delay=0.0), stdout=subprocess.DEVNULL,
@@ -408,7 +408,7 @@ def test_async_worker_drives_its_sglang_server(tmp_path, runs_dir):
             "deploy.rollout": "workers", "rollout.max_staleness": 1, "deploy.engines": 1,
             "rollout.engine": "sglang", "sglang.urls": url, "rollout.precision": "int8",
             "model.dtype": "float32"})  # the checkpoint's model state is then the synced masters
-        final = train_async(cfg)
+        final = train(cfg)
         served = _get(url, "/_fake/requests")
     finally:
         proc.kill()

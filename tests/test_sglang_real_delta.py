@@ -71,7 +71,7 @@ def _warm_start(src, out, cfg):
 def run(models, tmp_path_factory):
     """(the model dir the run started from, its 21 published versions, its train records)."""
     from qurl.learner.dist import free_port
-    from qurl.train.inline import train
+    from qurl.commands.train import train
     from qurl.train.metrics_log import read_metrics
     from tests.pipeline_helpers import tiny_cfg
 

@@ -30,7 +30,7 @@ from qurl.models import registry
 from qurl.models.export8bit import export_8bit
 from qurl.models.hf import read_state_dict, write_state_dict
 from qurl.quant.named import engine_chunks
-from qurl.rollout.requests import PromptCodec
+from qurl.train.requests import PromptCodec
 from qurl.weights.publish import WeightSync
 from qurl.types import GenRequest, SamplingParams
 from tests import sglang_real

@@ -38,7 +38,7 @@ LOGPROB_TOL = 0.05  # bf16 server vs the local engine in fp32 on the same bf16 w
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from qurl.cli import main
-    from qurl.train.inline import train
+    from qurl.commands.train import train
 
     root = tmp_path_factory.mktemp("qwen3")
     sets = {"deploy.dir": str(root), "run.name": "q3", "run.steps": 2, "run.eval_every": 0,

@@ -12,7 +12,7 @@ import pytest
 
 from qurl.config import load_config
 from qurl.data.datasets import load_dataset
-from qurl.data.fetch import TRAINING_SETS, target_path
+from qurl.data.download import TRAINING_SETS, target_path
 from qurl.data.rewards import extract_answer
 from qurl.data.sets import SETS_DIR, resolve_data_path, shipped
 from qurl.data.splits import load_eval_sets

@@ -16,10 +16,10 @@ import torch
 import zmq
 from blake3 import blake3
 
-from qurl.stream.channel import Receiver, Sender
-from qurl.stream.payload import (PromptTask, pack_prompt, pack_trajectories, unpack_trajectories,
+from qurl.pipeline.channel import Receiver, Sender
+from qurl.pipeline.payload import (PromptTask, pack_prompt, pack_trajectories, unpack_trajectories,
                                  validate_packed, validate_trajectories)
-from qurl.stream.frames import (CHUNK, DOMAIN, SCHEMA_VERSION, Limits, WireError, compute_mac, decode,
+from qurl.pipeline.frames import (CHUNK, DOMAIN, SCHEMA_VERSION, Limits, WireError, compute_mac, decode,
                               encode)
 from qurl.types import SamplingParams, Trajectory
 

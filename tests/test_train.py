@@ -11,9 +11,9 @@ from qurl.errors import CheckpointError
 from qurl.commands.eval import eval_run
 from qurl.research.studies.misses import classify
 from qurl.research.studies.misses import report as misses_report
-from qurl.train.inline import train
+from qurl.commands.train import train
 from qurl.train.metrics_log import read_metrics
-from qurl.train.report import report
+from qurl.train.plots import report
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ def run_root(runs_dir):
 def test_async_actor_is_scored_by_the_workers_as_a_local_engine_would(run_root, monkeypatch):
     from qurl.engines import local
     from qurl.commands.eval import eval_run
-    from qurl.pipeline.controller import train_async
+    from qurl.commands.train import train
 
     built: list[str] = []  # precisions of the LocalEngines built in this (the controller's) process
     init = local.LocalEngine.__init__
@@ -41,7 +41,7 @@ def test_async_actor_is_scored_by_the_workers_as_a_local_engine_would(run_root, 
         "deploy.rollout": "workers", "run.eval_every": 1, "data.eval_size": 8,
         "eval.samples": 4, "eval.pass_k": 4, "eval.temperature": 1.0, "rollout.precision": "int8",
         "eval.fp_policy": False})
-    final = train_async(cfg)
+    final = train(cfg)
     assert built == [], built  # no local decoder of the 8-bit actor in the controller's process
     evals = [r for r in read_metrics(run_root / "weval" / "metrics.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1]

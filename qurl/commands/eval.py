@@ -1,5 +1,5 @@
 """`qurl eval`: the paper's evaluation of a run's latest checkpoint, or `--step N`'s
-(qurl/evaluation/suite.py), or of an HF checkpoint directory (an export from `qurl export`, a base
+(qurl/train/eval_suite.py), or of an HF checkpoint directory (an export from `qurl export`, a base
 model) under a run's config.
 
     qurl eval runs/<run> [--step N] [--set eval.samples=32] [-n N] [--per-question] [--answers]
@@ -35,10 +35,10 @@ import torch
 
 from qurl.checkpoint.rundir import CheckpointDir, read_config, run_dir_for
 from qurl.config import Config, ConfigError, EvalConfig, load_config, override, parse_sets, validate
-from qurl.deploy.ranks import run_ranks
+from qurl.commands.ranks import run_ranks
 from qurl.engines.factory import ServerSite, engine_wire_dtype, make_engine
 from qurl.errors import InputError
-from qurl.evaluation.suite import Evaluator, summary
+from qurl.train.eval_suite import Evaluator, summary
 from qurl.learner.dist import init_learner_dist, is_main_rank
 from qurl.learner.megatron import MegatronLearner
 from qurl.models.base import builds_base

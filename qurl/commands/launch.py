@@ -4,7 +4,7 @@
     qurl launch --preset P ... --nodes h0,h1 --node-rank R              run node R's commands
 
 `qurl launch` parses its own options: qurl/cli.py passes them through untouched (a leading `--` is
-dropped). The config is loaded as `qurl train` loads it; qurl/deploy/launch.py `plan` turns it
+dropped). The config is loaded as `qurl train` loads it; qurl/commands/launch_plan.py `plan` turns it
 into each node's commands (export, SGLang servers, external workers, the learner's torchrun)
 with their GPUs and network settings -- its docstring, the placement rules, is this command's
 --help. A placement the plan refuses, or a learner memory plan that cannot hold one row on a GPU of
@@ -18,8 +18,8 @@ import argparse
 import sys
 
 from qurl.config import PRESETS, load_config
-from qurl.deploy import launch
-from qurl.deploy.launch import BASE_PORT, plan, render, run_node
+from qurl.commands import launch_plan as launch
+from qurl.commands.launch_plan import BASE_PORT, plan, render, run_node
 
 
 def main_launch(argv: list[str] | None = None) -> int:

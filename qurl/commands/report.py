@@ -2,7 +2,7 @@
 
     qurl report runs/<run> [--out FILE.png]
 
-qurl/train/report.py draws the panels (reward and held-out accuracy, the mismatch KL, entropy,
+qurl/train/plots.py draws the panels (reward and held-out accuracy, the mismatch KL, entropy,
 clipping, flip fractions) into `--out`, by default runs/<run>/report.png; the command prints that
 path. A run without metrics is one line, exit 2.
 """
@@ -13,7 +13,7 @@ import argparse
 
 def run(args: argparse.Namespace) -> int:
     """`qurl report` with its parsed arguments (module docstring); the exit code."""
-    from qurl.train.report import report
+    from qurl.train.plots import report
 
     print(report(args.run_dir, args.out))
     return 0

@@ -7,7 +7,7 @@ Before any rank starts, what would fail late and far away is refused in one line
 training and eval data are read (a bad row names its file and line), the base model is resolved
 (a hub id or a model not fetched), the layout is checked against it (qurl/models/fits.py), and
 the learner ranks' memory plan is printed (on a GPU, refused when it cannot hold one row). Then the
-learner's ranks start (qurl/deploy/ranks.py) and each runs the synchronous loop
+learner's ranks start (qurl/commands/ranks.py) and each runs the synchronous loop
 (qurl/train/inline.py) or the asynchronous controller (qurl/pipeline/controller.py), as
 deploy.rollout says; the final evaluation's summary is printed.
 """
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = override(cfg, {"deploy.dir": str(Path(args.resume).parent),
                              "run.name": Path(args.resume).name})
     from qurl.data.splits import load_datasets
-    from qurl.deploy.ranks import run_ranks
+    from qurl.commands.ranks import run_ranks
     from qurl.models.registry import resolve_base
 
     # a bad row fails now, the same on every rank, before any slow setup
@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
     _print_memory_plan(cfg.model, cfg.learner, cfg.rollout, cfg.deploy, kl_coef=cfg.algo.kl_coef)
-    result = run_ranks(_train_entry, cfg.learner, cfg, resume=bool(args.resume))
+    result = run_ranks(train, cfg.learner, cfg, resume=bool(args.resume))
     if result:
-        from qurl.evaluation.suite import summary
+        from qurl.train.eval_suite import summary
 
         print(f"final {summary(result)}")
     return 0
@@ -88,13 +88,21 @@ def _print_memory_plan(model: ModelConfig, learner: LearnerConfig, rollout: Roll
     print(text, flush=True)
 
 
-def _train_entry(cfg: Config, *, resume: bool, rank: int, world_size: int) -> dict:
-    """A learner rank of `qurl train`: the run's loop, as deploy.rollout says (the whole `Config`:
-    the loop opens the run, qurl/train/run_setup.py)."""
-    if cfg.deploy.rollout != "inline":
-        from qurl.pipeline.controller import train_async
+def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
+    """Run (or resume) the run `cfg` describes on this learner rank: the training loop
+    (qurl/train/loop.py) fed by the batch source deploy.rollout names, rollouts generated in this
+    process (`inline`, qurl/train/inline.py) or the async controller's workers
+    (qurl/pipeline/controller.py). Returns the final eval record on rank 0, {} elsewhere. The
+    rank entry of `qurl train`, and `qurl.api.train` in one process. It takes the whole `Config`:
+    the loop opens the run (qurl/train/run_setup.py) and hands each component its sections."""
+    from qurl.train.loop import train_loop
 
-        return train_async(cfg, resume=resume, rank=rank, world_size=world_size)
-    from qurl.train.inline import train
+    if cfg.deploy.rollout == "inline":
+        from qurl.train.inline import InProcessRollout
 
-    return train(cfg, resume=resume, rank=rank, world_size=world_size)
+        return train_loop(cfg, InProcessRollout, resume=resume, rank=rank, world_size=world_size)
+    from qurl.pipeline.controller import Controller
+
+    # rank 0 builds no engine: the workers generate the rollouts and answer the evaluations
+    return train_loop(cfg, Controller, resume=resume, rank=rank, world_size=world_size,
+                      engine=False)

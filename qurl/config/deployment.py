@@ -155,7 +155,7 @@ class DeployConfig:
     """GB the fp policy's local engine (eval.fp_policy; weights + fp32 KV cache of its largest
     batch) may take on learner rank 0's GPU; the actor is scored on the rollout engines and takes
     none. An evaluation estimated over it is refused at start in one line
-    (qurl/evaluation/eval_placement.py); 0 = no local evaluation on the GPU. Not checked on CPU."""
+    (qurl/train/eval_placement.py); 0 = no local evaluation on the GPU. Not checked on CPU."""
     host: str = "127.0.0.1"
     """Node 0's address as the others reach it: the learner's rendezvous, the controller's
     ZeroMQ inbox and every weight-broadcast group."""

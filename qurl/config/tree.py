@@ -161,7 +161,7 @@ class AlgoConfig:
     dynamic_sampling_rounds: Count = 0
     """DAPO dynamic sampling: drop groups whose accuracies are all equal and sample more prompts
     until the batch holds prompts_per_step groups, in at most this many rollout rounds per step
-    (then the step fails; qurl/rollout/dynamic_sampling.py); 0 = off, every group is trained on."""
+    (then the step fails; qurl/train/dynamic_sampling.py); 0 = off, every group is trained on."""
     overlong: tuple[float, ...] = (0.0, 1.0)
     """DAPO soft overlong penalty, (window, penalty): a response's reward falls linearly by up to
     `penalty` over the last `window` tokens before rollout.max_new_tokens; window a whole number

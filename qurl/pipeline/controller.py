@@ -24,7 +24,7 @@ metrics.jsonl), so exactly-once can be checked.
 
 Re-broadcasts to replaced workers use the chunks cached on rank 0, so they need no collective of the
 TP ranks (which run the loop without a source). Rank 0 builds no engine: evaluation
-(qurl/train/loop.py, qurl/evaluation/suite.py) asks the workers, through their task path, for the
+(qurl/train/loop.py, qurl/train/eval_suite.py) asks the workers, through their task path, for the
 answers of the 8-bit actor they run at the version just published (qurl/pipeline/remote_eval.py),
 and scores beside it the full-precision policy (a local decoder, eval.fp_policy).
 """
@@ -47,20 +47,13 @@ from qurl.pipeline.records import TrainedLog, ack_stats
 from qurl.pipeline.remote_eval import WorkerEval
 from qurl.weights.publish import WeightSync
 from qurl.weights.settings import SyncSettings
-from qurl.train.loop import RankZero, train_loop
+from qurl.train.loop import RankZero
 from qurl.types import Trajectory
 
 log = logging.getLogger("qurl.controller")
 
 STALL_TIMEOUT_S = 900.0  # no trajectory accepted and no step trained for this long: give up
 TRAINED_FILE = "trained.jsonl"
-
-
-def train_async(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
-    """Run (or resume) the asynchronous loop. Returns the final eval record on rank 0."""
-    # rank 0 builds no engine: the workers generate the rollouts and answer the evaluations
-    return train_loop(cfg, Controller, resume=resume, rank=rank, world_size=world_size,
-                      engine=False)
 
 
 class Controller:

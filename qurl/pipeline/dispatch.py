@@ -35,8 +35,8 @@ from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
 from qurl.pipeline.ledger import Dispatch, Ledger
 from qurl.pipeline.staleness import StalenessController, TrajectoryBuffer
-from qurl.rollout.dynamic_sampling import informative
-from qurl.stream.payload import PromptTask, pack_prompt
+from qurl.train.dynamic_sampling import informative
+from qurl.pipeline.payload import PromptTask, pack_prompt
 from qurl.types import SamplingParams, Trajectory
 
 Send = Callable[[int, dict[str, Any], dict[str, torch.Tensor]], bool]

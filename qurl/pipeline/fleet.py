@@ -9,7 +9,7 @@ Topology:
   worker holds which prompt;
 - the controller binds one PULL (`inbound`, published in controller.json) for everything workers
   send: trajectory batches and control (hello, synced).
-Every message is authenticated with the run key and validated by qurl/stream/channel.py; rejects
+Every message is authenticated with the run key and validated by qurl/pipeline/channel.py; rejects
 (forged, replayed, truncated, oversized, invalid) are counted there and never reach the caller.
 
 Liveness and the weight group. A torch.distributed group has fixed membership, so whenever the set
@@ -99,7 +99,7 @@ class Fleet:
         group's port, backend, bucket size; the planner's mode when `planner` is None); kind: the
         workers' engines (their stop grace and environment); vocab_size / max_len: bounds of a
         trajectory message (max_len: the longest answer asked, rollouts or evaluations)."""
-        from qurl.stream.channel import Receiver, Sender
+        from qurl.pipeline.channel import Receiver, Sender
 
         self.run_dir, self.key, self.stream = Path(run_dir), key, stream
         self.n = engines
@@ -216,7 +216,7 @@ class Fleet:
             self.counts["control_unknown"] += 1
 
     def _connect(self, slot: int, endpoint: Any) -> None:
-        from qurl.stream.channel import Sender
+        from qurl.pipeline.channel import Sender
 
         if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
             self.counts["hello_bad_endpoint"] += 1

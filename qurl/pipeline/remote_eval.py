@@ -1,7 +1,7 @@
 """The async actor's evaluation, answered by the rollout workers (issue 59 item 7).
 
 The async controller holds no engine: its workers hold the 8-bit actor (SGLang servers on GPU,
-local decoders on CPU). The Evaluator (qurl/evaluation/suite.py) builds its requests as always
+local decoders on CPU). The Evaluator (qurl/train/eval_suite.py) builds its requests as always
 (greedy, then Avg@k with their own seeds, `request_seed(run seed, EVAL_STEP, uid, j)`) and asks a
 `Generator` for the answers; in async runs that generator is `WorkerEval`, which sends them down
 the workers' ordinary task path:
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from qurl.stream.payload import PromptTask, pack_prompt
+from qurl.pipeline.payload import PromptTask, pack_prompt
 from qurl.types import GenRequest, GenResult
 
 STALL_TIMEOUT_S = 900.0  # no answer for this long: give up (the workers' logs say why)
@@ -54,7 +54,7 @@ def _parse(key: str) -> tuple[int, int] | None:
 
 
 class WorkerEval:
-    """A `Generator` (qurl/evaluation/suite.py) whose engines are the async workers.
+    """A `Generator` (qurl/train/eval_suite.py) whose engines are the async workers.
 
     fleet: the controller's Fleet; tend(): the controller's housekeeping between polls (raises
     a halt, restarts dead workers, re-pushes the version when needed) returning the slots

@@ -21,7 +21,7 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
 3. collects the prompts dispatched to it (one dispatch burst at a time: the controller marks the
    last prompt of a burst), builds G requests per prompt with the sync loop's `make_requests`
    (seeded by run seed, dispatch version + 1, dataset uid, sample index), generates and scores them
-   (qurl/rollout/generate.py `generate_groups`), and sends the whole batch back as one trajectory
+   (qurl/train/generate.py `generate_groups`), and sends the whole batch back as one trajectory
    message whose prompt_uids are the dispatch keys (`uid@did`); a task marked `eval` is one
    evaluation request of the controller, run as given and answered unscored, never trained
    (qurl/pipeline/remote_eval.py).
@@ -99,7 +99,7 @@ class RolloutWorker(WeightClient):
         from qurl.engines.kind import EngineKind
         from qurl.node.placement import set_threads, threads_for
         from qurl.pipeline.session import read_key
-        from qurl.rollout.requests import PromptCodec
+        from qurl.train.requests import PromptCodec
         from qurl.weights.settings import SyncSettings
 
         self.run_dir, self.slot, self.parent_pid = Path(run_dir), int(slot), int(parent_pid)
@@ -140,7 +140,7 @@ class RolloutWorker(WeightClient):
     # ------------------------------------------------------------------ connection
 
     def _connect(self, info: dict[str, Any]) -> None:
-        from qurl.stream.channel import Receiver, Sender
+        from qurl.pipeline.channel import Receiver, Sender
 
         self._leave_group()
         self.tasks.clear()  # a new controller re-dispatches from its own ledger
@@ -266,8 +266,8 @@ class RolloutWorker(WeightClient):
         """Evaluation requests: each task is one request, run as given (its params carry the
         evaluator's seed), answered unscored under its key in a trajectory message marked
         `eval`, which the controller hands to the evaluator: never trained, never scored here."""
-        from qurl.rollout.generate import unscored
-        from qurl.stream.payload import pack_trajectories
+        from qurl.train.generate import unscored
+        from qurl.pipeline.payload import pack_trajectories
         from qurl.types import GenRequest
 
         requests = [GenRequest(rid=f"{meta['key']}#0", prompt_ids=task.prompt_ids.tolist(),
@@ -289,9 +289,9 @@ class RolloutWorker(WeightClient):
     def _rollout_train(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
         from qurl.data.datasets import Example
         from qurl.pipeline.ledger import split_key
-        from qurl.rollout.generate import generate_groups
-        from qurl.rollout.requests import make_requests
-        from qurl.stream.payload import pack_trajectories
+        from qurl.train.generate import generate_groups
+        from qurl.train.requests import make_requests
+        from qurl.pipeline.payload import pack_trajectories
 
         requests, examples = [], []
         for task, meta, _ in batch:  # each prompt trains at step = its dispatch version + 1

@@ -3,7 +3,7 @@
     sync v0 to the 8-bit engine (UAQ already on the learner's master weights)
     each step: prompts <- data cursor; G samples each from the engine at the current version,
                scored by the verifiable reward (DAPO dynamic sampling: more prompts until B
-               groups of mixed accuracy, qurl/rollout/dynamic_sampling.py); after training, re-quantize
+               groups of mixed accuracy, qurl/train/dynamic_sampling.py); after training, re-quantize
                -> engine (flip fraction measured)
 
 The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/train/loop.py, shared with
@@ -19,10 +19,10 @@ from qurl.config import Config
 from qurl.data.cursor import DataCursor
 from qurl.types import CountingEngine, Engine
 from qurl.engines.factory import engine_wire_dtype
-from qurl.rollout.dynamic_sampling import sample_groups
+from qurl.train.dynamic_sampling import sample_groups
 from qurl.weights.publish import WeightSync
 from qurl.weights.settings import SyncSettings
-from qurl.train.loop import RankZero, train_loop
+from qurl.train.loop import RankZero
 from qurl.types import Trajectory
 
 
@@ -69,7 +69,3 @@ class InProcessRollout:
         if close_engine is not None:  # SGLang: stop the servers this run launched (they run in
             close_engine()            # their own sessions, so they would outlive the process)
 
-
-def train(cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1) -> dict:
-    """Run (or resume) the synchronous loop. Returns the final eval record on rank 0."""
-    return train_loop(cfg, InProcessRollout, resume=resume, rank=rank, world_size=world_size)

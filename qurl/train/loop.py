@@ -17,14 +17,14 @@ with an engine in this process at the current version: the synchronous loop. The
 (qurl/pipeline/controller.py) dispatches prompts to rollout workers under the staleness bound η and
 pops B complete groups from its buffer; its weights go to the workers through the weight group.
 With η = 0 it dispatches exactly the sync loop's prompts at the current version, with the same
-request seeds (qurl/rollout/requests.py `make_requests`), and everything after `next_groups` is this one loop, so
+request seeds (qurl/train/requests.py `make_requests`), and everything after `next_groups` is this one loop, so
 η = 0 reproduces the sync loop by construction. The other TP ranks run the same loop with no source:
 they receive the batch, train, take part in the weight gather and write their checkpoint shard.
 
 This module alone decides the record shapes and metric names (train: rollout statistics of the
 trained batch, the source's timings and statistics (with sync DAPO dynamic sampling: those of every
-sampled response, qurl/rollout/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
-qurl/evaluation/suite.py, rollout engine and full-precision policy side by side), the eval /
+sampled response, qurl/train/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
+qurl/train/eval_suite.py, rollout engine and full-precision policy side by side), the eval /
 checkpoint cadence and the checkpoint state: step, version, RNG, the mismatch alarm's history
 (qurl/train/alarm.py: its `alarm/*` keys join the train record; with deploy.alarm.stop it ends the
 run before that step's checkpoint) and the source's own state (the data cursor; for async also the
@@ -45,12 +45,12 @@ from qurl.data.splits import load_datasets
 from qurl.types import Engine
 from qurl.engines.factory import ServerSite, make_engine
 from qurl.errors import RunHalted
-from qurl.evaluation.suite import Evaluator, Generator, summary
+from qurl.train.eval_suite import Evaluator, Generator, summary
 from qurl.learner.dist import broadcast_object
 from qurl.models.hf import load_tokenizer, vocab_size
-from qurl.rollout.batch import build_batch
-from qurl.rollout.generate import group_stats
-from qurl.rollout.requests import PromptCodec
+from qurl.train.batch import build_batch
+from qurl.train.generate import group_stats
+from qurl.train.requests import PromptCodec
 from qurl.train.alarm import MismatchAlarm
 from qurl.train.metrics_log import MetricsLogger
 from qurl.train.run_setup import OpenedRun, open_run, save_checkpoint

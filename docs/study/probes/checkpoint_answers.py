@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 import torch
 from qurl.config import override, validate
-from qurl.deploy.ranks import run_ranks
+from qurl.commands.ranks import run_ranks
 from qurl.engines.factory import engine_wire_dtype, make_engine
 from qurl.learner.dist import init_learner_dist
 from qurl.learner.megatron import MegatronLearner
@@ -20,8 +20,8 @@ from qurl.models.registry import resolve_base
 from qurl.weights.publish import WeightSync
 from qurl.train.rundir import CheckpointDir, read_config
 from qurl.data.splits import load_eval_sets
-from qurl.rollout.requests import PromptCodec
-from qurl.rollout.generate import to_trajectories
+from qurl.train.requests import PromptCodec
+from qurl.train.generate import to_trajectories
 from qurl.types import GenRequest, SamplingParams
 
 def entry(cfg, *, ckpt, pattern, n, rank, world_size):

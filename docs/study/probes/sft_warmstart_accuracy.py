@@ -25,8 +25,8 @@ from qurl.engines.factory import make_engine
 from qurl.models.registry import resolve_base
 from qurl.models.warmstart import sft_warmstart
 from qurl.models.hf import load_checkpoint
-from qurl.rollout.requests import PromptCodec
-from qurl.rollout.generate import to_trajectories
+from qurl.train.requests import PromptCodec
+from qurl.train.generate import to_trajectories
 from qurl.types import GenRequest, SamplingParams
 
 cfg = PRESETS["smollm2-arith"]()

@@ -23,8 +23,8 @@ from qurl.config.presets import PRESETS
 from qurl.data.splits import load_eval_sets
 from qurl.engines.factory import make_engine
 from qurl.models.registry import models_dir
-from qurl.rollout.generate import to_trajectories
-from qurl.rollout.requests import PromptCodec
+from qurl.train.generate import to_trajectories
+from qurl.train.requests import PromptCodec
 from qurl.types import GenRequest, SamplingParams
 
 SHOTS = {"orig": templates.ONE_SHOT, "steps": ("What is 2+5-4?", "2+5 = 7. 7-4 = 3. \\boxed{3}")}

@@ -3,7 +3,7 @@
 `data.train` / `data.eval` name a file path, or the bare name of a shipped set ("aime24" or
 "aime24.jsonl"): the sets the paper evaluates on (AIME24, AMC23, MATH500, Minerva, OlympiadBench) and
 GSM8K test, stored next to this file with their source and license in README.md. Training sets are
-too large to ship; `qurl fetch NAME` downloads them (qurl/data/fetch.py) to a path the presets name.
+too large to ship; `qurl fetch NAME` downloads them (qurl/data/download.py) to a path the presets name.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 `qurl bench sync` prices delta sync at large shapes (qurl/research/bench/sync.py); the share of each kind
 of chunk that changes per step is the input it needs, and only a real run gives it. This module
-runs the synchronous loop (`qurl.train.inline.train`) with every sync observed: for each version after
+runs the synchronous loop (`qurl.commands.train.train`, deploy.rollout = inline) with every sync observed: for each version after
 the first it compares the engine chunks with the previous version's, bit for bit, and records
 
     codes    share of 8-bit codes whose bits changed (the flip fraction)
@@ -58,7 +58,7 @@ def measure(sets: list[str]) -> list[dict[str, Any]]:
     """Run the sync loop with `--set` overrides; one dict per sync after the first: the change
     fractions, joined with that step's train record."""
     from qurl.config import load_config
-    from qurl.train.inline import train
+    from qurl.commands.train import train
     from qurl.train.metrics_log import read_metrics
     from qurl.weights.publish import WeightSync
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import zmq
 
-from qurl.stream.channel import Receiver, Sender
-from qurl.stream.frames import DTYPES, compute_mac, tensor_frame
-from qurl.stream.payload import pack_trajectories, unpack_trajectories, validate_packed
+from qurl.pipeline.channel import Receiver, Sender
+from qurl.pipeline.frames import DTYPES, compute_mac, tensor_frame
+from qurl.pipeline.payload import pack_trajectories, unpack_trajectories, validate_packed
 from qurl.types import Trajectory
 
 _VOCAB = 151_936  # a Qwen-sized vocabulary, so token ids span realistic values

@@ -301,7 +301,7 @@ def compare(cfg: Config, out_dir: str | Path = "runs/compare", arms: list[str] |
 
 def _compare_seed(cfg: Config, out: Path, arms: list[str] | None) -> tuple[Path, list[dict]]:
     """One compare at cfg's seed: (compare.md, its rows)."""
-    from qurl.train.report import plot_runs
+    from qurl.train.plots import plot_runs
 
     rows, runs = [], {}
     for name, arm_cfg in arm_configs(cfg, out, arms).items():

@@ -78,7 +78,7 @@ def probe(run_dir: Path, base: Path | None = None, precision: str = "int8") -> l
     from qurl.config import validate
     from qurl.data.splits import load_eval_sets
     from qurl.engines.factory import local_engine
-    from qurl.rollout.requests import PromptCodec
+    from qurl.train.requests import PromptCodec
     from qurl.types import GenRequest, SamplingParams
 
     cfg = validate(read_config(run_dir))

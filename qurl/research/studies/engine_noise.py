@@ -116,7 +116,7 @@ def worked_answer_pairs(cfg, tokenizer, n: int) -> list[tuple[list[int], list[in
     of `cfg`, the prompt rendered with cfg.data.template."""
     from qurl.data.splits import load_eval_sets
     from qurl.data.synthetic import worked_solution
-    from qurl.rollout.requests import PromptCodec
+    from qurl.train.requests import PromptCodec
 
     if cfg.data.eval != "synthetic":
         raise ValueError(f"data.eval={cfg.data.eval!r}: worked answers exist only for the synthetic task")

@@ -7,7 +7,7 @@ UAQ within 2 points of bf16). The real-model recipe's task (one-digit, three-ope
 ~230 held-out questions, so more questions cannot fix it; more answers per question can: Avg@k
 (k samples per question at eval.temperature; the mean share right) averages k draws per question.
 Its standard error is at most the greedy one and falls toward sqrt(p(1−p)/(n·k)) when the model's
-per-question success rates are in the middle (qurl/evaluation/metrics.py).
+per-question success rates are in the middle (qurl/train/eval_metrics.py).
 
 What. `qurl study ablation --final-eval K` runs, for every finished arm without one, `qurl eval` on
 its run directory's last checkpoint (the step the run ended at) with greedy decoding and Avg@K, the

@@ -82,9 +82,9 @@ def sample_batch(cfg, checkpoint: str | Path, n_prompts: int, precision: str):
     engine log-prob of token j at column j, 0 off the mask."""
     from qurl.data.splits import load_datasets
     from qurl.engines.local import LocalEngine
-    from qurl.rollout.batch import build_batch
-    from qurl.rollout.generate import rollout
-    from qurl.rollout.requests import PromptCodec
+    from qurl.train.batch import build_batch
+    from qurl.train.generate import rollout
+    from qurl.train.requests import PromptCodec
     from qurl.types import SamplingParams
 
     behav = LocalEngine(checkpoint, precision=precision, seed=cfg.run.seed)

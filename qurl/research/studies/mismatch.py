@@ -36,7 +36,7 @@ def response_positions(mask: torch.Tensor, prompt_len: torch.Tensor) -> torch.Te
     """Index within its response of every column: [B, T] int64 (column j − prompt_len[row]).
 
     mask: [B, T] bool (True on response columns); prompt_len: [B]. Checks that each row's first
-    response column is its prompt length (the layout of qurl.rollout.batch)."""
+    response column is its prompt length (the layout of qurl.train.batch)."""
     B, T = mask.shape
     pos = torch.arange(T).unsqueeze(0) - prompt_len.view(B, 1)
     if bool((mask & (pos < 0)).any()):

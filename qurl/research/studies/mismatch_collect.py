@@ -51,9 +51,9 @@ def gen(out: Path, precision: str, model: str, n_prompts: int, group: int, new_t
         seed: int) -> Path:
     from qurl.engines.factory import ServerSite, make_engine
     from qurl.models.registry import resolve_base
-    from qurl.rollout.batch import build_batch
-    from qurl.rollout.generate import rollout
-    from qurl.rollout.requests import PromptCodec
+    from qurl.train.batch import build_batch
+    from qurl.train.generate import rollout
+    from qurl.train.requests import PromptCodec
     from qurl.types import SamplingParams
     from qurl.weights.settings import SyncSettings
 

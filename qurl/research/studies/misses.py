@@ -20,7 +20,7 @@ how many of each run on, say which mechanism moved the accuracy between two chec
     python -m qurl.research.studies.misses RUN_DIR step_30.json step_40.json
 
 RUN_DIR's config names the held-out sets (their gold answers and answer kinds); each record is a
-`qurl eval --answers` record of that run (`eval_answers`, qurl/evaluation/suite.py).
+`qurl eval --answers` record of that run (`eval_answers`, qurl/train/eval_suite.py).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ An arm's processes (its training here, its final evaluation in qurl/research/stu
 this process's environment, offline, less torch.distributed's rendezvous variables (`arm_env`).
 An arm is a run of its own on this machine, while this process may sit inside one: launched by
 torchrun, under a job script that exports MASTER_PORT, or holding a group itself. Inherited, RANK
-and WORLD_SIZE would make the arm join that world as one of its ranks (qurl/deploy/ranks.py), and
+and WORLD_SIZE would make the arm join that world as one of its ranks (qurl/commands/ranks.py), and
 MASTER_PORT would make it listen on a port that the live group, or the arm running beside it
 (`--jobs N`), already holds. Without them each arm picks a free port.
 

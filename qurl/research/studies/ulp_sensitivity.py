@@ -49,7 +49,7 @@ def nudged(masters: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 def _entry(cfg, *, run_dir: str, nudges: int, rank: int, world_size: int) -> dict:
     from qurl.checkpoint.rundir import CheckpointDir
     from qurl.engines.factory import ServerSite, engine_wire_dtype, make_engine
-    from qurl.evaluation.suite import Evaluator
+    from qurl.train.eval_suite import Evaluator
     from qurl.learner.dist import init_learner_dist
     from qurl.learner.megatron import MegatronLearner
     from qurl.models.registry import resolve_base
@@ -93,7 +93,7 @@ def _entry(cfg, *, run_dir: str, nudges: int, rank: int, world_size: int) -> dic
 def main(argv: list[str] | None = None) -> int:
     from qurl.checkpoint.rundir import read_config
     from qurl.config import override
-    from qurl.deploy.ranks import run_ranks
+    from qurl.commands.ranks import run_ranks
 
     p = argparse.ArgumentParser(prog="python -m qurl.research.studies.ulp_sensitivity",
                                 description=__doc__.split("\n\n")[0])

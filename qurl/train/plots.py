@@ -1,4 +1,4 @@
-"""`qurl report`: PNG plots of a run's metrics.jsonl (reward, accuracy, mismatch KL, clipping, flips).
+"""`qurl report`'s plots: a run's metrics.jsonl as PNG panels (reward, accuracy, mismatch KL, flips).
 
 Panels: training reward and held-out accuracy (8-bit engine and full-precision policy);
 KL(behav‖prox) — the quantization/staleness mismatch — overall and split by staleness; the

@@ -35,9 +35,9 @@ from typing import Any, Protocol
 from qurl.config import DataConfig, DeployConfig, EvalConfig, RolloutConfig
 from qurl.data.datasets import Example
 from qurl.types import Engine
-from qurl.evaluation.metrics import mean_over_sets, set_metrics
-from qurl.rollout.generate import to_trajectories
-from qurl.rollout.requests import PromptCodec, request_seed
+from qurl.train.eval_metrics import mean_over_sets, set_metrics
+from qurl.train.generate import to_trajectories
+from qurl.train.requests import PromptCodec, request_seed
 from qurl.types import GenRequest, GenResult, SamplingParams
 
 EVAL_STEP = -1  # the `step` of request_seed for evaluation samples: fixed, so every eval agrees
@@ -131,7 +131,7 @@ def _check_placement(ecfg: EvalConfig, rollout: RolloutConfig, deploy: DeployCon
 
     import torch
 
-    from qurl.evaluation.eval_placement import check_eval, eval_placement
+    from qurl.train.eval_placement import check_eval, eval_placement
 
     placement = eval_placement(ecfg, rollout, cuda=torch.cuda.is_available(),
                                asynchronous=asynchronous)
@@ -152,7 +152,7 @@ class Evaluator:
         (whether there is an fp policy to score beside the actor); deploy.reward_timeout_s and
         deploy.eval_gpu_gb. asynchronous: the actor is scored on the async controller's workers,
         not on rank 0; the local evaluation engine (the fp policy) on a GPU is checked against
-        deploy.eval_gpu_gb first (qurl/evaluation/eval_placement.py), on rank 0 (`main`)."""
+        deploy.eval_gpu_gb first (qurl/train/eval_placement.py), on rank 0 (`main`)."""
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import local_engine
         from qurl.weights.publish import WeightSync

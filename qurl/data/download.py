@@ -1,4 +1,4 @@
-"""`qurl fetch NAME`: download a training set the paper recipes use, once, to a local file.
+"""`qurl fetch NAME`'s training sets: a paper recipe's training set, downloaded once to a file.
 
 The evaluation sets ship with qurl (qurl/data/sets/); the training sets are 7k to 40k rows and are
 fetched from the Hugging Face Hub instead. Each name maps to one file of a public dataset repo, saved

@@ -23,8 +23,8 @@ from qurl.config import RolloutConfig
 from qurl.data.cursor import DataCursor
 from qurl.data.datasets import Example
 from qurl.types import Engine
-from qurl.rollout.generate import group_stats, rollout as generate
-from qurl.rollout.requests import PromptCodec
+from qurl.train.generate import group_stats, rollout as generate
+from qurl.train.requests import PromptCodec
 from qurl.types import SamplingParams, Trajectory
 
 _SAMPLED_KEYS = ("reward", "response_len", "truncated_frac", "reward_timeouts")

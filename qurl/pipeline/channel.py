@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import zmq
 
-from qurl.stream.payload import unpack_prompt, unpack_trajectories, validate_packed, validate_prompt
-from qurl.stream.frames import KINDS, Limits, Message, WireError, decode, encode
+from qurl.pipeline.payload import unpack_prompt, unpack_trajectories, validate_packed, validate_prompt
+from qurl.pipeline.frames import KINDS, Limits, Message, WireError, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from qurl.stream.frames import WireError
+from qurl.pipeline.frames import WireError
 from qurl.types import SamplingParams, Trajectory
 
 FINISH_REASONS = ("stop", "length", "abort")

@@ -2,7 +2,7 @@
 
 For each prompt, G responses are sampled from the engine (8-bit weights in QuRL), each token with the
 behaviour log-prob and the policy version that sampled it; every response is decoded and scored by
-the verifiable reward. The requests and their seeds are qurl/rollout/requests.py.
+the verifiable reward. The requests and their seeds are qurl/train/requests.py.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from qurl.data.datasets import Example
 from qurl.data.rewards import score_batch
 from qurl.types import Engine
-from qurl.rollout.requests import PromptCodec, make_requests
+from qurl.train.requests import PromptCodec, make_requests
 from qurl.types import GenRequest, GenResult, SamplingParams, Trajectory
 
 
