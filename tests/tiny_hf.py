@@ -63,3 +63,34 @@ def hf_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def qwen3_moe_config(**overrides) -> "Qwen3MoeConfig":
+    # Qwen3 attention + 8 experts of width 32, top-2 renormalised (Qwen3-30B-A3B's routing); tied
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=64,
+                  architectures=["Qwen3MoeForCausalLM"])
+    return Qwen3MoeConfig(**dict(fields, **overrides))
+
+
+def build_moe(seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random Qwen3-MoE (`qwen3_moe_config` + overrides), drawn as `build` draws, with the
+    experts run by transformers' eager loop; fp32, eval mode."""
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = qwen3_moe_config(**overrides)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    model = Qwen3MoeForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    return model.eval()

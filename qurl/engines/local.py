@@ -38,6 +38,8 @@ from qurl.engines.local_weights import LocalWeights
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
+from qurl.models.moe import MODEL_TYPE as MOE_MODEL_TYPE
+from qurl.models.moe import NOT_YET as MOE_NOT_YET
 from qurl.types import GenRequest, GenResult
 
 PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
@@ -88,6 +90,8 @@ class LocalEngine(LocalWeights):
         self.precision, self.dtype, self.max_batch = precision, dtype, max_batch
         self.device = torch.device(device)
         model, tok = load_checkpoint(model_dir, dtype=dtype)
+        if model.config.model_type == MOE_MODEL_TYPE:  # its experts would decode unquantized
+            raise ValueError(f"LocalEngine({model_dir}): {MOE_NOT_YET}")
         self.model = model.to(self.device).requires_grad_(False)  # never trained here
         self.tokenizer = tok
         self._qlinears: dict[str, QuantLinear] = (

@@ -6,8 +6,9 @@ GPTModel from the converted shard (qurl/models/convert.py) with one of megatron'
 - the **Transformer Engine** spec (`get_gpt_layer_with_transformer_engine_spec`: TE linears with the
   RMSNorm fused into the linear that follows it, TE attention) — CUDA only;
 - the **local** spec (`get_gpt_layer_local_spec`: plain torch modules) — what runs on CPU, and
-  on GPUs without TE. Its core attention is qurl's `SDPAttention` (attention.py: torch SDPA, causal,
-  no [heads, L, L] scores kept) unless `attention="unfused"` asks for megatron's own
+  on GPUs without TE, and the only one for a Qwen3-MoE (its experts are megatron's
+  `SequentialMLP`, one local MLP per expert; qurl/models/moe.py). Its core attention is qurl's
+  `SDPAttention` (attention.py: torch SDPA, causal, no [heads, L, L] scores kept) unless `attention="unfused"` asks for megatron's own
   `DotProductAttention` (kept as the reference the SDPA path is tested and benchmarked against).
 
 Activation recompute is megatron-core's own (`recompute`, the learner.recompute field):
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from qurl.models import convert
+from qurl.models import convert, moe
 
 _RUNTIME_FLAGS = {  # no fused CUDA kernels, no init (every weight is loaded), fp32 softmax
     "perform_initialization": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
@@ -101,13 +102,22 @@ def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype:
     kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
     kwargs.update(RECOMPUTE[recompute])
     config = TransformerConfig(**kwargs)
+    experts = moe.num_experts(hf_config) if convert.is_moe(hf_config) else None
+    if te and experts:
+        raise ValueError("deploy.ranks.transformer_engine: mixture-of-experts models run on "
+                         "megatron's local spec only (set it to off or auto)")
+    if experts:
+        from megatron_patches.moe import apply_moe_patches
+
+        apply_moe_patches()  # megatron's router without Transformer Engine
     if te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=convert.qk_norm(hf_config))
         shard = convert.to_te_names(shard)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=convert.qk_norm(hf_config),
-                                                        normalization="RMSNorm")
+                                                        normalization="RMSNorm",
+                                                        num_experts=experts, moe_grouped_gemm=False)
         if attention == "sdpa":
             from qurl.learner.attention import SDPAttention
 

@@ -106,7 +106,9 @@ class MegatronLearner(ShardCheckpoint):
             hf_state = apply_uaq(hf_state, algo.uaq_scale)
         self.dtype = _DTYPES[model.dtype]
         model_parallel_cuda_manual_seed(seed)  # attention forks megatron's RNG tracker every call
-        self.te = use_transformer_engine(ranks.transformer_engine)
+        # a MoE runs on the local spec (qurl/learner/build.py): "auto" picks it, "on" is refused there
+        self.te = use_transformer_engine(ranks.transformer_engine) and not (
+            ranks.transformer_engine == "auto" and convert.is_moe(hf_config))
         self.sdpa = not self.te and ranks.attention == "sdpa"
 
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)

@@ -1,4 +1,4 @@
-"""HF Qwen2/Qwen3/Llama weights <-> megatron-core GPTModel (local layer spec) weights, per TP shard.
+"""HF Qwen2/Qwen3/Llama/Qwen3-MoE weights <-> megatron-core GPTModel (local layer spec) weights, per TP shard.
 
 The learner trains a megatron-core `GPTModel` built with `get_gpt_layer_local_spec` (RMSNorm, SwiGLU,
 RoPE, GQA); the rollout engines and the checkpoints on disk use Hugging Face names. This module maps
@@ -33,6 +33,10 @@ named `self_attention.linear_qkv.layer_norm_weight` and `mlp.linear_fc1.layer_no
 modules add `_extra_state` entries). `to_te_names` / `from_te_name` translate; every other name,
 shape and shard layout is the same as the local spec's.
 
+Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention as above; the sparse MLP (router and
+experts) maps as qurl/models/moe.py says, which also holds the megatron MoE settings that compute
+what transformers computes. `dims()['I']` is then one expert's width (`moe_intermediate_size`).
+
 Tied embeddings (`tie_word_embeddings`): Megatron has no `output_layer.weight`; HF has no (or an
 ignored) `lm_head.weight`, and `megatron_to_hf` emits none.
 
@@ -49,7 +53,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+from qurl.models import moe
+
+SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", moe.ARCH)
 # HF buffers that may appear in old state dicts and carry no weights.
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -63,7 +69,7 @@ def _arch(hf_config: Any) -> str:
     model_type = getattr(hf_config, "model_type", "")
     if not archs:
         archs = {"qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
-                 "llama": ["LlamaForCausalLM"]}.get(model_type, [])
+                 "llama": ["LlamaForCausalLM"], moe.MODEL_TYPE: [moe.ARCH]}.get(model_type, [])
     for a in archs:
         if a in SUPPORTED_ARCHS:
             return a
@@ -85,15 +91,22 @@ def _rope_theta(hf_config: Any) -> float:
     return float(theta)
 
 
+def is_moe(hf_config: Any) -> bool:
+    """A Qwen3-MoE (every decoder layer's MLP is routed experts; qurl/models/moe.py)."""
+    return _arch(hf_config) == moe.ARCH
+
+
 def dims(hf_config: Any) -> dict[str, int]:
-    """Head counts and sizes: nh, ng (KV heads), hd (head dim), H (hidden), I (ffn), V (vocab), L."""
+    """Head counts and sizes: nh, ng (KV heads), hd (head dim), H (hidden), I (ffn; one expert's
+    for a MoE), V (vocab), L."""
     nh = int(hf_config.num_attention_heads)
     ng = int(getattr(hf_config, "num_key_value_heads", None) or nh)
     H = int(hf_config.hidden_size)
     hd = int(getattr(hf_config, "head_dim", None) or H // nh)
     if nh % ng:
         raise ValueError(f"config: num_attention_heads={nh} not a multiple of num_key_value_heads={ng}")
-    return {"nh": nh, "ng": ng, "hd": hd, "H": H, "I": int(hf_config.intermediate_size),
+    ffn = hf_config.moe_intermediate_size if is_moe(hf_config) else hf_config.intermediate_size
+    return {"nh": nh, "ng": ng, "hd": hd, "H": H, "I": int(ffn),
             "V": int(hf_config.vocab_size), "L": int(hf_config.num_hidden_layers)}
 
 
@@ -111,20 +124,24 @@ def qkv_bias(hf_config: Any) -> bool:
 
 def qk_norm(hf_config: Any) -> bool:
     """Qwen3 RMS-normalises q and k per head (q_norm, k_norm) before RoPE."""
-    return _arch(hf_config) == "Qwen3ForCausalLM"
+    return _arch(hf_config) in ("Qwen3ForCausalLM", moe.ARCH)
 
 
 def check_supported(hf_config: Any) -> None:
     """ValueError naming what the conversion cannot take: architecture, activation, sliding
-    windows, RoPE scaling, linear biases (every check the learner would make later, at once)."""
-    _arch(hf_config)
+    windows, RoPE scaling, linear biases, MoE options (every check the learner would make later,
+    at once)."""
+    arch = _arch(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"config.hidden_act={hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
     windowed = [t for t in (getattr(hf_config, "layer_types", None) or []) if t != "full_attention"]
     if getattr(hf_config, "use_sliding_window", False) or windowed:
         raise ValueError("config: sliding-window attention layers are unsupported")
-    if getattr(hf_config, "num_local_experts", 0) or getattr(hf_config, "num_experts", 0):
-        raise ValueError("config: mixture-of-experts layers are unsupported (dense models only)")
+    if arch == moe.ARCH:
+        moe.check_moe(hf_config)
+    elif moe.num_experts(hf_config):
+        raise ValueError(f"config.num_experts={moe.num_experts(hf_config)} on {arch}: "
+                         f"mixture-of-experts layers are supported for {moe.ARCH} only")
     _rope_theta(hf_config)
     qkv_bias(hf_config)
 
@@ -138,8 +155,9 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 def _check_tp(hf_config: Any, tp: int) -> dict[str, int]:
     d = dims(hf_config)
     if tp < 1 or d["nh"] % tp or d["ng"] % tp or d["I"] % tp:
+        ffn = "moe_intermediate_size" if is_moe(hf_config) else "intermediate_size"
         raise ValueError(f"learner.tp={tp}: must divide num_attention_heads={d['nh']}, "
-                         f"num_key_value_heads={d['ng']} and intermediate_size={d['I']}")
+                         f"num_key_value_heads={d['ng']} and {ffn}={d['I']}")
     return d
 
 
@@ -147,7 +165,7 @@ def megatron_config_from_hf(hf_config: Any, *, tp: int, dtype: torch.dtype) -> d
     """TransformerConfig kwargs describing the HF architecture (runtime flags are the learner's)."""
     check_supported(hf_config)
     d = _check_tp(hf_config, tp)
-    return {
+    return (moe.megatron_moe_config(hf_config) if is_moe(hf_config) else {}) | {
         "num_layers": d["L"], "hidden_size": d["H"], "ffn_hidden_size": d["I"],
         "num_attention_heads": d["nh"], "num_query_groups": d["ng"], "kv_channels": d["hd"],
         "normalization": "RMSNorm", "layernorm_epsilon": float(hf_config.rms_norm_eps),
@@ -185,8 +203,12 @@ def _take(hf: Mapping[str, torch.Tensor], used: set[str], name: str, shape: tupl
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_rank: int,
                    tp_size: int, divisible_by: int = 128) -> dict[str, torch.Tensor]:
-    """The Megatron parameters of TP shard `tp_rank` (fresh contiguous tensors, HF dtype kept)."""
+    """The Megatron parameters of TP shard `tp_rank` (fresh contiguous tensors, HF dtype kept). A
+    Qwen3-MoE's experts may come per expert (checkpoint names) or fused (transformers 5 in memory)."""
     d = _check_tp(hf_config, tp_size)
+    sparse = is_moe(hf_config)
+    if sparse:
+        hf_state = moe.per_expert(hf_state)
     nh, ng, hd, H, I, V = d["nh"], d["ng"], d["hd"], d["H"], d["I"], d["V"]
     r, tied, bias = nh // ng, bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias(hf_config)
     if not 0 <= tp_rank < tp_size:
@@ -222,10 +244,15 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_r
                     hf_state, used, f"{p}self_attn.{x}_norm.weight", (hd,)).clone()
         out[m + "self_attention.linear_proj.weight"] = shard(
             _take(hf_state, used, p + "self_attn.o_proj.weight", (H, nh * hd)), 1)
-        gate = _take(hf_state, used, p + "mlp.gate_proj.weight", (I, H))
-        up = _take(hf_state, used, p + "mlp.up_proj.weight", (I, H))
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])
-        out[m + "mlp.linear_fc2.weight"] = shard(_take(hf_state, used, p + "mlp.down_proj.weight", (H, I)), 1)
+        if sparse:
+            out.update(moe.mlp_to_megatron(lambda n, s: _take(hf_state, used, n, s), p, m, hf_config,
+                                           H=H, tp_rank=tp_rank, tp_size=tp_size))
+        else:
+            gate = _take(hf_state, used, p + "mlp.gate_proj.weight", (I, H))
+            up = _take(hf_state, used, p + "mlp.up_proj.weight", (I, H))
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])
+            out[m + "mlp.linear_fc2.weight"] = shard(
+                _take(hf_state, used, p + "mlp.down_proj.weight", (H, I)), 1)
     out["decoder.final_layernorm.weight"] = _take(hf_state, used, "model.norm.weight", (H,)).clone()
     if tied:
         used.add("lm_head.weight")  # a tied lm_head (if saved at all) is the embedding
@@ -279,6 +306,10 @@ def partition_dim(name: str) -> int | None:
     if name == "decoder.final_layernorm.weight":
         return None
     m = _LAYER.match(name)
+    if m is not None:
+        known, dim = moe.partition_dim(m.group(2))
+        if known:
+            return dim
     if m is None or m.group(2) not in _PARTITION_DIMS:
         raise ValueError(f"Megatron parameter {name!r}: no HF counterpart")
     return _PARTITION_DIMS[m.group(2)]
@@ -309,6 +340,9 @@ def megatron_param_to_hf(name: str, shards: Sequence[torch.Tensor], hf_config: A
     if m is None:
         raise ValueError(f"Megatron parameter {name!r}: no HF counterpart")
     p, tail = f"model.layers.{m.group(1)}.", m.group(2)
+    sparse = moe.param_to_hf(tail, p, shards)
+    if sparse is not None:
+        return sparse
     if tail == "input_layernorm.weight":
         return [(p + "input_layernorm.weight", shards[0])]
     if tail == "pre_mlp_layernorm.weight":

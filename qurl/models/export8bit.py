@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
+from qurl.models.moe import MODEL_TYPE as MOE_MODEL_TYPE
+from qurl.models.moe import NOT_YET as MOE_NOT_YET
 from qurl.quant.named import FP8_BLOCK, dequantize_named, engine_chunks, is_quantized_linear
 from qurl.quant.uaq import apply_uaq
 
@@ -67,6 +69,8 @@ def export_8bit(src: str | Path, out: str | Path, fmt: str, *, uaq_scale: float 
     plain `dtype` checkpoint (no quantization_config)."""
     src, out = Path(src), Path(out)
     config = check_checkpoint(src)
+    if config.get("model_type") == MOE_MODEL_TYPE and fmt != "bf16":
+        raise ValueError(f"export_8bit({src}, fmt={fmt!r}): {MOE_NOT_YET}")
     state = read_state_dict(src)
     if uaq_scale != 1.0:
         state = apply_uaq(state, uaq_scale)

@@ -3,11 +3,11 @@
 qurl never downloads from a model hub. The CPU default is a tiny Qwen2-architecture model built here
 from a preset (random init + the character tokenizer of `qurl.models.tokenizer`), saved with
 `save_pretrained` (safetensors) and reloaded through the Auto classes with `HF_HUB_OFFLINE=1`. Any
-other Qwen2, Qwen3 (dense) or Llama checkpoint directory on disk loads the same way.
+other Qwen2, Qwen3, Qwen3-MoE or Llama checkpoint directory on disk loads the same way.
 
 A loadable checkpoint directory holds:
-- `config.json` whose `architectures` names Qwen2ForCausalLM, Qwen3ForCausalLM or LlamaForCausalLM
-  and whose `model_type` is qwen2, qwen3 or llama;
+- `config.json` whose `architectures` names Qwen2ForCausalLM, Qwen3ForCausalLM,
+  Qwen3MoeForCausalLM or LlamaForCausalLM and whose `model_type` is qwen2, qwen3, qwen3_moe or llama;
 - weights as `model.safetensors`, or `model.safetensors.index.json` plus every shard it lists;
 - a tokenizer: `tokenizer.json`, or `tokenizer.model` (SentencePiece), or `vocab.json` + `merges.txt`.
 `check_checkpoint` verifies exactly this and raises InputError (one line, exit 2 at the command
@@ -19,6 +19,10 @@ Presets (parameter counts include the tied embedding once):
 - `tiny-qwen3` as `tiny` but Qwen3 (transformers' Qwen3Config): q/k norms, no q/k/v bias, and a
   head size that is not hidden / heads (8 heads of 64 over hidden 256, as Qwen3-0.6B has 16 of
   128 over 1,024): ~3.7M.
+- `tiny-qwen3-moe` as `tiny-qwen3` but Qwen3-MoE (transformers' Qwen3MoeConfig): every layer's MLP
+  is 8 routed SwiGLU experts of width 224, top-2 with the top-2 weights renormalised
+  (`norm_topk_prob`, Qwen3-30B-A3B's routing), no shared expert: ~6.7M in all, ~3.0M active
+  per token. (Its `intermediate_size` 896 is the width of a dense MLP layer, which it has none of.)
 """
 from __future__ import annotations
 
@@ -30,8 +34,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "LlamaForCausalLM")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
@@ -57,13 +62,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         _COMMON, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, head_dim=64, intermediate_size=896, max_position_embeddings=512,
     ),
+    "tiny-qwen3-moe": dict(
+        _COMMON, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, intermediate_size=896, moe_intermediate_size=224,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+    ),
 }
-_QWEN3_PRESETS = ("tiny-qwen3",)
+_ARCHITECTURE = {"tiny-qwen3": "Qwen3ForCausalLM", "tiny-qwen3-moe": "Qwen3MoeForCausalLM"}
 
 
 def preset_architecture(preset: str) -> str:
     """The HF architecture a local preset builds."""
-    return "Qwen3ForCausalLM" if preset in _QWEN3_PRESETS else "Qwen2ForCausalLM"
+    return _ARCHITECTURE.get(preset, "Qwen2ForCausalLM")
 
 
 def _offline() -> None:
@@ -79,11 +89,12 @@ def _offline() -> None:
 def build_model(
     out_dir: str | Path, preset: str, *, seed: int = 0, overrides: dict[str, Any] | None = None
 ) -> Path:
-    """Build a randomly initialised Qwen2 (Qwen3 for `tiny-qwen3`) model from `preset` (+ config
-    `overrides`) with the character tokenizer and save both to `out_dir` (safetensors).
-    Deterministic given `seed`. Returns `out_dir`."""
+    """Build a randomly initialised Qwen2 (Qwen3 for `tiny-qwen3`, Qwen3-MoE for `tiny-qwen3-moe`)
+    model from `preset` (+ config `overrides`) with the character tokenizer and save both to
+    `out_dir` (safetensors; experts under their per-expert names). Deterministic given `seed`.
+    Returns `out_dir`."""
     from transformers import (GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     from qurl.models.tokenizer import build_tokenizer
 
@@ -92,19 +103,22 @@ def build_model(
     tok = build_tokenizer()
     fields = dict(MODEL_PRESETS[preset], **(overrides or {}))
     tok.model_max_length = int(fields["max_position_embeddings"])
-    qwen3 = preset in _QWEN3_PRESETS
-    config = (Qwen3Config if qwen3 else Qwen2Config)(
+    arch = preset_architecture(preset)
+    config_cls, model_cls = {"Qwen3ForCausalLM": (Qwen3Config, Qwen3ForCausalLM),
+                             "Qwen3MoeForCausalLM": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}.get(
+        arch, (Qwen2Config, Qwen2ForCausalLM))
+    config = config_cls(
         vocab_size=len(tok),
         bos_token_id=tok.eos_token_id,  # Qwen2 convention: no separate BOS
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         **fields,
     )
-    config.architectures = [preset_architecture(preset)]
+    config.architectures = [arch]
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
+        model = model_cls(config)
     finally:
         torch.random.set_rng_state(state)  # do not disturb the caller's RNG stream
     model.generation_config = GenerationConfig(

@@ -1,0 +1,208 @@
+"""Qwen3-MoE's sparse MLP <-> megatron-core's MoE layer (local spec, SequentialMLP experts), per TP shard.
+
+The attention half of a Qwen3-MoE decoder layer is Qwen3's (q/k norms, GQA, no biases) and maps as
+qurl/models/convert.py maps it; this module maps the other half, the sparse MLP block, and says which
+megatron-core 0.16 settings compute the same function. It imports no megatron (only `qurl/learner/`
+does); convert.py calls it for every layer of a `Qwen3MoeForCausalLM`.
+
+**What Qwen3-MoE computes** (transformers `Qwen3MoeSparseMoeBlock`), per token x [H] after the
+post-attention RMSNorm, with E experts, top-k, expert width I (`moe_intermediate_size`):
+
+    logits = W_r x                          router `mlp.gate.weight` [E, H]
+    p      = softmax(logits) over all E     in fp32
+    S, w   = top-k of p (indices, values);  w /= sum(w)  when norm_topk_prob
+    y      = sum_{e in S} w_e * down_e(silu(gate_e x) * up_e x)
+
+**The megatron setting that matches** (`MoELayer` with `TopKRouter`, read from 0.16.1's
+`transformer/moe/router.py` and `moe_utils.topk_routing_with_score_function`):
+- `moe_router_score_function="softmax"` with `moe_router_pre_softmax=False` takes the top-k of the
+  *logits* and softmaxes over those k: exp(l_i) / sum_{j in S} exp(l_j), which is the top-k of the
+  full softmax renormalised — Qwen3's `norm_topk_prob=True` (Qwen3-30B-A3B's setting). The top-k set
+  is the same because softmax is monotone.
+- `moe_router_pre_softmax=True` softmaxes over all E first and keeps the top-k unrenormalised:
+  `norm_topk_prob=False`.
+- top-1 with `norm_topk_prob=True` (every weight 1) has no megatron twin (megatron refuses top-1
+  without pre-softmax: the softmax of one logit has zero gradient) and is refused here.
+- `moe_router_dtype="fp32"`: the router's logits are computed in fp32 from whatever dtype the model
+  runs in (transformers computes them in the model dtype and softmaxes in fp32; in fp32 the two are
+  identical, in bf16 they differ by the logits' rounding).
+- no load-balancing loss (`moe_router_load_balancing_type="none"`, `moe_aux_loss_coeff=0`: RL
+  fine-tuning trains the policy, not the balance), no z-loss, no input jitter, no capacity factor
+  (no token is dropped; transformers drops none), no shared experts, no expert bias.
+- `moe_token_dispatcher_type="allgather"`: plain torch collectives (gloo on CPU). At TP > 1 without
+  sequence parallelism every TP rank holds the same tokens; the dispatcher all-gathers them over
+  TP (TP copies), each rank runs its I/tp slice of every expert on all of them, and the
+  reduce-scatter sums the slices and hands each rank its own copy back: the right values, TP times
+  the expert work. megatron refuses this layout in *training* mode (its MoELayer asks for sequence
+  parallelism when TP > 1); evaluation (logits, log-probs) runs.
+
+**Names and shapes** (layer N; shard k of `tp` along the stated dim; I/tp rows per shard):
+
+    HF (on disk, and what SGLang loads)            Megatron (decoder.layers.N.…)
+    mlp.gate.weight              [E, H]        ->  mlp.router.weight                            replicated
+    mlp.experts.e.gate_proj.weight [I, H]  }   ->  mlp.experts.local_experts.e.linear_fc1.weight  dim 0
+    mlp.experts.e.up_proj.weight   [I, H]  }       [gate rows of shard k ; up rows of shard k]
+    mlp.experts.e.down_proj.weight [H, I]      ->  mlp.experts.local_experts.e.linear_fc2.weight  dim 1
+    post_attention_layernorm.weight            ->  pre_mlp_layernorm.weight (as for dense layers)
+
+transformers >= 5 keeps the experts of a layer fused *in memory* (`Qwen3MoeExperts`):
+`mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and
+`mlp.experts.down_proj` [E, H, I]; its `save_pretrained` writes the per-expert names above.
+`per_expert` turns the fused form into the per-expert one, so either state dict loads;
+`megatron_to_hf` always returns per-expert names (the checkpoint and SGLang form).
+
+Unsupported, refused in one line by `check_moe`: dense layers among the sparse ones
+(`mlp_only_layers`, `decoder_sparse_step` != 1), shared experts, top-1 with `norm_topk_prob`,
+top-k > E. Other MoE families (Qwen2-MoE's shared expert, Mixtral, DeepSeek's MLA and grouped
+sigmoid router) are refused by architecture in convert.py.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+ARCH = "Qwen3MoeForCausalLM"
+MODEL_TYPE = "qwen3_moe"
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+_EXPERT_TAIL = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_SHARED_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+                  "n_shared_experts", "num_shared_experts")
+
+Take = Callable[[str, tuple[int, ...]], torch.Tensor]
+# What refuses a Qwen3-MoE beyond the learner's conversion (fits.check_fits, the local engine,
+# the 8-bit export), until issue 67's later items land.
+NOT_YET = ("mixture-of-experts converts into the learner, but 8-bit experts, MoE rollout engines, "
+           "expert weight sync and routing replay are not built yet (issue 67 items 2-5)")
+
+
+def num_experts(hf_config: Any) -> int:
+    """E: `num_experts` (Qwen3-MoE's config.json) or `num_local_experts` (what transformers 5
+    writes, and Mixtral's name); 0 for a dense model."""
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+               or 0)
+
+
+def moe_dims(hf_config: Any) -> dict[str, Any]:
+    """E (experts), k (experts per token), I (one expert's SwiGLU width), norm (norm_topk_prob)."""
+    return {"E": num_experts(hf_config), "k": int(hf_config.num_experts_per_tok),
+            "I": int(hf_config.moe_intermediate_size),
+            "norm": bool(getattr(hf_config, "norm_topk_prob", False))}
+
+
+def check_moe(hf_config: Any) -> None:
+    """ValueError (one line, naming the field) for a Qwen3-MoE config the mapping cannot take."""
+    d = moe_dims(hf_config)
+    for field in _SHARED_FIELDS:
+        if getattr(hf_config, field, None):
+            raise ValueError(f"config.{field}={getattr(hf_config, field)}: shared experts are "
+                             f"unsupported (Qwen3-MoE routed experts only)")
+    if getattr(hf_config, "mlp_only_layers", None):
+        raise ValueError(f"config.mlp_only_layers={list(hf_config.mlp_only_layers)}: dense MLP "
+                         f"layers among the MoE layers are unsupported")
+    if int(getattr(hf_config, "decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError(f"config.decoder_sparse_step={hf_config.decoder_sparse_step}: only every "
+                         f"layer sparse (1) is supported")
+    if not 1 <= d["k"] <= d["E"]:
+        raise ValueError(f"config.num_experts_per_tok={d['k']}: must be in [1, num_experts={d['E']}]")
+    if d["k"] == 1 and d["norm"]:
+        raise ValueError("config.num_experts_per_tok=1 with norm_topk_prob=True: megatron-core has "
+                         "no such router (every weight 1); unsupported")
+
+
+def megatron_moe_config(hf_config: Any) -> dict[str, Any]:
+    """TransformerConfig kwargs of the MoE layers (see the module docstring for why each)."""
+    check_moe(hf_config)
+    d = moe_dims(hf_config)
+    return {
+        "num_moe_experts": d["E"], "moe_ffn_hidden_size": d["I"], "moe_router_topk": d["k"],
+        "moe_router_score_function": "softmax", "moe_router_pre_softmax": not d["norm"],
+        "moe_router_dtype": "fp32", "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None, "moe_input_jitter_eps": None,
+        "moe_expert_capacity_factor": None, "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False, "moe_shared_expert_intermediate_size": None,
+        "moe_router_enable_expert_bias": False, "moe_router_fusion": False,
+        "moe_permute_fusion": False,
+    }
+
+
+def per_expert(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`hf_state` with transformers 5's fused in-memory experts (`mlp.experts.gate_up_proj`
+    [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) split into per-expert checkpoint names
+    (`mlp.experts.e.{gate,up,down}_proj.weight`, views); other entries pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf_state.items():
+        m = _FUSED.match(name)
+        if m is None:
+            out[name] = t
+        elif m.group(2) == "gate_up_proj":
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{m.group(1)}{e}.gate_proj.weight"] = gate
+                out[f"{m.group(1)}{e}.up_proj.weight"] = up
+        else:
+            for e, w in enumerate(t):
+                out[f"{m.group(1)}{e}.down_proj.weight"] = w
+    return out
+
+
+def fused(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """The inverse of `per_expert`: per-expert names stacked into transformers 5's fused
+    `mlp.experts.gate_up_proj` / `down_proj` (for `model.load_state_dict`)."""
+    E = num_experts(hf_config)
+    out = {k: v for k, v in hf_state.items() if ".mlp.experts." not in k}
+    for i in range(int(hf_config.num_hidden_layers)):
+        p = f"model.layers.{i}.mlp.experts."
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([hf_state[f"{p}{e}.gate_proj.weight"],
+                                                          hf_state[f"{p}{e}.up_proj.weight"]])
+                                               for e in range(E)])
+        out[p + "down_proj"] = torch.stack([hf_state[f"{p}{e}.down_proj.weight"] for e in range(E)])
+    return out
+
+
+def mlp_to_megatron(take: Take, hf_prefix: str, meg_prefix: str, hf_config: Any, *, H: int,
+                    tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """One layer's sparse MLP as TP shard `tp_rank`'s Megatron tensors. `take(name, shape)` returns
+    the HF tensor (checking its shape, marking it used); prefixes end with the layer's dot."""
+    d = moe_dims(hf_config)
+    E, I = d["E"], d["I"]
+
+    def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+
+    out = {meg_prefix + "mlp.router.weight": take(hf_prefix + "mlp.gate.weight", (E, H)).clone()}
+    for e in range(E):
+        src, dst = f"{hf_prefix}mlp.experts.{e}.", f"{meg_prefix}mlp.experts.local_experts.{e}."
+        gate, up = take(src + "gate_proj.weight", (I, H)), take(src + "up_proj.weight", (I, H))
+        out[dst + "linear_fc1.weight"] = torch.cat([shard(gate, 0), shard(up, 0)])  # [2I/tp, H]
+        out[dst + "linear_fc2.weight"] = shard(take(src + "down_proj.weight", (H, I)), 1)  # [H, I/tp]
+    return out
+
+
+def partition_dim(tail: str) -> tuple[bool, int | None]:
+    """(is a MoE parameter, its TP split dim or None = replicated) for a layer-relative name."""
+    if tail == "mlp.router.weight":
+        return True, None
+    m = _EXPERT_TAIL.match(tail)
+    if m is None:
+        return False, None
+    return True, 0 if m.group(2) == "linear_fc1" else 1
+
+
+def param_to_hf(tail: str, hf_prefix: str, shards: Sequence[torch.Tensor]
+                ) -> list[tuple[str, torch.Tensor]] | None:
+    """HF (name, full tensor) pairs of one layer's MoE parameter from its TP shards in rank order,
+    or None when `tail` is not a MoE parameter. The router is returned as given (no copy)."""
+    if tail == "mlp.router.weight":
+        return [(hf_prefix + "mlp.gate.weight", shards[0])]
+    m = _EXPERT_TAIL.match(tail)
+    if m is None:
+        return None
+    p = f"{hf_prefix}mlp.experts.{m.group(1)}."
+    if m.group(2) == "linear_fc2":
+        return [(p + "down_proj.weight", torch.cat(list(shards), dim=1))]
+    halves = [s.chunk(2, dim=0) for s in shards]  # each shard: [its gate rows; its up rows]
+    return [(p + "gate_proj.weight", torch.cat([g for g, _ in halves])),
+            (p + "up_proj.weight", torch.cat([u for _, u in halves]))]
