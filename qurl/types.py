@@ -68,6 +68,11 @@ class GenResult:
     before top-p), or None when the engine does not see it: the local engine gives the whole
     vocabulary's; SGLang, asked for its top k (sglang.top_logprobs), a lower bound from those k
     (qurl/engines/sglang/protocol.py `topk_entropy`).
+    routed_experts: [P + T - 1, L, k] uint8, for a Mixture-of-Experts model (None otherwise): the k
+    experts the engine's router chose in each of its L MoE layers (model order) at every position it
+    forwarded, the prompt's and the completion's but the last sampled token's (which it never
+    forwarded); SGLang's `return_routed_experts` has this shape (int32 there, uint8 here: E <= 256).
+    The learner replays them (algo.routing_replay) and compares its own choice with them.
     """
 
     rid: str
@@ -77,6 +82,7 @@ class GenResult:
     versions: torch.Tensor
     finish_reason: str  # "stop" (EOS/stop token) | "length" | "abort"
     entropy: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None  # [P + T - 1, L, k] uint8 (MoE only)
 
 
 @dataclass
@@ -94,6 +100,7 @@ class Trajectory:
     finish_reason: str
     reward_timed_out: bool = False
     behav_entropy: torch.Tensor | None = None  # [T] float32, the engine's (GenResult.entropy)
+    routed_experts: torch.Tensor | None = None  # [P + T - 1, L, k] uint8 (GenResult.routed_experts)
 
 
 # ---- the rollout-engine interface
