@@ -33,6 +33,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from qurl.quant.experts import (W13, dequantize_experts_block, fuse_experts, is_fused_expert,
+                                quantize_experts, quantize_experts_block)
 from qurl.quant.formats import (FORMATS, dequantize_fp8_block, dequantize_per_channel,
                                 quantize_fp8_block, quantize_per_channel)
 from qurl.quant.int4 import dequantize_int4_groups, int4_group, quantize_int4_groups
@@ -43,13 +45,17 @@ FP8_BLOCK = 128
 NAMED_FORMATS: tuple[str, ...] = (*FORMATS, "fp8_block", "w4a16", "bf16")
 
 _LINEAR_RE = re.compile(
-    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj)"
+    r"\.weight$"
 )
 
 
 def is_quantized_linear(name: str) -> bool:
-    """True for HF Qwen2/Llama decoder-layer linear weights (q/k/v/o, gate/up/down), the ones W8A8 quantizes."""
-    return _LINEAR_RE.match(name) is not None
+    """True for the decoder-layer linear weights W8A8 quantizes: q/k/v/o, gate/up/down (dense, or
+    one MoE expert's `mlp.experts.e.{gate,up,down}_proj.weight`), and a MoE layer's fused experts
+    (`mlp.experts.w13_weight` / `w2_weight`, qurl/quant/experts.py). Never the router
+    (`mlp.gate.weight`): SGLang keeps it in full precision."""
+    return _LINEAR_RE.match(name) is not None or is_fused_expert(name)
 
 
 def quantize_named(
@@ -66,7 +72,12 @@ def quantize_named(
     for name, tensor in items:
         if fmt != "bf16" and is_quantized_linear(name):
             try:
-                if fmt == "fp8_block":
+                if is_fused_expert(name):
+                    if fmt not in FORMATS and fmt != "fp8_block":
+                        raise ValueError(f"fused experts have no {fmt} format")
+                    codes, scale = (quantize_experts_block(tensor, name.endswith(W13), FP8_BLOCK)
+                                    if fmt == "fp8_block" else quantize_experts(tensor, fmt))
+                elif fmt == "fp8_block":
                     codes, scale = quantize_fp8_block(tensor, FP8_BLOCK)
                 elif fmt == "w4a16":
                     codes, scale = quantize_int4_groups(tensor, int4_group(tensor.shape[1]))
@@ -97,7 +108,9 @@ ENGINE_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
 
 def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
                   wire_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time.
+    """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time (a MoE
+    layer's experts: one layer at a time, fused into SGLang's `w13_weight` / `w2_weight` and
+    quantized per expert, qurl/quant/experts.py, at every format, bf16 included).
 
     Scales are always fp32 and 8-bit codes keep their dtype; every other floating tensor is cast
     to `wire_dtype` when given (bf16 for fmt "bf16" by default); see `quant.named.travels_as`.
@@ -106,7 +119,7 @@ def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
         raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(ENGINE_FORMATS)}")
     if fmt == "bf16" and wire_dtype is None:
         wire_dtype = torch.bfloat16
-    for name, t in named:
+    for name, t in fuse_experts(named):
         quantized = fmt in ("int8", "fp8", "fp8_block")
         out = list(quantize_named([(name, t)], fmt)) if quantized else [(name, t)]
         for n, x in out:
@@ -132,8 +145,13 @@ def dequantize_named(
             scale = named.get(name + SCALE_SUFFIX)
             if scale is not None and scale.dim() == 2 and scale.shape[1] > 1:  # int4 groups
                 out[name] = dequantize_int4_groups(tensor, scale, dtype)
+            elif scale is not None and tensor.dim() == 3:  # fused experts, per expert and row
+                out[name] = (tensor.to(torch.float32) * scale.to(torch.float32)).to(dtype)
             elif scale is not None:
                 out[name] = dequantize_per_channel(tensor, scale, dtype)
+            elif name + BLOCK_SCALE_SUFFIX in named and tensor.dim() == 3:
+                out[name] = dequantize_experts_block(tensor, named[name + BLOCK_SCALE_SUFFIX],
+                                                     name.endswith(W13), block, dtype)
             elif name + BLOCK_SCALE_SUFFIX in named:
                 out[name] = dequantize_fp8_block(tensor, named[name + BLOCK_SCALE_SUFFIX], block, dtype)
             else:
