@@ -26,7 +26,7 @@ e's slice, and "w2" (down) whole):
 `fuse_experts` groups a lazy stream of per-expert names into the fused tensors (one layer held at a
 time; a layer is complete when the stream moves past it), `split_experts` undoes it. Every fused
 expert tensor (codes, scales, or full precision) is verified one expert slice at a time
-(`expert_sliced`, used by qurl/weights/digest.py): a gate/up row swap inside one expert keeps every
+(qurl/weights/digest.py `expert_sliced`): a gate/up row swap inside one expert keeps every
 shape and size, and only a digest of that expert's bytes sees it.
 """
 from __future__ import annotations
@@ -41,17 +41,11 @@ from qurl.quant.formats import dequantize_fp8_block, quantize_fp8_block, quantiz
 W13, W2 = "w13_weight", "w2_weight"
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(w13|w2)_weight$")
-_SLICED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(w13|w2)_weight(_scale|_scale_inv)?$")
 
 
 def is_fused_expert(name: str) -> bool:
     """True for a layer's fused expert weight (`…mlp.experts.w13_weight` / `w2_weight`)."""
     return _FUSED.match(name) is not None
-
-
-def expert_sliced(name: str) -> bool:
-    """True for every tensor held per expert along dim 0: fused weights and their scales."""
-    return _SLICED.match(name) is not None
 
 
 def per_expert_name(name: str) -> tuple[str, int, str] | None:

@@ -11,7 +11,7 @@ in the last bucket's announcement (or are compared in process).
     tensor_digest(t)     BLAKE3 of t's raw bytes (C order, native little-endian), 8 bytes as hex;
                          dtype and shape are hashed too, so a reinterpretation never matches
     named_digests(named) {name: digest}; a MoE layer's fused expert tensors (codes, scales, or
-                         full precision: qurl/quant/experts.py `expert_sliced`) get one digest per
+                         full precision: `expert_sliced`) get one digest per
                          expert instead, under `name@expert<e>` (`digest_target` parses it back)
     combine(digests)     one digest of a whole version (names sorted), what a delta's base names
 
@@ -26,15 +26,22 @@ on the engine's output as if it held v). Cost: one pass over the weights on each
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable, Iterator, Mapping
 
 import torch
 from blake3 import blake3
 
-from qurl.quant.experts import expert_sliced
-
 DIGEST_BYTES = 8
 SLICE = "@expert"
+# A MoE layer's fused expert tensors, [E, ...] (SGLang's FusedMoE names, qurl/quant/experts.py):
+# weights, per-channel `_scale`s, block `_scale_inv`s, in every format (full precision too).
+_SLICED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(w13|w2)_weight(_scale|_scale_inv)?$")
+
+
+def expert_sliced(name: str) -> bool:
+    """True for a tensor digested per expert (a fused expert weight or its scales)."""
+    return _SLICED.match(name) is not None
 
 
 def tensor_digest(t: torch.Tensor) -> str:
