@@ -12,6 +12,12 @@ with fmt "fp8_block" (SGLang's `fp8` method with `weight_block_size` [128, 128])
 
     (name, codes [out, in] float8_e4m3fn), (name + "_scale_inv", scale [ceil(out/128), ceil(in/128)] fp32)
 
+A Qwen3-MoE's experts are linears too: per expert under their checkpoint names
+(`model.layers.N.mlp.experts.e.{gate,up,down}_proj.weight`), or fused per layer into SGLang's
+`mlp.experts.w13_weight` [E, 2I, H] / `w2_weight` [E, H, I] with scales [E, rows, 1] (or per expert
+tiles, `_scale_inv`), which is what `engine_chunks` hands the engines (qurl/quant/experts.py). The
+router (`mlp.gate.weight`) is not a quantized linear: SGLang keeps it in full precision.
+
 Everything else (embeddings, lm_head, norms, biases) passes through untouched: those stay in full
 precision in a W8A8 model. With fmt "bf16" nothing is quantized (the full-precision rollout baseline).
 With fmt "w4a16" (the study's weight-only stress format, qurl.quant.int4) the codes are int8 values
@@ -107,10 +113,13 @@ ENGINE_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
 
 
 def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
-                  wire_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                  wire_dtype: torch.dtype | None = None, *, fuse: bool = True
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time (a MoE
     layer's experts: one layer at a time, fused into SGLang's `w13_weight` / `w2_weight` and
-    quantized per expert, qurl/quant/experts.py, at every format, bf16 included).
+    quantized per expert, qurl/quant/experts.py, at every format, bf16 included). fuse=False
+    keeps the experts under their per-expert checkpoint names, each quantized as a linear (what an
+    8-bit checkpoint holds: qurl/models/export8bit.py).
 
     Scales are always fp32 and 8-bit codes keep their dtype; every other floating tensor is cast
     to `wire_dtype` when given (bf16 for fmt "bf16" by default); see `quant.named.travels_as`.
@@ -119,7 +128,7 @@ def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
         raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(ENGINE_FORMATS)}")
     if fmt == "bf16" and wire_dtype is None:
         wire_dtype = torch.bfloat16
-    for name, t in fuse_experts(named):
+    for name, t in (fuse_experts(named) if fuse else named):
         quantized = fmt in ("int8", "fp8", "fp8_block")
         out = list(quantize_named([(name, t)], fmt)) if quantized else [(name, t)]
         for n, x in out:
