@@ -152,3 +152,29 @@ def test_full_and_delta_sync_verified_per_expert_and_corruptions_resynced(model_
         assert eng.digest is not None and eng.version == step  # the resent version verified
         for n, t in chunks:  # after the full resend the engine holds the sender's bits
             assert torch.equal(eng._tensors[n].view(torch.uint8), t.view(torch.uint8)), n
+
+
+def test_full_precision_experts_sync_per_expert_and_adopt(model_dir, named):
+    """A bf16 (here fp32) engine takes fused full-precision experts, in full and as a delta, each
+    verified per expert; a receiver's whole-model chunks are adopted (no copy) and decode."""
+    eng = Corrupting(model_dir, precision="bf16")
+    sync = WeightSync("bf16", mode="delta")
+    assert sync.push(iter(named), eng, 1)["sync/verified"] == 1.0
+    stats = sync.push(iter(_step(named, 1)), eng, 2)
+    assert stats["sync/verified"] == 1.0 and stats["sync/delta"] == 1.0
+    keys = [k for k in sync.planner.plan(list(engine_chunks(named, "none")), 3, None).digests
+            if k.startswith(W13)]
+    assert keys == [f"{W13}@expert{e}" for e in range(E)]
+
+    q = LocalEngine(model_dir, precision="int8")
+    chunks = [(n, t.clone()) for n, t in engine_chunks(_step(named, 5), "int8")]
+    held = dict(q._tensors)
+    q.load_weights(iter(chunks), 7, adopt=True)
+    assert q.adopted and q._tensors[W13].data_ptr() == dict(chunks)[W13].data_ptr()
+    assert held.keys() == q._tensors.keys()
+    from qurl.types import GenRequest, SamplingParams
+
+    r = q.generate([GenRequest(rid="a", prompt_ids=[5, 6, 7],
+                               params=SamplingParams(temperature=1.0, max_new_tokens=4, seed=0))])[0]
+    assert tuple(r.routed_experts.shape) == (3 + len(r.output_ids) - 1, 2, 2)
+    assert r.versions.tolist() == [7] * len(r.output_ids)
