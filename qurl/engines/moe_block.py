@@ -201,6 +201,9 @@ def install_moe(model: nn.Module, fmt: str | None) -> tuple[dict[str, ExpertWeig
         if not (hasattr(mlp, "gate") and hasattr(mlp, "experts")):
             raise ValueError(f"model.layers.{i}.mlp: not a Qwen3-MoE sparse block (dense MLP layers "
                              "among MoE layers are unsupported)")
+        if int(mlp.experts.gate_up_proj.shape[0]) > 256:  # routes travel as uint8
+            raise ValueError(f"model.layers.{i}.mlp: {mlp.experts.gate_up_proj.shape[0]} experts; "
+                             "routed_experts holds expert ids as uint8 (at most 256 experts)")
         experts = FusedExperts.from_hf(mlp.experts, fmt)
         layer.mlp = MoeBlock(mlp.gate, experts, sink)
         if fmt is not None:
