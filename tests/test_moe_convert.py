@@ -179,25 +179,5 @@ def test_a_run_on_a_moe_is_refused_in_one_line_before_the_ranks(tmp_path, capsys
     assert not (tmp_path / "runs").exists()
 
 
-def test_the_local_engine_and_the_8bit_export_refuse_a_moe_in_one_line(tmp_path) -> None:
-    """Both would otherwise leave transformers' fused experts unquantized without a word."""
-    from qurl.engines.local import LocalEngine
-    from qurl.models.export8bit import export_8bit
-    from qurl.models.hf import build_model
-
-    ck = build_model(tmp_path / "m", "tiny-qwen3-moe", overrides={"num_hidden_layers": 1})
-    for make in (lambda: LocalEngine(ck, precision="int8"),
-                 lambda: export_8bit(ck, tmp_path / "out", "int8")):
-        with pytest.raises(ValueError, match="issue 67") as err:
-            make()
-        assert "\n" not in str(err.value)
-    assert not (tmp_path / "out").exists()
-
-
-def test_uaq_refuses_a_moe_state_dict() -> None:
-    """UAQ's post-attention norm feeds the router and every expert; scaling the norm without them
-    would change the routing, so the norm/linears check refuses (a narrower UAQ is item 2's)."""
-    from qurl.quant.uaq import apply_uaq
-
-    with pytest.raises(ValueError, match="post_attention_layernorm"):
-        apply_uaq(_disk_state(build_moe()), 1.5)
+# The local engine, UAQ and the 8-bit export take a MoE now: tests/test_moe_engine.py,
+# tests/test_moe_uaq.py, tests/test_moe_export.py (their former refusals were tested here).

@@ -22,6 +22,13 @@ next tokens are sampled by the new weights and tagged with the new version, whil
 the tokens already processed is kept although older weights computed it (AReaL's interruptible
 generation makes the same trade: recomputing the prefix would cost a prefill per update).
 
+Mixture-of-Experts (Qwen3-MoE). At every precision but w4a16 the sparse MLPs are
+qurl/engines/moe_block.py's: the router in full precision, the experts fused as SGLang holds them
+(`mlp.experts.w13_weight` / `w2_weight`, int8/fp8 codes with per-expert per-row `_scale`s). Each
+result carries `routed_experts` [P + T - 1, L, k] uint8: the experts the engine's own router chose
+at every position it forwarded (the prompt's, then one per decode step, each by the weights of
+that step: a weight update mid-generation routes the later positions with the new router).
+
 Loading and verifying weights (staged, checked, committed; full and delta chunks; digests) is
 qurl/engines/local_weights.py (`LocalWeights`, which `LocalEngine` extends).
 """
@@ -35,14 +42,16 @@ import torch
 from torch import nn
 
 from qurl.engines.local_weights import LocalWeights
+from qurl.engines.moe_block import ExpertWeight, RouteSink, install_moe
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
 from qurl.models.moe import MODEL_TYPE as MOE_MODEL_TYPE
-from qurl.models.moe import NOT_YET as MOE_NOT_YET
+from qurl.models.moe import check_moe
 from qurl.types import GenRequest, GenResult
 
 PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
+MOE_PRECISIONS = ("bf16", "int8", "fp8")  # qurl/engines/moe_block.py; no int4 experts
 LINEAR_KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -53,18 +62,25 @@ def quantize_model_linears(model: nn.Module, fmt: str, fuse: bool = True) -> dic
     """Replace the 7 linears of every decoder layer of an HF causal LM by 8-bit modules, in place;
     `fuse`: run each layer's q/k/v and gate/up as one GEMM each (qlinear.Siblings; W8A8 only).
 
+    A MoE layer's MLP has no gate/up/down linears (its experts are qurl/engines/moe_block.py's):
+    only its attention linears are replaced here.
+
     Returns {HF weight name ("model.layers.0.self_attn.q_proj.weight"): module}."""
     out: dict[str, QuantLinear] = {}
     for i, layer in enumerate(model.model.layers):
         for kind in LINEAR_KINDS:
             parent_name, attr = kind.split(".")
             parent = getattr(layer, parent_name)
+            if not isinstance(getattr(parent, attr, None), nn.Linear):
+                continue  # a MoE layer's mlp
             qmod = QUANT_LINEARS[fmt].from_linear(getattr(parent, attr))
             setattr(parent, attr, qmod)
             out[f"model.layers.{i}.{kind}.weight"] = qmod
         if fuse:  # q/k/v read one input, gate/up another: one quantization and GEMM each
             for group in SIBLINGS:
-                fuse_siblings([out[f"model.layers.{i}.{kind}.weight"] for kind in group])
+                mods = [out.get(f"model.layers.{i}.{kind}.weight") for kind in group]
+                if all(m is not None for m in mods):
+                    fuse_siblings(mods)  # type: ignore[arg-type]
     return out
 
 
@@ -90,13 +106,22 @@ class LocalEngine(LocalWeights):
         self.precision, self.dtype, self.max_batch = precision, dtype, max_batch
         self.device = torch.device(device)
         model, tok = load_checkpoint(model_dir, dtype=dtype)
-        if model.config.model_type == MOE_MODEL_TYPE:  # its experts would decode unquantized
-            raise ValueError(f"LocalEngine({model_dir}): {MOE_NOT_YET}")
+        self.moe = model.config.model_type == MOE_MODEL_TYPE
+        if self.moe:
+            check_moe(model.config)
+            if precision not in MOE_PRECISIONS:
+                raise ValueError(f"LocalEngine({model_dir}): precision {precision!r} has no MoE "
+                                 f"experts; a Qwen3-MoE runs at {', '.join(MOE_PRECISIONS)}")
         self.model = model.to(self.device).requires_grad_(False)  # never trained here
         self.tokenizer = tok
-        self._qlinears: dict[str, QuantLinear] = (
+        self._routes: RouteSink | None = None
+        experts: dict[str, ExpertWeight] = {}
+        if self.moe:
+            experts, self._routes = install_moe(self.model, None if precision == "bf16" else precision)
+        self._qlinears: dict[str, QuantLinear | ExpertWeight] = (
             quantize_model_linears(self.model, precision) if precision != "bf16" else {}
         )
+        self._qlinears.update(experts)
         # name -> live tensor (parameter or buffer); tied lm_head.weight aliases the embedding.
         self._tensors: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
         if eos_token_ids is None:
@@ -168,12 +193,18 @@ class LocalEngine(LocalWeights):
         if bad:
             raise ValueError(f"request {r.rid}: prompt token id {bad[0]} outside [0, {self.vocab_size})")
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Last-position logits [B, V] fp32, and a MoE's routes of every position [B, S, L, k]
+        uint8 (None for a dense model)."""
+        if self._routes is not None:
+            self._routes.start()
         # logits_to_keep=1: the head (hidden x vocab, 49k rows on real models) runs on the last
         # position only; a prefill would otherwise compute it for every prompt token.
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[:, -1, :].float().cpu()  # [B, V]
+        routes = None if self._routes is None else self._routes.take(*ids.shape)
+        return out.logits[:, -1, :].float().cpu(), routes
 
     @torch.no_grad()
     def _generate_batch(
@@ -203,7 +234,11 @@ class LocalEngine(LocalWeights):
         cache = DynamicCache(config=self.model.config)
         dev = self.device
         mask, pos = mask.to(dev), pos.to(dev)
-        logits = self._forward(ids.to(dev), mask, pos, cache)
+        logits, routes = self._forward(ids.to(dev), mask, pos, cache)
+        # routed_experts: each request's prompt positions (pads dropped), then one per decode step
+        moe_routes: list[list[torch.Tensor]] | None = None
+        if routes is not None:
+            moe_routes = [[routes[u, plen - len(r.prompt_ids):]] for u, r in zip(row_of, reqs)]
         if len(unique) < n:
             rows = torch.tensor(row_of)
             cache.batch_select_indices(rows.to(dev))
@@ -238,7 +273,10 @@ class LocalEngine(LocalWeights):
                 active = [active[r] for r in keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             step_ids = torch.tensor(last, device=dev).unsqueeze(1)
-            logits = self._forward(step_ids, mask, next_pos.unsqueeze(1), cache)
+            logits, routes = self._forward(step_ids, mask, next_pos.unsqueeze(1), cache)
+            if moe_routes is not None and routes is not None:
+                for row, i in enumerate(active):
+                    moe_routes[i].append(routes[row])
             next_pos = next_pos + 1
         return [
             GenResult(
@@ -247,6 +285,7 @@ class LocalEngine(LocalWeights):
                 logprobs=torch.tensor(lps[i], dtype=torch.float32),
                 versions=torch.tensor(vers[i], dtype=torch.int64),
                 finish_reason=reasons[i], entropy=torch.tensor(ents[i], dtype=torch.float32),
+                routed_experts=None if moe_routes is None else torch.cat(moe_routes[i]),
             )
             for i, r in enumerate(reqs)
         ]

@@ -26,7 +26,7 @@ import torch
 from qurl.types import StaleBase
 from qurl.quant.formats import all_finite, fp8_has_nan
 from qurl.weights.delta import apply_positions, check_delta, group_delta_chunks
-from qurl.weights.digest import combine, mismatches, tensor_digest
+from qurl.weights.digest import combine, digest_target, mismatches, tensor_digest
 
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE = "_scale"
@@ -100,17 +100,22 @@ class LocalWeights:
     def verify(self, digests: dict[str, str]) -> list[str]:
         """Hash the tensors named in `digests` (the sender's, of the version just loaded) as the
         engine holds them, cast to the dtype they were sent in; [] and `digest` set when all
-        match, else the names that differ (`digest` stays None: no delta builds on them).
+        match, else the names that differ (`digest` stays None: no delta builds on them); a MoE
+        layer's fused experts are hashed one expert at a time (`name@expert<e>`, as the sender's
+        qurl/weights/digest.py `named_digests`), so a difference names its layer and expert.
         A tensor held wider than it was sent (fp32 from bf16) must also hold nothing the wire
         could not carry — every held bit is checked, not only those the cast keeps."""
         got = {}
-        for name in digests:
+        for key in digests:
+            name, expert = digest_target(key)  # a MoE expert's slice of a fused tensor, or all
             t = self._tensors.get(name)
+            if t is not None and expert is not None:
+                t = t[expert] if expert < t.shape[0] else None
             if t is not None:
                 want = self._wire_dtype.get(name, t.dtype)
                 sent = t if t.dtype == want else t.to(want)
                 exact = sent is t or _same_bits(sent.to(t.dtype), t)
-                got[name] = tensor_digest(sent) if exact else "beyond-wire-precision"
+                got[key] = tensor_digest(sent) if exact else "beyond-wire-precision"
         bad = mismatches(digests, got)
         self._digest = None if bad else combine(digests)
         return bad

@@ -12,6 +12,29 @@ that SGLang 0.5.23 reads (`srt/layers/quantization/w8a8_int8.py`, `w8a8_fp8.py`,
 | `fp8`       | `w8a8_fp8`              | `weight` float8_e4m3fn [out, in], `weight_scale` fp32 [out, 1] | `{"quant_method": "w8a8_fp8"}` |
 | `fp8_block` | `fp8`                   | `weight` float8_e4m3fn [out, in], `weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)] | `{"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}` |
 
+**Mixture-of-Experts (Qwen3-MoE).** Every expert is written under its own HF name,
+`model.layers.N.mlp.experts.e.{gate,up,down}_proj.weight` (bf16: `dtype`; 8-bit: codes) with its
+`weight_scale` [rows, 1] (`weight_scale_inv` [ceil(rows/128), ceil(cols/128)] for fp8_block); the
+router `mlp.gate.weight` stays in `dtype`. Verified in SGLang 0.5.23's source:
+- `models/qwen3_moe.py` `load_weights` maps checkpoint names through
+  `FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts)`
+  (`layers/moe/fused_moe_triton/layer.py`): `experts.{e}.gate_proj.` / `up_proj.` -> `experts.w13_`
+  (shards "w1" / "w3"), `experts.{e}.down_proj.` -> `experts.w2_` (shard "w2"); the replacement
+  keeps the suffix, so `…gate_proj.weight_scale` lands in `w13_weight_scale` and
+  `…weight_scale_inv` in `w13_weight_scale_inv`.
+- `FusedMoE._load_w13` writes "w1" (gate) into rows [0, I/tp) of expert e's w13 slice and "w3"
+  (up) into rows [I/tp, 2I/tp) (unless a trtllm layout sets `load_up_proj_weight_first`); "w2"
+  is copied whole per expert. Per-channel scales (`FusedMoeWeightScaleSupported.CHANNEL`) take the
+  same path (`_load_per_channel_weight_scale`).
+- `quantization/w8a8_int8.py` `W8A8Int8MoEMethod.create_weights`: `w13_weight` int8
+  [E, 2I/tp, H], `w2_weight` int8 [E, H, I/tp], `w13_weight_scale` fp32 [E, 2I/tp, 1],
+  `w2_weight_scale` fp32 [E, H, 1], quant_method CHANNEL; `w8a8_fp8.py` `W8A8FP8MoEMethod` the
+  same with float8_e4m3fn codes. Both quantize activations per token at run time.
+- `quantization/fp8.py` `Fp8MoEMethod` (block): `w13_weight_scale_inv`
+  [E, 2 ceil(I/tp/128), ceil(H/128)], `w2_weight_scale_inv` [E, ceil(H/128), ceil(I/tp/128)], and
+  it refuses I/tp not divisible by 128 (block_n), so fp8_block MoE checkpoints need such an I.
+The engines' sync sends the same codes fused per layer (`w13_weight` ...), qurl/quant/experts.py.
+
 All three quantize activations per token (per 1x128 group for `fp8_block`) at run time. Decoder
 linears are q/k/v/o_proj and gate/up/down_proj; embeddings, lm_head and norms stay full precision,
 cast to `dtype` (bf16 by default: SGLang's w8a8 kernels take bf16/fp16 activations only), and
@@ -39,7 +62,7 @@ import torch
 
 from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
 from qurl.models.moe import MODEL_TYPE as MOE_MODEL_TYPE
-from qurl.models.moe import NOT_YET as MOE_NOT_YET
+from qurl.models.moe import check_moe, per_expert
 from qurl.quant.named import FP8_BLOCK, dequantize_named, engine_chunks, is_quantized_linear
 from qurl.quant.uaq import apply_uaq
 
@@ -69,9 +92,12 @@ def export_8bit(src: str | Path, out: str | Path, fmt: str, *, uaq_scale: float 
     plain `dtype` checkpoint (no quantization_config)."""
     src, out = Path(src), Path(out)
     config = check_checkpoint(src)
-    if config.get("model_type") == MOE_MODEL_TYPE and fmt != "bf16":
-        raise ValueError(f"export_8bit({src}, fmt={fmt!r}): {MOE_NOT_YET}")
     state = read_state_dict(src)
+    if config.get("model_type") == MOE_MODEL_TYPE:
+        from types import SimpleNamespace
+
+        check_moe(SimpleNamespace(**config))
+        state = per_expert(state)  # transformers 5's fused in-memory names, if any, split
     if uaq_scale != 1.0:
         state = apply_uaq(state, uaq_scale)
     return write_checkpoint(state, config, src, out, fmt, dtype=dtype, max_shard_bytes=max_shard_bytes)
@@ -88,7 +114,7 @@ def write_checkpoint(state: dict[str, torch.Tensor], config: dict, tokenizer_dir
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype={dtype}: must be bfloat16, float16 or float32")
     src, out = Path(tokenizer_dir), Path(out)
-    chunks = dict(engine_chunks(state.items(), fmt, wire_dtype=dtype))
+    chunks = dict(engine_chunks(state.items(), fmt, wire_dtype=dtype, fuse=False))  # per expert
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     total = sum(t.numel() * t.element_size() for t in chunks.values())

@@ -72,10 +72,12 @@ _SHARED_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermed
                   "n_shared_experts", "num_shared_experts")
 
 Take = Callable[[str, tuple[int, ...]], torch.Tensor]
-# What refuses a Qwen3-MoE beyond the learner's conversion (fits.check_fits, the local engine,
-# the 8-bit export), until issue 67's later items land.
-NOT_YET = ("mixture-of-experts converts into the learner, but 8-bit experts, MoE rollout engines, "
-           "expert weight sync and routing replay are not built yet (issue 67 items 2-5)")
+# What refuses a Qwen3-MoE run (fits.check_fits, before `qurl train` starts its ranks) until the
+# learner's side of issue 67 lands; the local engine, UAQ, the expert sync and the 8-bit export
+# take a MoE (qurl/engines/moe_block.py, qurl/quant/experts.py).
+NOT_YET = ("mixture-of-experts converts into the learner, and the local engine, UAQ, expert weight "
+           "sync and 8-bit export take it, but training one (routing replay, route metrics: issue 67 "
+           "items 4-5) is not wired yet")
 
 
 def num_experts(hf_config: Any) -> int:

@@ -12,6 +12,12 @@ with fmt "fp8_block" (SGLang's `fp8` method with `weight_block_size` [128, 128])
 
     (name, codes [out, in] float8_e4m3fn), (name + "_scale_inv", scale [ceil(out/128), ceil(in/128)] fp32)
 
+A Qwen3-MoE's experts are linears too: per expert under their checkpoint names
+(`model.layers.N.mlp.experts.e.{gate,up,down}_proj.weight`), or fused per layer into SGLang's
+`mlp.experts.w13_weight` [E, 2I, H] / `w2_weight` [E, H, I] with scales [E, rows, 1] (or per expert
+tiles, `_scale_inv`), which is what `engine_chunks` hands the engines (qurl/quant/experts.py). The
+router (`mlp.gate.weight`) is not a quantized linear: SGLang keeps it in full precision.
+
 Everything else (embeddings, lm_head, norms, biases) passes through untouched: those stay in full
 precision in a W8A8 model. With fmt "bf16" nothing is quantized (the full-precision rollout baseline).
 With fmt "w4a16" (the study's weight-only stress format, qurl.quant.int4) the codes are int8 values
@@ -33,6 +39,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from qurl.quant.experts import (W13, dequantize_experts_block, fuse_experts, is_fused_expert,
+                                quantize_experts, quantize_experts_block)
 from qurl.quant.formats import (FORMATS, dequantize_fp8_block, dequantize_per_channel,
                                 quantize_fp8_block, quantize_per_channel)
 from qurl.quant.int4 import dequantize_int4_groups, int4_group, quantize_int4_groups
@@ -43,13 +51,17 @@ FP8_BLOCK = 128
 NAMED_FORMATS: tuple[str, ...] = (*FORMATS, "fp8_block", "w4a16", "bf16")
 
 _LINEAR_RE = re.compile(
-    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj)"
+    r"\.weight$"
 )
 
 
 def is_quantized_linear(name: str) -> bool:
-    """True for HF Qwen2/Llama decoder-layer linear weights (q/k/v/o, gate/up/down), the ones W8A8 quantizes."""
-    return _LINEAR_RE.match(name) is not None
+    """True for the decoder-layer linear weights W8A8 quantizes: q/k/v/o, gate/up/down (dense, or
+    one MoE expert's `mlp.experts.e.{gate,up,down}_proj.weight`), and a MoE layer's fused experts
+    (`mlp.experts.w13_weight` / `w2_weight`, qurl/quant/experts.py). Never the router
+    (`mlp.gate.weight`): SGLang keeps it in full precision."""
+    return _LINEAR_RE.match(name) is not None or is_fused_expert(name)
 
 
 def quantize_named(
@@ -66,7 +78,12 @@ def quantize_named(
     for name, tensor in items:
         if fmt != "bf16" and is_quantized_linear(name):
             try:
-                if fmt == "fp8_block":
+                if is_fused_expert(name):
+                    if fmt not in FORMATS and fmt != "fp8_block":
+                        raise ValueError(f"fused experts have no {fmt} format")
+                    codes, scale = (quantize_experts_block(tensor, name.endswith(W13), FP8_BLOCK)
+                                    if fmt == "fp8_block" else quantize_experts(tensor, fmt))
+                elif fmt == "fp8_block":
                     codes, scale = quantize_fp8_block(tensor, FP8_BLOCK)
                 elif fmt == "w4a16":
                     codes, scale = quantize_int4_groups(tensor, int4_group(tensor.shape[1]))
@@ -96,8 +113,13 @@ ENGINE_FORMATS = ("bf16", "int8", "fp8", "fp8_block", "none")
 
 
 def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
-                  wire_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time.
+                  wire_dtype: torch.dtype | None = None, *, fuse: bool = True
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time (a MoE
+    layer's experts: one layer at a time, fused into SGLang's `w13_weight` / `w2_weight` and
+    quantized per expert, qurl/quant/experts.py, at every format, bf16 included). fuse=False
+    keeps the experts under their per-expert checkpoint names, each quantized as a linear (what an
+    8-bit checkpoint holds: qurl/models/export8bit.py).
 
     Scales are always fp32 and 8-bit codes keep their dtype; every other floating tensor is cast
     to `wire_dtype` when given (bf16 for fmt "bf16" by default); see `quant.named.travels_as`.
@@ -106,7 +128,7 @@ def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
         raise ValueError(f"fmt={fmt!r}: must be one of {', '.join(ENGINE_FORMATS)}")
     if fmt == "bf16" and wire_dtype is None:
         wire_dtype = torch.bfloat16
-    for name, t in named:
+    for name, t in (fuse_experts(named) if fuse else named):
         quantized = fmt in ("int8", "fp8", "fp8_block")
         out = list(quantize_named([(name, t)], fmt)) if quantized else [(name, t)]
         for n, x in out:
@@ -132,8 +154,13 @@ def dequantize_named(
             scale = named.get(name + SCALE_SUFFIX)
             if scale is not None and scale.dim() == 2 and scale.shape[1] > 1:  # int4 groups
                 out[name] = dequantize_int4_groups(tensor, scale, dtype)
+            elif scale is not None and tensor.dim() == 3:  # fused experts, per expert and row
+                out[name] = (tensor.to(torch.float32) * scale.to(torch.float32)).to(dtype)
             elif scale is not None:
                 out[name] = dequantize_per_channel(tensor, scale, dtype)
+            elif name + BLOCK_SCALE_SUFFIX in named and tensor.dim() == 3:
+                out[name] = dequantize_experts_block(tensor, named[name + BLOCK_SCALE_SUFFIX],
+                                                     name.endswith(W13), block, dtype)
             elif name + BLOCK_SCALE_SUFFIX in named:
                 out[name] = dequantize_fp8_block(tensor, named[name + BLOCK_SCALE_SUFFIX], block, dtype)
             else:

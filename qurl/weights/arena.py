@@ -24,6 +24,9 @@ runs on the weights' device and each code lands in its host view; the sender sta
 a time back onto the device for the broadcast. The learner's GPU holds no copy of the 8-bit model
 between syncs (issue 59 item 5: two arenas there were ~15 GB at 7B).
 
+A MoE layer's experts arrive per expert and are fused (qurl/quant/experts.py `fuse_experts`: one
+layer's experts held at a time) into SGLang's `w13_weight` / `w2_weight`, quantized per expert.
+
 Values are exactly `quantize_named`'s (the same functions write into the views); a weight whose
 name, shape or dtype differs from the layout is a ValueError, never a silent re-layout.
 """
@@ -34,6 +37,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from qurl.quant.experts import fuse_experts, is_fused_expert, quantize_experts
 from qurl.quant.formats import FORMATS, code_dtype, quantize_per_channel
 from qurl.quant.named import SCALE_SUFFIX, is_quantized_linear, quantize_named, travels_as
 from qurl.weights.buckets import plan_buckets, timed_items, unpack
@@ -71,13 +75,16 @@ class ChunkArena:
         order version 0 produced them. Adds to timing = [gather_s, quantize_s] (gather = waiting
         on `named`, the learner's TP gather)."""
         out: Chunks = []
-        for name, w in timed_items(named, timing):
+        for name, w in fuse_experts(timed_items(named, timing)):
             t0 = time.perf_counter()
             if fmt in FORMATS and is_quantized_linear(name):
                 codes = self._view(name, tuple(w.shape), code_dtype(fmt))  # type: ignore[arg-type]
-                scale = self._view(name + SCALE_SUFFIX, (w.shape[0], 1), torch.float32)
+                scale = self._view(name + SCALE_SUFFIX, (*w.shape[:-1], 1), torch.float32)
                 try:
-                    quantize_per_channel(w, fmt, out=(codes, scale))  # type: ignore[arg-type]
+                    if is_fused_expert(name):  # a MoE layer's experts: per expert and row
+                        quantize_experts(w, fmt, out=(codes, scale))
+                    else:
+                        quantize_per_channel(w, fmt, out=(codes, scale))  # type: ignore[arg-type]
                 except ValueError as err:
                     raise ValueError(f"{name}: {err}") from err
                 out += [(name, codes), (name + SCALE_SUFFIX, scale)]
@@ -106,7 +113,7 @@ class ArenaQuantizer:
         timing = [0.0, 0.0]
         if len(self._arenas) < 2:  # the first two versions: quantize, lay out, copy in once
             chunks: Chunks = []
-            for item in timed_items(named, timing):
+            for item in fuse_experts(timed_items(named, timing)):
                 t0 = time.perf_counter()
                 chunks.extend((n, x.to(travels_as(n, x, self.wire_dtype)))
                               for n, x in quantize_named([item], self.fmt))

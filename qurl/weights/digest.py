@@ -10,21 +10,38 @@ in the last bucket's announcement (or are compared in process).
 
     tensor_digest(t)     BLAKE3 of t's raw bytes (C order, native little-endian), 8 bytes as hex;
                          dtype and shape are hashed too, so a reinterpretation never matches
-    named_digests(named) {name: digest}
+    named_digests(named) {name: digest}; a MoE layer's fused expert tensors (codes, scales, or
+                         full precision: `expert_sliced`) get one digest per
+                         expert instead, under `name@expert<e>` (`digest_target` parses it back)
     combine(digests)     one digest of a whole version (names sorted), what a delta's base names
 
-A mismatch names the tensors that differ; the caller resyncs in full and counts it (never trains
+Why per expert: a kernel repack that swaps gate and up rows inside one expert of `w13_weight`
+[E, 2I, H], or one expert's wrong scales, keeps every shape, dtype and byte count, so any check
+over layers or tensor sizes passes; a digest of each expert's bytes names the layer and the
+expert that differ (`model.layers.3.mlp.experts.w13_weight@expert5`).
+
+A mismatch names the tensors (or expert slices) that differ; the caller resyncs in full and counts it (never trains
 on the engine's output as if it held v). Cost: one pass over the weights on each end
 (BLAKE3 ~1.7 GB/s per core here), reported as `sync/time_verify`.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+import re
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from blake3 import blake3
 
 DIGEST_BYTES = 8
+SLICE = "@expert"
+# A MoE layer's fused expert tensors, [E, ...] (SGLang's FusedMoE names, qurl/quant/experts.py):
+# weights, per-channel `_scale`s, block `_scale_inv`s, in every format (full precision too).
+_SLICED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(w13|w2)_weight(_scale|_scale_inv)?$")
+
+
+def expert_sliced(name: str) -> bool:
+    """True for a tensor digested per expert (a fused expert weight or its scales)."""
+    return _SLICED.match(name) is not None
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -36,8 +53,27 @@ def tensor_digest(t: torch.Tensor) -> str:
     return h.hexdigest(length=DIGEST_BYTES)
 
 
+def digest_entries(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """What is digested of tensor `name`: itself, or for a fused expert tensor [E, ...] each
+    expert's slice t[e] under `name@expert<e>`."""
+    if expert_sliced(name) and t.dim() >= 1:
+        for e in range(t.shape[0]):
+            yield f"{name}{SLICE}{e}", t[e]
+    else:
+        yield name, t
+
+
+def digest_target(key: str) -> tuple[str, int | None]:
+    """(tensor name, expert index or None) of a digest key made by `digest_entries`."""
+    name, sep, e = key.rpartition(SLICE)
+    if sep and e.isdigit() and expert_sliced(name):
+        return name, int(e)
+    return key, None
+
+
 def named_digests(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    return {n: tensor_digest(t) for n, t in named}
+    """{digest key: digest} of every tensor (per expert slice where `digest_entries` says so)."""
+    return {k: tensor_digest(x) for n, t in named for k, x in digest_entries(n, t)}
 
 
 def combine(digests: Mapping[str, str]) -> str:
