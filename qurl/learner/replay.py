@@ -35,7 +35,7 @@ REPLAY_FORWARD: one action per layer.)
 **Positions the engine never forwarded.** The engine returns routes for positions 0 .. P+T-2 of a
 sequence (prompt and completion but the last sampled token, which it never fed back). The
 learner's batch fills the last position and the right padding with experts 0..k-1
-(qurl/train/batch.py `ROUTE_FILLER`), a valid set of k distinct experts. They cannot change the
+(qurl/train/batch.py `pad_routes`), a valid set of k distinct experts. They cannot change the
 loss: under causal attention a position only influences itself and later ones, the head reads
 hidden states 0 .. L-2 only (the log-prob of token j comes from position j-1), and the last real
 position's output and everything after it reach no loss token (padding's log-probs are masked out).

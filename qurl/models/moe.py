@@ -92,6 +92,16 @@ def moe_dims(hf_config: Any) -> dict[str, Any]:
             "norm": bool(getattr(hf_config, "norm_topk_prob", False))}
 
 
+def route_shape(fields: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """(L MoE layers, k experts per token, E experts) of a Qwen3-MoE's config fields (config.json
+    as a dict): the shape of the routes its engine returns per position (qurl/types.py
+    GenResult.routed_experts) and their id bound; None for a dense model."""
+    E = int(fields.get("num_experts") or fields.get("num_local_experts") or 0)
+    if not E or ARCH not in (fields.get("architectures") or []):
+        return None
+    return int(fields["num_hidden_layers"]), int(fields["num_experts_per_tok"]), E
+
+
 def check_moe(hf_config: Any) -> None:
     """ValueError (one line, naming the field) for a Qwen3-MoE config the mapping cannot take."""
     d = moe_dims(hf_config)
