@@ -251,3 +251,13 @@ def test_replay_is_refused_for_a_dense_model() -> None:
         build_gpt(shard, hf.config, tp=1, dtype=torch.float32, device=torch.device("cpu"),
                   te=False, routing_replay=True)
     assert "\n" not in str(err.value)
+
+
+def test_replay_on_a_dense_run_is_refused_in_one_line(tmp_path, capsys) -> None:
+    from qurl.cli import main
+
+    rc = main(["train", "--set", "algo.routing_replay=rollout", "--set",
+               f"deploy.dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "algo.routing_replay=rollout" in err[0] and "dense" in err[0]

@@ -92,9 +92,11 @@ def check_architecture(fields: dict[str, Any], base: str) -> None:
                          f"checkpoints (SwiGLU MLP, RMSNorm, plain RoPE, full attention)") from None
 
 
-def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int) -> None:
+def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int,
+               routing_replay: str = "off") -> None:
     """Every check above for checkpoint `base` (a path or a local preset), and that it is a
-    complete checkpoint of a supported architecture; InputError, one line."""
+    complete checkpoint of a supported architecture (and, with algo.routing_replay on, a
+    mixture-of-experts one); InputError, one line."""
     from qurl.models.hf import MODEL_PRESETS, check_checkpoint
 
     fields = read_fields(base)
@@ -102,6 +104,9 @@ def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglan
     from qurl.models.convert import is_moe
     from qurl.models.moe import NOT_YET
 
+    if routing_replay != "off" and not is_moe(SimpleNamespace(**fields)):
+        raise InputError(f"algo.routing_replay={routing_replay}: model.base={base} is a dense model "
+                         f"(no experts to replay); set algo.routing_replay=off")
     if is_moe(SimpleNamespace(**fields)):
         raise InputError(f"model.base={base}: Qwen3MoeForCausalLM: {NOT_YET}; qurl trains dense "
                          f"Qwen2, Qwen3 and Llama checkpoints")

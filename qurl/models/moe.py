@@ -74,8 +74,9 @@ _SHARED_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermed
 Take = Callable[[str, tuple[int, ...]], torch.Tensor]
 # What refuses a Qwen3-MoE beyond the learner's conversion (fits.check_fits, the local engine,
 # the 8-bit export), until issue 67's later items land.
-NOT_YET = ("mixture-of-experts converts into the learner, but 8-bit experts, MoE rollout engines, "
-           "expert weight sync and routing replay are not built yet (issue 67 items 2-5)")
+NOT_YET = ("mixture-of-experts converts into the learner (routing replay included), but 8-bit "
+           "experts, MoE rollout engines and expert weight sync are not built yet (issue 67 "
+           "items 2-4)")
 
 
 def num_experts(hf_config: Any) -> int:
