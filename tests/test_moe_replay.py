@@ -261,3 +261,36 @@ def test_replay_on_a_dense_run_is_refused_in_one_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "algo.routing_replay=rollout" in err[0] and "dense" in err[0]
+
+
+def _dp_worker(rank: int, ws: int) -> dict:
+    """Replay off, one step on the same batch with learner.dp = ws: the moe/ entries."""
+    from qurl.learner.dist import init_learner_dist
+
+    init_learner_dist(LearnerConfig(dp=ws), rank, ws)
+    hf = build_moe(seed=3)
+    from qurl.learner.megatron import MegatronLearner
+
+    learner = MegatronLearner(None, ModelConfig(dtype="float32"), AlgoConfig(uaq_scale=1.0),
+                              OptimConfig(), LearnerConfig(dp=ws), total_steps=1, seed=0,
+                              hf_state=hf_state(hf), hf_config=hf.config)
+    tokens = torch.randint(0, 100, (4, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(4, 10)
+    mask[:, 4:] = 1.0
+    engine = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2]
+                          for i in range(4 * 10 * 2)]).reshape(4, 10, 2, 2)
+    stats = learner.train_step(tokens, mask, -torch.rand(4, 10) * mask, torch.tensor([1., -1, 1, -1]),
+                               routes=engine)
+    return {k: v for k, v in stats.items() if k.startswith("moe/")}
+
+
+@pytest.mark.slow
+def test_moe_stats_are_summed_over_data_parallel_ranks() -> None:
+    from qurl.learner.dist import spawn
+
+    one = spawn(_dp_worker, 1)[0]
+    two = spawn(_dp_worker, 2)
+    assert set(one) == {"moe/route_flip_frac", "moe/tokens_any_flip", "moe/worst_layer_flip",
+                        "moe/worst_layer", "moe/expert_load_max_over_mean"}
+    for got in two:  # every DP rank reports the whole batch's numbers
+        assert got == pytest.approx(one, abs=1e-12)

@@ -28,6 +28,10 @@ the data-parallel ranks with ranks.distributed_optimizer (ZeRO-1); in bfloat16 m
 in bf16 and receives the masters after every update. With DP > 1 each DP rank computes its rows of
 every mini-batch and the gradients are summed over DP.
 
+Mixture-of-experts (Qwen3-MoE): train_step takes the engine's routes [B, L, layers, k]; with
+algo.routing_replay=rollout every forward of the trained model replays them (qurl/learner/replay.py),
+and the step's record gets the moe/ route-flip and expert-load entries (qurl/learner/moe_step.py).
+
 Invariants: all ranks must call every method with identical inputs (rank 0 broadcasts batches);
 `named_weights()` is a collective that every rank must exhaust; `save`/`load` give bit-identical
 continuation on the same TP and DP sizes.
