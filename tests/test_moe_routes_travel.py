@@ -131,3 +131,30 @@ def test_route_shape_of_a_checkpoints_fields() -> None:
 
     assert route_shape(read_fields("tiny-qwen3-moe"))[1:] == (2, 8)  # (L, k, E): top-2 of 8
     assert route_shape(read_fields("tiny")) is None
+
+
+def test_routes_cross_a_real_socket_and_bad_ones_are_counted() -> None:
+    """Over ZeroMQ with the channel's HMAC and validation: bit-exact routes arrive; a message
+    with an expert id >= E is rejected and counted, not delivered."""
+    import secrets
+
+    from qurl.pipeline.channel import Receiver, Sender
+
+    key = secrets.token_bytes(32)
+    recv = Receiver("tcp://127.0.0.1:0", key, kinds=("trajectory",), vocab_size=100, max_len=64,
+                    moe=MOE)
+    send = Sender(recv.endpoint, key, name="w0", linger_ms=0)
+    try:
+        trajs = [_traj("a", 0, 3, 4, seed=1), _traj("a", 1, 2, 5, seed=2)]
+        assert send.send("trajectory", *pack_trajectories(trajs))
+        msg = recv.recv(5000)
+        assert msg is not None
+        assert all(torch.equal(a.routed_experts, b.routed_experts)
+                   for a, b in zip(trajs, msg.payload))
+        bad = _traj("b", 0, 3, 4)
+        bad.routed_experts[2, 0, 1] = E
+        assert send.send("trajectory", *pack_trajectories([bad]))
+        assert recv.recv(500) is None and recv.rejects == {"invalid": 1}
+    finally:
+        send.close()
+        recv.close()
