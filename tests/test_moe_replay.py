@@ -83,7 +83,8 @@ def _hf_routes(hf: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _forced_logp(hf: torch.nn.Module, tokens: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
-    """[B, S] log-probs of transformers' forward with every router forced to `routes`."""
+    """[B, S] log-probs of transformers' forward with every router forced to `routes` (weights
+    renormalised over them when norm_topk_prob, as Qwen3MoeTopKRouter does)."""
     import torch.nn.functional as F
 
     B, S = tokens.shape
@@ -95,7 +96,9 @@ def _forced_logp(hf: torch.nn.Module, tokens: torch.Tensor, routes: torch.Tensor
         def forward(h, gate=gate, idx=idx):
             logits = F.linear(h.reshape(-1, gate.hidden_dim), gate.weight)
             w = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
-            return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), idx
+            if gate.norm_topk_prob:
+                w = w / w.sum(-1, keepdim=True)
+            return logits, w.to(logits.dtype), idx
         saved.append((gate, gate.forward))
         gate.forward = forward
     try:
@@ -294,3 +297,24 @@ def test_moe_stats_are_summed_over_data_parallel_ranks() -> None:
                         "moe/worst_layer", "moe/expert_load_max_over_mean"}
     for got in two:  # every DP rank reports the whole batch's numbers
         assert got == pytest.approx(one, abs=1e-12)
+
+
+def _unnormalised_worker(rank: int, ws: int) -> float:
+    """norm_topk_prob=False (megatron's pre-softmax router: the replay gathers softmax scores):
+    max |replayed learner log-prob - forced transformers log-prob|."""
+    from qurl.learner.dist import init_learner_dist
+
+    init_learner_dist(LearnerConfig(), rank, ws)
+    hf = build_moe(seed=4, norm_topk_prob=False)
+    tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    engine = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2]
+                          for i in range(2 * 9 * 2)]).reshape(2, 9, 2, 2)
+    lp = _learner(hf, "rollout").logprobs(tokens, routes=engine)
+    return float((lp - _forced_logp(hf, tokens, engine)).abs().max())
+
+
+@pytest.mark.slow
+def test_replay_matches_forced_routes_without_renormalisation() -> None:
+    from qurl.learner.dist import spawn
+
+    assert spawn(_unnormalised_worker, 1)[0] <= LOGP_TOL
