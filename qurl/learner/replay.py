@@ -19,6 +19,8 @@ constructor, so the model's routers in module order are the MoE layers in model 
   recompute re-runs each layer in the backward) sees the same experts.
 megatron's static helpers walk one global list of every RouterReplay ever built in the process (the
 frozen reference model's, other learners'); `RouteReplay` drives only its own model's instances.
+The frozen reference model of the KL term (algo.kl_coef > 0) is built without replay and routes by
+itself: the KL is to the initial policy as it would run, not along the engine's path.
 Token order: megatron's hidden states are [s, b, h], the router flattens them to s·b rows, so row
 i·b + j is sequence j's position i.
 
