@@ -169,6 +169,11 @@ class AlgoConfig:
     of tokens, 0 = off; penalty >= 0."""
     uaq_scale: PositiveFloat = 1.5
     """s of update-aware invariant scaling (UAQ); 1.0 = off."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts only (refused for a dense model): rollout = the learner's MoE layers use
+    the experts the rollout engine chose for every token (π_prox, training forwards, recompute;
+    the router still learns through the gathered scores; qurl/learner/replay.py); off = the
+    learner routes by itself. The moe/ route-flip metrics are reported either way."""
 
 
 @dataclass(frozen=True)

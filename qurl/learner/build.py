@@ -84,10 +84,11 @@ RECOMPUTE = {
 
 def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype: torch.dtype,
               device: torch.device, te: bool, attention: str = "sdpa",
-              recompute: str = "none") -> torch.nn.Module:
+              recompute: str = "none", routing_replay: bool = False) -> torch.nn.Module:
     """This TP rank's GPTModel holding `shard` (local-spec names, as convert.hf_to_megatron
     makes them), parameters in `dtype` on `device`; `attention` (local spec only) and `recompute`
-    as in the module docstring."""
+    as in the module docstring; `routing_replay` (a MoE only): every router gets megatron's
+    RouterReplay (qurl/learner/replay.py)."""
     if attention not in ATTENTION:
         raise ValueError(f"learner.attention={attention!r}: must be one of {', '.join(ATTENTION)}")
     if recompute not in RECOMPUTE:
@@ -101,6 +102,10 @@ def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype:
     flags = dict(_RUNTIME_FLAGS, use_cpu_initialization=device.type == "cpu")
     kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
     kwargs.update(RECOMPUTE[recompute])
+    if routing_replay:
+        if not convert.is_moe(hf_config):
+            raise ValueError("algo.routing_replay='rollout': the model has no experts to replay")
+        kwargs["moe_enable_routing_replay"] = True
     config = TransformerConfig(**kwargs)
     experts = moe.num_experts(hf_config) if convert.is_moe(hf_config) else None
     if te and experts:

@@ -28,6 +28,10 @@ the data-parallel ranks with ranks.distributed_optimizer (ZeRO-1); in bfloat16 m
 in bf16 and receives the masters after every update. With DP > 1 each DP rank computes its rows of
 every mini-batch and the gradients are summed over DP.
 
+Mixture-of-experts (Qwen3-MoE): train_step takes the engine's routes [B, L, layers, k]; with
+algo.routing_replay=rollout every forward of the trained model replays them (qurl/learner/replay.py),
+and the step's record gets the moe/ route-flip and expert-load entries (qurl/learner/moe_step.py).
+
 Invariants: all ranks must call every method with identical inputs (rank 0 broadcasts batches);
 `named_weights()` is a collective that every rank must exhaust; `save`/`load` give bit-identical
 continuation on the same TP and DP sizes.
@@ -51,6 +55,7 @@ from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
 from qurl.learner.logits import first_loss_columns, head_logp, head_weight, hidden_states_out
 from qurl.learner.membudget import agreed_free, free_bytes, rows_per_micro
 from qurl.learner.memory_plan import token_cost_from_fields
+from qurl.learner.moe_step import check_routes, moe_watch, routed_stats, watched_positions
 from qurl.models import convert
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -114,7 +119,12 @@ class MegatronLearner(ShardCheckpoint):
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         spec = dict(tp=self.tp_size, dtype=self.dtype, device=self.device, te=self.te,
                     attention=ranks.attention, recompute=learner.recompute)
-        self.model = build_gpt(shard, hf_config, **spec)
+        if algo.routing_replay != "off" and not convert.is_moe(hf_config):
+            raise ValueError(f"algo.routing_replay={algo.routing_replay!r}: the model is dense "
+                             f"(no experts to replay); set it to off")
+        self.model = build_gpt(shard, hf_config, **spec,
+                               routing_replay=algo.routing_replay == "rollout")
+        self.routes = moe_watch(self.model, hf_config, algo.routing_replay)  # None: dense
         self.ref_model = None
         if algo.kl_coef > 0:  # frozen initial policy for the k3 KL term
             self.ref_model = build_gpt(shard, hf_config, **spec).requires_grad_(False)
@@ -157,17 +167,25 @@ class MegatronLearner(ShardCheckpoint):
         return torch.ones(L, L, dtype=torch.bool, device=self.device).triu(1)[None, None]
 
     def _forward_logp(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                      start: int = 1, entropy: bool = False
+                      start: int = 1, entropy: bool = False, routes: torch.Tensor | None = None,
+                      watch: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens: [b, L] -> ([b, L] fp32 log-probs, differentiable; [b, L] fp32 entropies of the
         distributions they are read from, detached, or None unless `entropy`); columns before `start` (>= 1) are 0 and their
         logits are never computed (logits.py: the head runs on positions start-1 .. L-2 only, in
-        chunks)."""
+        chunks). MoE (self.routes, the trained model only): routes [b, L, layers, k] the engine's
+        experts, replayed with algo.routing_replay=rollout; watch [b, L] bool: positions whose own
+        routing enters the moe/ metrics (replay.py, moe_step.py)."""
         b, L = tokens.shape
         start = min(max(1, start), L - 1)
         pos = torch.arange(L, device=self.device).unsqueeze(0).expand(b, L)
+        moe = self.routes if model is self.model else None
+        if moe is not None:
+            moe.replay.begin(routes, watch=watch is not None)
         with hidden_states_out(model):
             hidden = model(tokens, pos, self._causal_mask(L))  # [b, L, h]
+        if moe is not None:
+            moe.observe(moe.replay.end(), routes, watch)
         lp, ent = head_logp(hidden[:, start - 1:-1], head_weight(model), tokens[:, start:],
                             temperature=temperature, vocab_pad=self._vocab_pad,
                             local_vocab=self._local_vocab, entropy=entropy)
@@ -201,10 +219,11 @@ class MegatronLearner(ShardCheckpoint):
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
                   ends: torch.Tensor | None = None, starts: torch.Tensor | None = None,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  entropy: bool = False, routes: torch.Tensor | None = None,
+                  watch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, L] log-probs, [B, L] entropies or None unless `entropy`); ends: [B], columns from ends[i] on are left 0
         (default: none); starts: [B], columns before a micro-batch's earliest start may be left 0
-        (default: 1)."""
+        (default: 1); routes [B, L, layers, k], watch [B, L]: as `_forward_logp`'s."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
         if not temperature > 0:
@@ -218,8 +237,10 @@ class MegatronLearner(ShardCheckpoint):
         if ends is None:
             ends = torch.full((B,), L, dtype=torch.long, device=self.device)
         for idx, width, start in self._micro_batches(torch.arange(B, device=self.device), ends, starts):
-            out[idx, :width], e = self._forward_logp(model, tokens[idx, :width], temperature, start,
-                                                     entropy)
+            out[idx, :width], e = self._forward_logp(
+                model, tokens[idx, :width], temperature, start, entropy,
+                None if routes is None else routes[idx, :width],
+                None if watch is None else watch[idx, :width])
             if ent is not None:
                 ent[idx, :width] = e
         return out, ent
@@ -229,6 +250,8 @@ class MegatronLearner(ShardCheckpoint):
         """tokens: [B, L] -> [B, L, V] fp32 full-vocab logits (TP-gathered, vocab padding removed),
         on the learner's device, for checks against a reference; a collective when TP > 1."""
         self.model.eval()
+        if self.routes is not None:
+            self.routes.replay.release()  # the model's own routing
         tokens = tokens.to(self.device, torch.long)
         B, L = tokens.shape
         pos = torch.arange(L, device=self.device).unsqueeze(0).expand(B, L)
@@ -239,17 +262,25 @@ class MegatronLearner(ShardCheckpoint):
             local = torch.cat(parts, dim=-1)
         return local[..., : int(self.hf_config.vocab_size)]
 
-    def logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0,
+                 routes: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [B, L] int64 -> [B, L] float32 log p(tokens[:, j] | tokens[:, :j]) under
-        softmax(logits / temperature); out[:, 0] = 0. No grad; on the learner's device."""
+        softmax(logits / temperature); out[:, 0] = 0. No grad; on the learner's device.
+        routes: [B, L, layers, k] experts to replay (MoE with algo.routing_replay=rollout)."""
         self.model.eval()
-        return self._logprobs(self.model, tokens, temperature)[0]
+        routes = check_routes(self.routes, routes, tokens.shape, self.device)
+        try:
+            return self._logprobs(self.model, tokens, temperature, routes=routes)[0]
+        finally:
+            if self.routes is not None:
+                self.routes.replay.release()
 
     # ------------------------------------------------------------------ training
 
     def train_step(self, tokens: torch.Tensor, loss_mask: torch.Tensor, behav_logp: torch.Tensor,
                    adv: torch.Tensor, *, staleness: torch.Tensor | None = None,
-                   temperature: float = 1.0, norm_len: int | None = None) -> dict[str, float]:
+                   temperature: float = 1.0, norm_len: int | None = None,
+                   routes: torch.Tensor | None = None) -> dict[str, float]:
         """One learner step. tokens, loss_mask, behav_logp: [B, L]; adv: [B] or [B, L];
         staleness: [B] or [B, L] (stats only). Every rank passes the whole batch; with data
         parallelism DP rank d computes rows [d·m/D, (d+1)·m/D) of each mini-batch of m rows (and
@@ -257,7 +288,9 @@ class MegatronLearner(ShardCheckpoint):
         stats over the mini-batches (of whole mini-batches, the same on every rank) plus grad_norm
         (mean), grad_norm_max, grad_norm_last, lr, tokens, skipped_updates, and entropy: the
         token mean over the loss tokens of π_prox's entropy at each sampled position.
-        norm_len: overrides the constructor's (see there)."""
+        norm_len: overrides the constructor's (see there). routes: [B, L, layers, k] the engine's
+        experts (MoE; qurl/train/batch.py pads them): replayed with algo.routing_replay=rollout,
+        compared with the learner's own in the moe/ stats (moe_step.py) either way."""
         B, L = tokens.shape
         norm_len = self.norm_len if norm_len is None else norm_len
         if self.algo.agg == "seq-mean-token-sum-norm" and norm_len is None:
@@ -276,6 +309,10 @@ class MegatronLearner(ShardCheckpoint):
         tokens, mask = tokens.to(dev, torch.long), loss_mask.to(dev).bool()
         behav, adv = behav_logp.to(dev).float(), adv.to(dev).float()
         staleness = None if staleness is None else staleness.to(dev)
+        routes = check_routes(self.routes, routes, (B, L), dev)
+        watch = watched_positions(mask) if self.routes is not None else None
+        if self.routes is not None:
+            self.routes.reset()
         lr = lopt.lr_at(self.optim, self.step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -291,8 +328,10 @@ class MegatronLearner(ShardCheckpoint):
         prox = torch.zeros(B, L, dtype=torch.float32, device=dev)  # rows [:mb]: filled below
         prox_ent = torch.zeros_like(prox)  # π_prox's entropy at each position, the same way
         if n_mb > 1:
-            prox[mb:], prox_ent[mb:] = self._dp_logprobs(self.model, tokens[mb:], temperature,
-                                                         ends[mb:], starts[mb:], entropy=True)
+            prox[mb:], prox_ent[mb:] = self._dp_logprobs(
+                self.model, tokens[mb:], temperature, ends[mb:], starts[mb:], entropy=True,
+                routes=None if routes is None else routes[mb:],
+                watch=None if watch is None else watch[mb:])
         ref = None if self.ref_model is None else \
             self._dp_logprobs(self.ref_model, tokens, temperature, ends, starts)[0]
         kw = dict(loss_options(self.algo), norm_len=norm_len)
@@ -318,8 +357,10 @@ class MegatronLearner(ShardCheckpoint):
                     def take(t: torch.Tensor | None) -> torch.Tensor | None:
                         return None if t is None else (t[idx, :width] if t.dim() == 2 else t[idx])
 
-                    logp, ent = self._forward_logp(self.model, take(tokens), temperature, start,
-                                                   entropy=at_start)  # π_prox's only
+                    logp, ent = self._forward_logp(
+                        self.model, take(tokens), temperature, start, entropy=at_start,  # π_prox's
+                        routes=None if routes is None else routes[idx, :width],
+                        watch=take(watch) if at_start else None)
                     loss, _ = policy_loss(logp, logp.detach() if at_start else take(prox),
                                           take(behav), take(adv), take(mask), ref_logp=take(ref),
                                           staleness=take(staleness), denom=denom, **kw)
@@ -341,6 +382,7 @@ class MegatronLearner(ShardCheckpoint):
                 per_mb.append(stats)
         self.step += 1
         out = _combine(per_mb)
+        out.update(routed_stats(self.routes, self.dp_group))  # also forgets the routes
         n_tok = mask.sum()
         out.update({"lr": lr, "tokens": float(n_tok), "skipped_updates": float(skipped),
                     "entropy": float((prox_ent * mask).sum() / n_tok) if n_tok else float("nan"),
@@ -359,13 +401,16 @@ class MegatronLearner(ShardCheckpoint):
         return out
 
     def _dp_logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
-                     ends: torch.Tensor, starts: torch.Tensor, entropy: bool = False
+                     ends: torch.Tensor, starts: torch.Tensor, entropy: bool = False,
+                     routes: torch.Tensor | None = None, watch: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, L] log-probs, [B, L] entropies or None unless `entropy`) from each row's start to
-        its end, each DP rank computing B/D rows (no grad)."""
+        its end, each DP rank computing B/D rows (no grad); routes, watch as `_forward_logp`'s."""
         n = tokens.shape[0] // self.dp_size
         mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        lp, ent = self._logprobs(model, tokens[mine], temperature, ends[mine], starts[mine], entropy)
+        cut = lambda t: None if t is None else t[mine]  # noqa: E731
+        lp, ent = self._logprobs(model, tokens[mine], temperature, ends[mine], starts[mine], entropy,
+                                 cut(routes), cut(watch))
         return self._dp_gather(lp), None if ent is None else self._dp_gather(ent)
 
     # ------------------------------------------------------------------ weights out

@@ -5,11 +5,11 @@ far away: megatron-core asserts inside every learner rank, SGLang's scheduler di
 `qurl train` runs these checks where the base is resolved (qurl/commands/train.py), so the error is
 one line naming the sizes, exit 2.
 
-- **Architecture**: dense Qwen2, Qwen3 and Llama (qurl/models/convert.py `check_supported`);
-  anything else (another family, MoE options other than Qwen3-MoE's, sliding windows, scaled
-  RoPE, a missing weight shard or tokenizer) is refused here rather than inside the learner ranks.
-  A Qwen3-MoE passes `check_architecture` (the learner converts it, qurl/models/moe.py) but not
-  `check_fits`: no engine, sync or 8-bit path carries experts yet, so a run is refused in one line.
+- **Architecture**: dense Qwen2, Qwen3 and Llama, and Qwen3-MoE (qurl/models/convert.py
+  `check_supported`, qurl/models/moe.py `check_moe`); anything else (another family, MoE options
+  other than Qwen3-MoE's, sliding windows, scaled RoPE, a missing weight shard or tokenizer) is
+  refused here rather than inside the learner ranks. A Qwen3-MoE run also needs the learner at
+  TP 1, the local engine and a precision its experts take (`check_moe_run`).
 - **Tensor parallelism** (`learner.tp`): Megatron splits attention heads, KV heads (GQA query
   groups) and the SwiGLU width across ranks, so tp must divide all three. SmolLM2-135M has 9
   heads over 3 KV heads: tp 1 and 3 fit, tp 2 does not.
@@ -92,19 +92,42 @@ def check_architecture(fields: dict[str, Any], base: str) -> None:
                          f"checkpoints (SwiGLU MLP, RMSNorm, plain RoPE, full attention)") from None
 
 
-def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int) -> None:
+def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str) -> None:
+    """What a Qwen3-MoE run needs beyond the checkpoint (InputError, one line): the learner at TP 1
+    (megatron-core 0.16's MoE layer trains at TP > 1 only with sequence parallelism, which qurl's
+    learner does not use; evaluation would run), the local engine (SGLang's in-server expert
+    loader and per-expert read-back are not built), and a precision the local engine's experts
+    take (bf16, int8, fp8: qurl/engines/moe_block.py)."""
+    if learner_tp > 1:
+        raise InputError(f"learner.tp={learner_tp} with a mixture-of-experts model.base={base}: "
+                         "megatron-core trains a MoE layer at TP > 1 only with sequence "
+                         "parallelism, which qurl's learner does not use; set learner.tp=1")
+    if engine != "local":
+        raise InputError(f"rollout.engine={engine} with a mixture-of-experts model.base={base}: "
+                         "qurl's expert loader and per-expert verification inside SGLang are not "
+                         "built yet; use rollout.engine=local")
+    if precision not in ("bf16", "int8", "fp8"):
+        raise InputError(f"rollout.precision={precision} with a mixture-of-experts "
+                         f"model.base={base}: the local engine's experts take bf16, int8 or fp8")
+
+
+def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int,
+               routing_replay: str = "off") -> None:
     """Every check above for checkpoint `base` (a path or a local preset), and that it is a
-    complete checkpoint of a supported architecture; InputError, one line."""
+    complete checkpoint of a supported architecture (and, with algo.routing_replay on, a
+    mixture-of-experts one); InputError, one line."""
     from qurl.models.hf import MODEL_PRESETS, check_checkpoint
 
     fields = read_fields(base)
     check_architecture(fields, base)
     from qurl.models.convert import is_moe
-    from qurl.models.moe import NOT_YET
 
-    if is_moe(SimpleNamespace(**fields)):
-        raise InputError(f"model.base={base}: Qwen3MoeForCausalLM: {NOT_YET}; qurl trains dense "
-                         f"Qwen2, Qwen3 and Llama checkpoints")
+    moe = is_moe(SimpleNamespace(**fields))
+    if routing_replay != "off" and not moe:
+        raise InputError(f"algo.routing_replay={routing_replay}: model.base={base} is a dense model "
+                         f"(no experts to replay); set algo.routing_replay=off")
+    if moe:
+        check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision)
     check_learner_tp(fields, learner_tp, base)
     if engine == "sglang" and precision == "fp8_block":
         problem = fp8_block_problem(fields, sglang_tp)

@@ -72,12 +72,6 @@ _SHARED_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermed
                   "n_shared_experts", "num_shared_experts")
 
 Take = Callable[[str, tuple[int, ...]], torch.Tensor]
-# What refuses a Qwen3-MoE run (fits.check_fits, before `qurl train` starts its ranks) until the
-# learner's side of issue 67 lands; the local engine, UAQ, the expert sync and the 8-bit export
-# take a MoE (qurl/engines/moe_block.py, qurl/quant/experts.py).
-NOT_YET = ("mixture-of-experts converts into the learner, and the local engine, UAQ, expert weight "
-           "sync and 8-bit export take it, but training one (routing replay, route metrics: issue 67 "
-           "items 4-5) is not wired yet")
 
 
 def num_experts(hf_config: Any) -> int:
@@ -92,6 +86,16 @@ def moe_dims(hf_config: Any) -> dict[str, Any]:
     return {"E": num_experts(hf_config), "k": int(hf_config.num_experts_per_tok),
             "I": int(hf_config.moe_intermediate_size),
             "norm": bool(getattr(hf_config, "norm_topk_prob", False))}
+
+
+def route_shape(fields: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """(L MoE layers, k experts per token, E experts) of a Qwen3-MoE's config fields (config.json
+    as a dict): the shape of the routes its engine returns per position (qurl/types.py
+    GenResult.routed_experts) and their id bound; None for a dense model."""
+    E = int(fields.get("num_experts") or fields.get("num_local_experts") or 0)
+    if not E or ARCH not in (fields.get("architectures") or []):
+        return None
+    return int(fields["num_hidden_layers"]), int(fields["num_experts_per_tok"]), E
 
 
 def check_moe(hf_config: Any) -> None:

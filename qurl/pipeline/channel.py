@@ -179,6 +179,7 @@ class Receiver(_Endpoint):
                  limits: Limits = Limits(), vocab_size: int | None = None,
                  max_len: int | None = None, max_prompt_len: int | None = None,
                  current_version: int = 0, linger_ms: int = 0,
+                 moe: tuple[int, int, int] | None = None,
                  context: zmq.Context | None = None, hash_threads: int = 1, rcvbuf: int = 0):
         if not set(kinds) <= set(KINDS):
             raise ValueError(f"kinds={kinds}: each must be one of {KINDS}")
@@ -193,6 +194,7 @@ class Receiver(_Endpoint):
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.max_prompt_len = max_prompt_len
+        self.moe = moe  # (L, k, E) of a MoE model: trajectories' routed_experts checked against it
         self.current_version = current_version
         self.rejects: Counter[str] = Counter()
         self.received = 0
@@ -258,7 +260,7 @@ class Receiver(_Endpoint):
         if msg.kind == "trajectory":
             validate_packed(msg.meta, msg.tensors, vocab_size=self.vocab_size,
                             current_version=self.current_version, max_len=self.max_len,
-                            max_prompt_len=self.max_prompt_len)
+                            max_prompt_len=self.max_prompt_len, moe=self.moe)
             return unpack_trajectories(msg.meta, msg.tensors)
         if msg.kind == "prompt":
             task = unpack_prompt(msg.meta, msg.tensors)

@@ -41,6 +41,7 @@ import torch
 from qurl.config import Config
 from qurl.engines.factory import engine_wire_dtype
 from qurl.engines.kind import EngineKind
+from qurl.models.moe import route_shape
 from qurl.node.placement import learner_threads
 from qurl.pipeline.dispatch import Dispatcher
 from qurl.pipeline.records import TrainedLog, ack_stats
@@ -89,7 +90,8 @@ class Controller:
                            spawn=d.rollout == "workers",
                            # each local worker gets the learner's share of the node's cores
                            worker_threads=learner_threads(cfg.learner, cfg.rollout, d),
-                           planner=self.sync.planner)  # one compare pass: flips + delta
+                           planner=self.sync.planner,  # one compare pass: flips + delta
+                           moe=_route_shape(z.run.model_dir))
         self.fleet.inbox.current_version = self.version
         self.evals = WorkerEval(self.fleet, z.tokenizer, self._tend, self._accept)
         self._since: Counter[str] = Counter()  # rollout throughput since the last train record
@@ -225,3 +227,11 @@ class Controller:
     def close(self) -> None:
         self.fleet.close()
         self.trained_log.close()
+
+
+def _route_shape(model_dir: str | Path) -> tuple[int, int, int] | None:
+    """(L, k, E) of a mixture-of-experts checkpoint (its trajectories' routed_experts), else None."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    return route_shape(json.loads(path.read_text())) if path.is_file() else None

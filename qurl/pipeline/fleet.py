@@ -93,12 +93,14 @@ class Fleet:
     def __init__(self, run_dir: Path, key: bytes, model_dir: str, *, engines: int, host: str,
                  stream: StreamDeployConfig, sync: SyncSettings, kind: EngineKind,
                  vocab_size: int, max_len: int, spawn: bool = True, worker_threads: int = 0,
-                 planner: SyncPlanner | None = None) -> None:
+                 planner: SyncPlanner | None = None,
+                 moe: tuple[int, int, int] | None = None) -> None:
         """engines: deploy.engines (one worker slot each); host: deploy.host (the inbox and the
         weight group); stream: `[deploy.stream]`; sync: the run's sync settings (the weight
         group's port, backend, bucket size; the planner's mode when `planner` is None); kind: the
         workers' engines (their stop grace and environment); vocab_size / max_len: bounds of a
-        trajectory message (max_len: the longest answer asked, rollouts or evaluations)."""
+        trajectory message (max_len: the longest answer asked, rollouts or evaluations); moe: (L, k, E)
+        of a mixture-of-experts model, whose trajectories carry routed experts (None: dense)."""
         from qurl.pipeline.channel import Receiver, Sender
 
         self.run_dir, self.key, self.stream = Path(run_dir), key, stream
@@ -107,7 +109,7 @@ class Fleet:
         self.inbox = Receiver(f"tcp://{host}:{stream.port}", key, bind=True,
                               kinds=("trajectory", "control"), hwm=stream.hwm,
                               vocab_size=vocab_size,  # answers: rollouts or evaluations
-                              max_len=max_len)
+                              max_len=max_len, moe=moe)
         self.session = secrets.token_hex(8)
         write_session(self.run_dir, {
             "session": self.session, "inbound": self.inbox.endpoint, "model_dir": str(model_dir),

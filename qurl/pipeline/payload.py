@@ -9,6 +9,14 @@ so one message carries many trajectories in a fixed 10 frames however large N is
     behav_logp [sum T] float32, versions [sum T] int64, behav_entropy [sum T] float32
     sample_idx [N] int64, reward [N] float64, reward_timed_out [N] bool
     meta: {"prompt_uids": [N str], "finish_reasons": [N str]}
+    routed_experts [sum (P+T-1), L, k] uint8 (int32 when E > 256)   Mixture-of-Experts only
+
+`routed_experts` (Trajectory.routed_experts, qurl/types.py) is the one optional tensor: present
+when every trajectory of the message carries the engine's experts (a MoE), absent otherwise (a
+dense model, and every message written before it existed: the schema is backward compatible).
+Trajectory i's rows are the P_i + T_i - 1 positions its engine forwarded, so its offsets follow
+from the prompt and response offsets; a message mixing trajectories with and without routes is
+refused at packing.
 
 Packing is lossless (reward stays float64, ids int64, logp float32 as produced); unpacking returns
 views into the received buffers (no copy). Because response_ids, behav_logp, versions and
@@ -22,7 +30,9 @@ trajectory (prompt_uid, sample_idx) when: a token id is outside [0, vocab_size);
 than max_len or a prompt empty; behav_logp is not finite or > 0; a version is negative, newer than the
 learner's current version, or decreases along a response (weights only move forward during a partial
 rollout); a behav_entropy is negative or infinite; a reward is not finite; a finish_reason is
-unknown. Structural problems (missing tensors, wrong dtypes/shapes, inconsistent offsets) raise
+unknown; with `moe` = (L, k, E) given, routed_experts is not [sum (P+T-1), L, k] in its dtype or
+holds an expert id >= E (and routed experts arriving at a receiver that expects a dense model
+are refused). Structural problems (missing tensors, wrong dtypes/shapes, inconsistent offsets) raise
 "bad_tensor" / "bad_header".
 """
 from __future__ import annotations
@@ -44,6 +54,17 @@ _TRAJ_TENSORS = {
     "behav_entropy": torch.float32,
 }
 _PER_TOKEN = ("response_ids", "behav_logp", "versions", "behav_entropy")
+ROUTES = "routed_experts"
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The wire dtype of expert ids: uint8 while they fit (E <= 256), else int32."""
+    return torch.uint8 if num_experts <= 256 else torch.int32
+
+
+def _route_rows(p_len: torch.Tensor, r_len: torch.Tensor) -> torch.Tensor:
+    """[N] rows of routed_experts per trajectory: the P + T - 1 positions its engine forwarded."""
+    return (p_len + r_len - 1).clamp(min=0)
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -61,6 +82,10 @@ def pack_trajectories(trajs: list[Trajectory]) -> tuple[dict[str, Any], dict[str
     """Pack trajectories into (meta, tensors) for one "trajectory" message (layout above).
     Raises ValueError naming the trajectory if a field has the wrong dtype, rank or length."""
     p_ids, r_ids, logps, vers, ents, p_len, r_len = [], [], [], [], [], [], []
+    routes: list[torch.Tensor] = []
+    with_routes = {t.routed_experts is not None for t in trajs}
+    if len(with_routes) > 1:
+        raise ValueError("trajectories with and without routed_experts in one message")
     for i, t in enumerate(trajs):
         who = f"trajectory {i} ({t.prompt_uid!r}, sample {t.sample_idx})"
         for fname in ("prompt_ids", "response_ids", "behav_logp", "versions"):
@@ -89,6 +114,19 @@ def pack_trajectories(trajs: list[Trajectory]) -> tuple[dict[str, Any], dict[str
         ents.append(torch.full((n,), math.nan) if ent is None else ent.to(torch.float32))
         p_len.append(t.prompt_ids.numel())
         r_len.append(n)
+        if t.routed_experts is not None:
+            re_ = t.routed_experts
+            rows = max(t.prompt_ids.numel() + n - 1, 0)
+            if not isinstance(re_, torch.Tensor) or re_.dim() != 3 or re_.shape[0] != rows:
+                raise ValueError(f"{who}: routed_experts must be [P + T - 1 = {rows}, L, k], got "
+                                 f"{tuple(getattr(re_, 'shape', ()))}")
+            if re_.dtype not in (torch.uint8, torch.int32):
+                raise ValueError(f"{who}: routed_experts dtype {re_.dtype}, expected uint8 "
+                                 f"(int32 when E > 256)")
+            if routes and (re_.shape[1:] != routes[0].shape[1:] or re_.dtype != routes[0].dtype):
+                raise ValueError(f"{who}: routed_experts {tuple(re_.shape[1:])} {re_.dtype} vs "
+                                 f"{tuple(routes[0].shape[1:])} {routes[0].dtype} of the others")
+            routes.append(re_)
     meta = {"prompt_uids": [str(t.prompt_uid) for t in trajs],
             "finish_reasons": [str(t.finish_reason) for t in trajs]}
     tensors = {
@@ -101,6 +139,8 @@ def pack_trajectories(trajs: list[Trajectory]) -> tuple[dict[str, Any], dict[str
         "reward_timed_out": torch.tensor([bool(t.reward_timed_out) for t in trajs],
                                          dtype=torch.bool),
     }
+    if routes:
+        tensors[ROUTES] = torch.cat(routes)
     return meta, tensors
 
 
@@ -116,8 +156,9 @@ def _check_structure(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
         t = tensors.get(name)
         if t is None or t.dtype != dtype or t.dim() != 1:
             raise WireError("bad_tensor", f"trajectory tensor {name!r} missing or not 1-D {dtype}")
-    if set(tensors) != set(_TRAJ_TENSORS):
-        raise WireError("bad_tensor", f"unexpected tensors {sorted(set(tensors) - set(_TRAJ_TENSORS))}")
+    extra = set(tensors) - set(_TRAJ_TENSORS) - {ROUTES}
+    if extra:
+        raise WireError("bad_tensor", f"unexpected tensors {sorted(extra)}")
     for name in ("sample_idx", "reward", "reward_timed_out"):
         if tensors[name].numel() != n:
             raise WireError("bad_tensor", f"{name} has {tensors[name].numel()} entries, expected {n}")
@@ -130,6 +171,14 @@ def _check_structure(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
             if tensors[d].numel() != int(off[-1]):
                 raise WireError("bad_tensor", f"{d} has {tensors[d].numel()} entries, "
                                               f"{off_name} ends at {int(off[-1])}")
+    routes = tensors.get(ROUTES)
+    if routes is not None:
+        rows = int(_route_rows(tensors["prompt_offsets"].diff(),
+                               tensors["response_offsets"].diff()).sum())
+        if routes.dim() != 3 or routes.dtype not in (torch.uint8, torch.int32) \
+                or routes.shape[0] != rows:
+            raise WireError("bad_tensor", f"{ROUTES} must be [sum(P+T-1)={rows}, L, k] uint8 or "
+                                          f"int32, got {tuple(routes.shape)} {routes.dtype}")
     return n
 
 
@@ -172,9 +221,12 @@ def validate_packed(
     current_version: int,
     max_len: int,
     max_prompt_len: int | None = None,
+    moe: tuple[int, int, int] | None = None,
 ) -> None:
-    """Check a packed trajectory batch (see module docstring). Raises WireError; returns None."""
+    """Check a packed trajectory batch (see module docstring). Raises WireError; returns None.
+    moe: (L MoE layers, k experts per token, E experts) of the served model; None: dense."""
     _check_structure(meta, tensors)
+    _check_routes(meta, tensors, moe)
     for ids_name, off_name in (("prompt_ids", "prompt_offsets"), ("response_ids", "response_offsets")):
         ids = tensors[ids_name]
         if not _in_range(ids, 0, vocab_size - 1):
@@ -216,6 +268,25 @@ def validate_packed(
                                        f"not in {FINISH_REASONS}")
 
 
+def _check_routes(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  moe: tuple[int, int, int] | None) -> None:
+    """routed_experts against the served model's (L, k, E) (structure already checked)."""
+    routes = tensors.get(ROUTES)
+    if routes is None:
+        return
+    if moe is None:
+        raise WireError("invalid", f"{ROUTES} sent to a receiver that serves a dense model")
+    L, k, E = moe
+    if tuple(routes.shape[1:]) != (L, k) or routes.dtype != route_dtype(E):
+        raise WireError("invalid", f"{ROUTES} {tuple(routes.shape[1:])} {routes.dtype}: the model "
+                                   f"routes [L={L}, k={k}] experts, ids as {route_dtype(E)}")
+    if routes.numel() and int(routes.max()) >= E:
+        rows = _route_rows(tensors["prompt_offsets"].diff(), tensors["response_offsets"].diff())
+        bad = (routes >= E).flatten(1).any(1)
+        row = int(torch.searchsorted(rows.cumsum(0), int(bad.nonzero()[0, 0]), right=True))
+        raise WireError("invalid", f"{_owner(meta, tensors, row)}: {ROUTES} expert id >= {E}")
+
+
 def unpack_trajectories(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[Trajectory]:
     """Inverse of pack_trajectories; the returned tensors are views into `tensors` (no copy).
     Checks structure only — run validate_packed first for values."""
@@ -226,6 +297,10 @@ def unpack_trajectories(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) 
     r_len = tensors["response_offsets"].diff().tolist()
     prompts = tensors["prompt_ids"].split(p_len)
     resps, lps, vers, ents = (tensors[k].split(r_len) for k in _PER_TOKEN)
+    routes: Any = [None] * n
+    if ROUTES in tensors:
+        rows = _route_rows(tensors["prompt_offsets"].diff(), tensors["response_offsets"].diff())
+        routes = tensors[ROUTES].split(rows.tolist())
     sidx, rew = tensors["sample_idx"].tolist(), tensors["reward"].tolist()
     tout = tensors["reward_timed_out"].tolist()
     uids, reasons = meta["prompt_uids"], meta["finish_reasons"]
@@ -233,7 +308,8 @@ def unpack_trajectories(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) 
         Trajectory(prompt_uid=uids[i], sample_idx=sidx[i], prompt_ids=prompts[i],
                    response_ids=resps[i], behav_logp=lps[i], versions=vers[i], reward=rew[i],
                    finish_reason=reasons[i], reward_timed_out=tout[i],
-                   behav_entropy=None if bool(ents[i].isnan().all()) else ents[i])
+                   behav_entropy=None if bool(ents[i].isnan().all()) else ents[i],
+                   routed_experts=routes[i])
         for i in range(n)
     ]
 
@@ -245,6 +321,7 @@ def validate_trajectories(
     current_version: int,
     max_len: int,
     max_prompt_len: int | None = None,
+    moe: tuple[int, int, int] | None = None,
 ) -> None:
     """validate_packed for a list of Trajectory records; malformed records raise WireError("invalid")."""
     try:
@@ -252,7 +329,7 @@ def validate_trajectories(
     except ValueError as e:
         raise WireError("invalid", str(e)) from None
     validate_packed(meta, tensors, vocab_size=vocab_size, current_version=current_version,
-                    max_len=max_len, max_prompt_len=max_prompt_len)
+                    max_len=max_len, max_prompt_len=max_prompt_len, moe=moe)
 
 
 # ---------------------------------------------------------------- prompts

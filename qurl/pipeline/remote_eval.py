@@ -139,4 +139,5 @@ class WorkerEval:
             req = self._requests[i]
             self._out[i] = GenResult(rid=req.rid, prompt_ids=req.prompt_ids,
                                      output_ids=t.response_ids, logprobs=t.behav_logp,
-                                     versions=t.versions, finish_reason=t.finish_reason)
+                                     versions=t.versions, finish_reason=t.finish_reason,
+                                     routed_experts=t.routed_experts)

@@ -81,14 +81,15 @@ _SCALAR_FIELDS = ("prompt_uid", "sample_idx", "reward", "finish_reason", "reward
 def _traj_to_dict(t: Trajectory) -> dict[str, Any]:
     d: dict[str, Any] = {f: getattr(t, f).clone() for f in _TENSOR_FIELDS}
     d.update({f: getattr(t, f) for f in _SCALAR_FIELDS})
-    if t.behav_entropy is not None:
-        d["behav_entropy"] = t.behav_entropy.clone()
+    for f in ("behav_entropy", "routed_experts"):  # optional: absent when None
+        if getattr(t, f) is not None:
+            d[f] = getattr(t, f).clone()
     return d
 
 
-def _traj_from_dict(d: dict[str, Any]) -> Trajectory:  # checkpoints older than behav_entropy too
+def _traj_from_dict(d: dict[str, Any]) -> Trajectory:  # checkpoints older than either field too
     return Trajectory(**{f: d[f] for f in _TENSOR_FIELDS + _SCALAR_FIELDS},
-                      behav_entropy=d.get("behav_entropy"))
+                      behav_entropy=d.get("behav_entropy"), routed_experts=d.get("routed_experts"))
 
 
 class TrajectoryBuffer:

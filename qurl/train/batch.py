@@ -6,6 +6,13 @@ log p(tokens[j] | tokens[:j]). So `loss_mask` is 1 exactly on response columns, 
 the engine's log-prob there (0 elsewhere), and `staleness` = learner version − version that sampled
 the token (0 = on-policy apart from quantization). Advantages are per sequence, computed within each
 prompt's group of G samples.
+
+Mixture-of-Experts: `routes` [B, L, layers, k] holds, at column j, the experts the engine chose at
+position j (Trajectory.routed_experts, which covers positions 0 .. P+T-2: the last sampled token was
+never forwarded). The columns without an engine choice, each row's last token and its right padding,
+hold experts 0..k-1 (`pad_routes`): a valid set of k distinct experts, which the learner may
+replay there because those positions reach no loss token (qurl/learner/replay.py). None for a dense
+model, or when any trajectory of the batch lacks routes.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ class TrainBatch:
     adv: torch.Tensor  # [B] float32
     rewards: torch.Tensor  # [B] float32 (after shaping)
     prompt_uids: list[str]
+    routes: torch.Tensor | None = None  # [B, L, layers, k] uint8/int32 (MoE; module docstring)
 
     @property
     def num_tokens(self) -> int:
@@ -90,5 +98,23 @@ def build_batch(
         behav[i, p:p + r] = t.behav_logp.float()
         stale[i, p:p + r] = version - t.versions
     batch = TrainBatch(tokens, loss_mask, behav, stale, adv.float(), rewards,
-                       [t.prompt_uid for t in trajs])
+                       [t.prompt_uid for t in trajs], pad_routes(trajs, L))
     return batch, stats
+
+
+def pad_routes(trajs: list[Trajectory], width: int) -> torch.Tensor | None:
+    """[B, width, layers, k] the trajectories' routed experts aligned with their token columns,
+    experts 0..k-1 where the engine gave none (module docstring); None unless every one has routes."""
+    if not trajs or any(t.routed_experts is None for t in trajs):
+        return None
+    first = trajs[0].routed_experts
+    layers, k = first.shape[1:]
+    out = torch.arange(k, dtype=first.dtype).expand(len(trajs), width, layers, k).clone()
+    for i, t in enumerate(trajs):
+        r = t.routed_experts
+        n = len(t.prompt_ids) + len(t.response_ids) - 1
+        if r.shape != (max(n, 0), layers, k):
+            raise ValueError(f"trajectory {t.prompt_uid!r} sample {t.sample_idx}: routed_experts "
+                             f"{tuple(r.shape)}, expected [P + T - 1 = {n}, {layers}, {k}]")
+        out[i, :n] = r
+    return out

@@ -40,7 +40,8 @@ def _trajectory(res: GenResult, reward: float, timed_out: bool) -> Trajectory:
                       response_ids=res.output_ids.to(torch.int64), behav_logp=res.logprobs.float(),
                       versions=res.versions.to(torch.int64), reward=reward,
                       finish_reason=res.finish_reason, reward_timed_out=timed_out,
-                      behav_entropy=None if res.entropy is None else res.entropy.float())
+                      behav_entropy=None if res.entropy is None else res.entropy.float(),
+                      routed_experts=res.routed_experts)  # [P + T - 1, L, k] (MoE), kept as sent
 
 
 def unscored(results: list[GenResult]) -> list[Trajectory]:

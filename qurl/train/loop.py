@@ -194,7 +194,8 @@ def train_loop(cfg: Config, make_source: SourceFactory, *, resume: bool, rank: i
             t0 = time.perf_counter()
             tstats = {} if batch is None else learner.train_step(
                 batch.tokens, batch.loss_mask, batch.behav_logp, batch.adv,
-                staleness=batch.staleness, temperature=cfg.rollout.temperature)
+                staleness=batch.staleness, temperature=cfg.rollout.temperature,
+                routes=batch.routes)
             t_train = time.perf_counter() - t0
             version += 1
             sstats = publish()

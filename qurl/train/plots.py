@@ -6,7 +6,9 @@ policy's entropy at the sampled tokens, the learner's π_prox beside the engine'
 reported one (a rollout format that changes training shows there); clip
 fractions and the share of tokens whose upper bound ACR widened (and whose IS weight was
 truncated or masked by the correction); flip fraction
-of the 8-bit codes per sync (UAQ-scaled vs other layers). A panel whose metric the run did not
+of the 8-bit codes per sync (UAQ-scaled vs other layers); for a mixture-of-experts model, the
+share of (token, layer) routes where the learner's own top-k differs from the engine's, of tokens
+with such a flip in any layer, and of the worst layer (qurl/algo/routes.py). A panel whose metric the run did not
 record is drawn empty with a note, not skipped.
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ PANELS: list[tuple[str, list[str]]] = [
                         "mask_frac_low", "mask_frac_high"]),
     ("flip fraction of 8-bit codes", ["flip_frac", "flip_frac/uaq_scaled", "flip_frac/unscaled"]),
     ("max pi_prox / pi_behav", ["is_ratio_max"]),
+    ("MoE routes: learner vs engine", ["moe/route_flip_frac", "moe/tokens_any_flip",
+                                       "moe/worst_layer_flip"]),
 ]
 
 
