@@ -358,8 +358,8 @@ def test_warm_start_uses_bf16_matmuls_on_every_cpu(micro_dir, tmp_path, monkeypa
 
 @pytest.mark.parametrize("edit,named", [
     ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
-      "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
-     "Qwen3MoeForCausalLM: mixture-of-experts converts into the learner"),
+      "num_experts_per_tok": 9, "moe_intermediate_size": 64, "norm_topk_prob": True},
+     "num_experts_per_tok=9"),
     ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
       "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64},
      "shared experts"),

@@ -167,15 +167,23 @@ def test_learner_logits_match_transformers(runs, ws: int, norm: bool) -> None:
     assert res["weights_exact"]  # named_weights: TP-gathered, per-expert HF names, bit-exact
 
 
-def test_a_run_on_a_moe_is_refused_in_one_line_before_the_ranks(tmp_path, capsys) -> None:
-    """Nothing past the learner's conversion carries experts yet: `qurl train` says so, exit 2."""
+@pytest.mark.parametrize("sets,named", [
+    (["learner.tp=2"], "sequence parallelism"),
+    (["rollout.engine=sglang", "sglang.urls=http://127.0.0.1:1"], "inside SGLang"),
+    (["rollout.precision=w4a16"], "bf16, int8 or fp8"),
+])
+def test_what_a_moe_run_cannot_do_yet_is_refused_in_one_line(tmp_path, capsys, sets, named):
+    """A Qwen3-MoE run at TP > 1, on SGLang, or at a precision the local engine's experts lack:
+    `qurl train` says so in one line, exit 2, before any rank or run directory exists."""
     from qurl.cli import main
 
-    rc = main(["train", "--set", "model.base=tiny-qwen3-moe", "--set",
-               f"deploy.dir={tmp_path / 'runs'}"])
+    argv = ["train", "--set", "model.base=tiny-qwen3-moe", "--set", f"deploy.dir={tmp_path / 'runs'}"]
+    for s in sets:
+        argv += ["--set", s]
+    rc = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    assert "tiny-qwen3-moe" in err[0] and "issue 67" in err[0]
+    assert "tiny-qwen3-moe" in err[0] and named in err[0]
     assert not (tmp_path / "runs").exists()
 
 

@@ -82,14 +82,16 @@ def fp8_block_problem(fields: dict[str, Any], sglang_tp: int = 1) -> str | None:
 
 def check_architecture(fields: dict[str, Any], base: str) -> None:
     """InputError (one line) unless qurl's conversion takes this architecture: dense Qwen2, Qwen3
-    or Llama with SwiGLU, RMSNorm gains, plain RoPE and full attention in every layer."""
+    or Llama, or Qwen3-MoE, with SwiGLU, RMSNorm gains, plain RoPE and full attention in every
+    layer."""
     from qurl.models.convert import check_supported
 
     try:
         check_supported(SimpleNamespace(**fields))
     except (ValueError, AttributeError, TypeError) as e:
         raise InputError(f"model.base={base}: {e}; qurl trains dense Qwen2, Qwen3 and Llama "
-                         f"checkpoints (SwiGLU MLP, RMSNorm, plain RoPE, full attention)") from None
+                         f"checkpoints and Qwen3-MoE ones (SwiGLU MLP, RMSNorm, plain RoPE, full "
+                         f"attention)") from None
 
 
 def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str) -> None:
