@@ -38,7 +38,6 @@ from typing import Any, Iterable
 
 import torch
 
-from qurl.config import Config
 from qurl.engines.factory import engine_wire_dtype
 from qurl.engines.kind import EngineKind
 from qurl.models.moe import route_shape

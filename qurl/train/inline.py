@@ -15,7 +15,6 @@ from typing import Any, Iterable
 
 import torch
 
-from qurl.config import Config
 from qurl.data.cursor import DataCursor
 from qurl.types import CountingEngine, Engine
 from qurl.engines.factory import engine_wire_dtype
