@@ -54,7 +54,7 @@ def _masters(run_dir):
     from qurl.checkpoint.rundir import CheckpointDir, read_config
     from qurl.learner.dist import init_learner_dist
     from qurl.learner.megatron import MegatronLearner
-    from qurl.commands.export import base_dir
+    from qurl.models.base import base_dir
 
     cfg = read_config(run_dir)
     init_learner_dist(cfg.learner, 0, 1, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
@@ -98,7 +98,7 @@ def test_hf_export_loads_in_transformers_with_the_learners_logits(runs, tmp_path
 def test_hf_export_of_an_untrained_tp2_bf16_run_equals_its_base(runs, tmp_path):
     from qurl.checkpoint.rundir import read_config
     from qurl.models.hf import read_state_dict
-    from qurl.commands.export import base_dir
+    from qurl.models.base import base_dir
 
     out = tmp_path / "frozen"
     assert main(["export", str(runs / "frozen"), "--out", str(out), "--dtype", "float32"]) == 0

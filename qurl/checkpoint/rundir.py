@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from qurl.checkpoint.checksums import FileSum, damage, has_manifest, write_manifest
-from qurl.config import (Config, ConfigError, DeployConfig, RunConfig, from_toml, immutable_changes,
-                         validate)
+from qurl.config import (Config, ConfigError, DeployConfig, RunConfig, immutable_changes, override,
+                         toml_updates, validate)
 from qurl.errors import CheckpointError
 
 log = logging.getLogger("qurl.checkpoint.rundir")
@@ -56,7 +56,7 @@ def read_config(run_dir: Path) -> Config:
     path = run_dir / "config.toml"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no config.toml — is {run_dir} a qurl run directory?")
-    return validate(from_toml(Config(), path, old_names=True))  # also reads pre-redesign files
+    return validate(override(Config(), toml_updates(path, old_names=True)))  # also pre-redesign files
 
 
 def check_resume_config(old: Config, new: Config) -> None:

@@ -31,57 +31,51 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-from qurl.checkpoint.rundir import CheckpointDir, read_config, run_dir_for
-from qurl.config import Config, ConfigError, EvalConfig, load_config, override, parse_sets, validate
+from qurl.checkpoint.rundir import CheckpointDir, read_config
+from qurl.config import (Config, ConfigError, DataConfig, DeployConfig, EvalConfig, RolloutConfig,
+                         SGLangConfig, load_config, override, parse_sets, validate)
 from qurl.commands.ranks import run_ranks
 from qurl.engines.factory import ServerSite, engine_wire_dtype, make_engine
 from qurl.errors import InputError
 from qurl.train.eval_suite import Evaluator, summary
-from qurl.learner.dist import init_learner_dist, is_main_rank
-from qurl.learner.megatron import MegatronLearner
-from qurl.models.base import builds_base
-from qurl.models.registry import resolve_base
-from qurl.node.placement import learner_threads, set_threads
+from qurl.train.run_setup import OpenedRun, on_checkpoint
 from qurl.weights.publish import WeightSync
 from qurl.weights.settings import SyncSettings
 
 
-def _eval_entry(cfg: Config, *, ckpt: str | None, max_examples: int | None, per_question: bool,
-                answers: bool, rank: int, world_size: int) -> dict:
-    """A learner rank of `qurl eval` (the whole `Config`: it opens the run's learner and engine,
-    as a run's step 0 does, and hands each component its sections)."""
-    set_threads(learner_threads(cfg.learner, cfg.rollout, cfg.deploy, workers=False))
-    init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
-    model_dir = str(run_dir_for(cfg.deploy, cfg.run) / "base_model") if builds_base(cfg.model) \
-        else resolve_base(cfg.model.base)
-    learner = MegatronLearner(model_dir, cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
-    if ckpt is not None:  # None: the base checkpoint itself, as a run's step 0
-        learner.load(Path(ckpt))
-    main = is_main_rank()
-    engine = make_engine(cfg.rollout, cfg.sglang, SyncSettings.of(cfg.deploy.sync), model_dir,
-                         seed=cfg.run.seed,
-                         site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner)
-                         ) if main else None
+def _evaluate(opened: OpenedRun, *, rollout: RolloutConfig, sglang: SGLangConfig,
+              deploy: DeployConfig, ecfg: EvalConfig, data: DataConfig, seed: int,
+              site: ServerSite, max_examples: int | None, per_question: bool,
+              answers: bool) -> dict:
+    """A learner rank's part of `qurl eval` on the opened checkpoint (`on_checkpoint`): rank 0
+    starts a fresh engine, the checkpoint's weights are quantized into it as a training step's
+    sync does, and the run's evaluation scores them (module docstring). The record on rank 0."""
+    engine = make_engine(rollout, sglang, SyncSettings.of(deploy.sync), opened.model_dir,
+                         seed=seed, site=site) if opened.main else None
     try:
-        wire = engine_wire_dtype(cfg.rollout, cfg.sglang, model_dir)
-        WeightSync(cfg.rollout.precision, wire_dtype=wire).push(
-            learner.named_weights(), engine, version=0)  # the version the record states is below
-        step = version = 0
-        if ckpt is not None:
-            step = version = int(Path(ckpt).name.removeprefix("step_"))
-            state = Path(ckpt) / "state.pt"
-            if main and state.is_file():  # the policy version trained into these weights
-                version = int(torch.load(state, weights_only=False).get("version", step))
-        evaluator = Evaluator(cfg.eval, cfg.data, cfg.rollout, cfg.deploy, model_dir,
-                              seed=cfg.run.seed, main=main, max_examples=max_examples,
+        wire = engine_wire_dtype(rollout, sglang, opened.model_dir)
+        WeightSync(rollout.precision, wire_dtype=wire).push(
+            opened.learner.named_weights(), engine, version=0)  # the version the record states is below
+        # the policy version trained into these weights (rank 0 read the checkpoint's state.pt)
+        version = int((opened.state or {}).get("version", opened.start))
+        evaluator = Evaluator(ecfg, data, rollout, deploy, opened.model_dir, seed=seed,
+                              main=opened.main, max_examples=max_examples,
                               per_question=per_question, answers=answers)
-        return evaluator.run(step, version, engine, learner) or {}
+        return evaluator.run(opened.start, version, engine, opened.learner) or {}
     finally:
         if engine is not None:  # SGLang servers launched for this evaluation stop with it
             engine.close()
+
+
+def _evaluate_under(cfg: Config, ckpt: Path | None, *, max_examples: int | None,
+                    per_question: bool, answers: bool) -> dict:
+    """Evaluate checkpoint `ckpt` of the run `cfg` describes (None: its base checkpoint) on the
+    run's learner ranks; rank 0's record."""
+    return run_ranks(on_checkpoint, cfg.learner, cfg, None if ckpt is None else str(ckpt),
+                     _evaluate, rollout=cfg.rollout, sglang=cfg.sglang, deploy=cfg.deploy,
+                     ecfg=cfg.eval, data=cfg.data, seed=cfg.run.seed,
+                     site=ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner),
+                     max_examples=max_examples, per_question=per_question, answers=answers)
 
 
 def _check_answers(ecfg: EvalConfig, answers: bool) -> None:
@@ -101,8 +95,8 @@ def eval_run(run_dir: Path, max_examples: int | None = None, sets: list[str] | N
     ckpt = CheckpointDir(run_dir).latest() if step is None else CheckpointDir(run_dir).at(step)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to evaluate")
-    return run_ranks(_eval_entry, cfg.learner, cfg, ckpt=str(ckpt), max_examples=max_examples,
-                     per_question=per_question, answers=answers)
+    return _evaluate_under(cfg, ckpt, max_examples=max_examples, per_question=per_question,
+                           answers=answers)
 
 
 def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = None,
@@ -122,8 +116,8 @@ def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = Non
     _check_answers(cfg.eval, answers)
     check_fits(str(model_dir), learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
-    return run_ranks(_eval_entry, cfg.learner, cfg, ckpt=None, max_examples=max_examples,
-                     per_question=per_question, answers=answers)
+    return _evaluate_under(cfg, None, max_examples=max_examples, per_question=per_question,
+                           answers=answers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,13 +7,14 @@ The flags are checked first (one line, exit 2, for an unknown format or dtype, o
 a checkpoint); the checkpoint is the run's latest or `--step`'s. `--dtype` defaults to the base
 checkpoint's dtype (float32 when it names none), and to bf16 for an 8-bit format (SGLang's w8a8
 kernels take bf16 / fp16 activations only). Then the run's own learner ranks start
-(qurl/commands/ranks.py) and each runs `write_export`; rank 0 writes the checkpoint.
+(qurl/commands/ranks.py), each opens the checkpoint (`qurl.train.run_setup.on_checkpoint`)
+and runs `write_export`; rank 0 writes the checkpoint.
 
 What it writes. A run's checkpoints hold the learner's Megatron shards
-(`ckpt/step_N/model_rank*.pt`, optimizer files with the fp32 master weights), which only qurl reads. `write_export`, run on each of the
-run's learner ranks, loads one of them into the learner exactly as `--resume` and `qurl eval`
-do (the run's own TP and DP ranks, its layer spec), streams the fp32 master weights out under
-their HF names (`named_weights`, TP-gathered), and rank 0 writes:
+(`ckpt/step_N/model_rank*.pt`, optimizer files with the fp32 master weights), which only qurl
+reads. Each of the run's learner ranks loads one of them into the learner exactly as `--resume`
+and `qurl eval` do (the run's own TP and DP ranks, its layer spec); `write_export` streams the
+fp32 master weights out under their HF names (`named_weights`, TP-gathered), and rank 0 writes:
 
 - `--format hf` (default): a plain HF checkpoint in `--dtype` (default: the base checkpoint's
   dtype) — safetensors, config.json, tokenizer, chat template, generation config. With UAQ on, the
@@ -32,56 +33,42 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from qurl.checkpoint.rundir import CheckpointDir, read_config
-from qurl.config import Config, ModelConfig, override
+from qurl.config import override
 from qurl.commands.ranks import run_ranks
 from qurl.errors import InputError
+from qurl.models.base import base_dir
+
+if TYPE_CHECKING:
+    from qurl.train.run_setup import OpenedRun
 
 FORMATS = ("hf", "int8", "fp8", "fp8_block")  # `--format`
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def base_dir(model: ModelConfig, run_dir: Path) -> Path:
-    """The HF checkpoint the run in `run_dir` with `[model]` section `model` started from (config,
-    tokenizer, chat template)."""
-    from qurl.models.base import builds_base
-    from qurl.models.registry import resolve_base
-
-    return Path(run_dir) / "base_model" if builds_base(model) else Path(resolve_base(model.base))
-
-
-def write_export(cfg: Config, *, ckpt: str, out: str, fmt: str, dtype: str, rank: int,
-                 world_size: int) -> str:
-    """One learner rank's part of an export (module docstring): load checkpoint `ckpt` of the run
-    `cfg` describes; rank 0 writes `out` in `fmt` (one of FORMATS), unquantized tensors in `dtype`
-    (a key of DTYPES). Returns `out`. It takes the whole `Config`: like a run's `open_run`, it
-    opens the run's learner (threads, process groups, the Megatron model from `[model]`, `[algo]`,
-    `[optim]`, `[learner]`, `[run]` and `[deploy]`), the rank entry of `qurl export`."""
-    from qurl.checkpoint.rundir import run_dir_for
-    from qurl.learner.dist import init_learner_dist, is_main_rank
-    from qurl.learner.megatron import MegatronLearner
+def write_export(opened: OpenedRun, *, out: str, fmt: str, dtype: str, uaq_scale: float) -> str:
+    """One learner rank's part of an export (module docstring), on the run's checkpoint opened by
+    `on_checkpoint`: the master weights gathered under their HF names; rank 0 writes `out` in
+    `fmt` (one of FORMATS), unquantized tensors in `dtype` (a key of DTYPES), undoing UAQ
+    (`uaq_scale`, the run's algo.uaq_scale) for `hf`. Returns `out`."""
     from qurl.models.export8bit import write_checkpoint
-    from qurl.node.placement import learner_threads, set_threads
     from qurl.quant.uaq import apply_uaq
 
-    set_threads(learner_threads(cfg.learner, cfg.rollout, cfg.deploy, workers=False))
-    init_learner_dist(cfg.learner, rank, world_size, ranks=cfg.deploy.ranks, host=cfg.deploy.host)
-    model_dir = base_dir(cfg.model, run_dir_for(cfg.deploy, cfg.run))
-    learner = MegatronLearner(str(model_dir), cfg.model, cfg.algo, cfg.optim, cfg.learner,
-                              total_steps=cfg.run.steps, seed=cfg.run.seed, ranks=cfg.deploy.ranks)
-    learner.load(Path(ckpt))
-    state = {name: t.detach().to("cpu", torch.float32) for name, t in learner.named_weights()}
-    if not is_main_rank():
+    state = {name: t.detach().to("cpu", torch.float32) for name, t in opened.learner.named_weights()}
+    if not opened.main:
         return out
-    if fmt == "hf" and cfg.algo.uaq_scale != 1.0:
-        state = apply_uaq(state, 1.0 / cfg.algo.uaq_scale)  # back to the base parameterisation
+    if fmt == "hf" and uaq_scale != 1.0:
+        state = apply_uaq(state, 1.0 / uaq_scale)  # back to the base parameterisation
+    model_dir = Path(opened.model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     write_checkpoint(state, config, model_dir, Path(out), "bf16" if fmt == "hf" else fmt,
                      dtype=DTYPES[dtype])
     return out
+
 
 def export_run(run_dir: Path, out: Path, *, step: int | None = None, fmt: str = "hf",
                dtype: str | None = None) -> Path:
@@ -100,7 +87,10 @@ def export_run(run_dir: Path, out: Path, *, step: int | None = None, fmt: str = 
         dtype = dtype if dtype in DTYPES else "float32"
     if fmt != "hf" and dtype == "float32":
         dtype = "bfloat16"  # SGLang's w8a8 kernels take bf16 / fp16 activations only
-    run_ranks(write_export, cfg.learner, cfg, ckpt=str(ckpt), out=str(out), fmt=fmt, dtype=dtype)
+    from qurl.train.run_setup import on_checkpoint
+
+    run_ranks(on_checkpoint, cfg.learner, cfg, str(ckpt), write_export, out=str(out), fmt=fmt,
+              dtype=dtype, uaq_scale=cfg.algo.uaq_scale)
     return out
 
 

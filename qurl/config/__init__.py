@@ -9,10 +9,11 @@ written before the redesign), where fields in `IMMUTABLE_ON_RESUME` must not cha
 """
 from qurl.config.deployment import (AlarmDeployConfig, RanksDeployConfig, StreamDeployConfig,
                                     SyncDeployConfig)
-from qurl.config.load import (IMMUTABLE_ON_RESUME, from_toml, get_field, immutable_changes,
-                              override, parse_sets, to_toml, validate)
+from qurl.config.fields import ConfigError
+from qurl.config.load import (IMMUTABLE_ON_RESUME, immutable_changes, override, parse_sets, to_toml,
+                              toml_updates)
 from qurl.config.presets import PRESETS, load_config
-from qurl.config.rules import ConfigError
+from qurl.config.rules import validate
 from qurl.config.tree import (DEPLOYMENT_SECTIONS, LOCAL_BASES, TRAINING_SECTIONS, AlgoConfig,
                               Config, CorrectionConfig, DataConfig, DeployConfig, EvalConfig,
                               LearnerConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig,
@@ -23,6 +24,6 @@ __all__ = [
     "AlarmDeployConfig", "RanksDeployConfig", "StreamDeployConfig", "SyncDeployConfig",
     "AlgoConfig", "Config", "ConfigError", "CorrectionConfig", "DataConfig", "DeployConfig",
     "EvalConfig", "LearnerConfig", "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig",
-    "SGLangConfig", "field_doc", "from_toml", "get_field", "immutable_changes", "leaves",
+    "SGLangConfig", "field_doc", "immutable_changes", "leaves", "toml_updates",
     "load_config", "override", "parse_sets", "to_toml", "validate",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qurl.config.rules import ConfigError
+from qurl.config.fields import ConfigError
 
 RENAMED: dict[str, str] = {
     "run.dir": "deploy.dir", "run.ckpt_every": "deploy.ckpt_every",

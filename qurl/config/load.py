@@ -3,8 +3,9 @@
 Every value enters through `override`, which coerces it to the field's declared type and checks
 the field's own rules (its `Literal` choices, its `Min`/`MoreThan` bound) at once, so an error
 names the field and the value that broke it. A nested table's leaves are addressed with one more
-dot (`algo.correction.cap`) and written as their own TOML table (`[algo.correction]`). `validate` re-checks a whole tree (for trees built
-in code) and then the cross-field rules of `qurl.config.rules`.
+dot (`algo.correction.cap`) and written as their own TOML table (`[algo.correction]`).
+`qurl.config.rules.validate` re-checks a whole tree (for trees built in code) and then the rules
+that tie fields together.
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import tomllib
 from dataclasses import fields, is_dataclass, replace
 from functools import reduce
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from qurl.config.compat import DROPPED, RENAMED, upgrade
-from qurl.config.rules import ConfigError, check_rules
-from qurl.config.tree import Config, Min, MoreThan, leaves
+from qurl.config.fields import ConfigError, check_field, field_hints
+from qurl.config.tree import Config
 
 # Fields a resumed run may not change: they define the weights and their layout.
 IMMUTABLE_ON_RESUME = (
@@ -25,30 +26,12 @@ IMMUTABLE_ON_RESUME = (
 )
 
 
-def _hints(section_cls: type) -> dict[str, Any]:
-    return get_type_hints(section_cls, include_extras=True)
-
-
-def _check_field(value: Any, typ: Any, key: str) -> None:
-    """The field's own rules: Literal choices and Min/MoreThan bounds."""
-    if get_origin(typ) is Annotated:
-        base, *marks = get_args(typ)
-        _check_field(value, base, key)
-        for m in marks:
-            if isinstance(m, Min) and not value >= m.value:
-                raise ConfigError(f"{key}={value!r}: must be >= {m.value:g}")
-            if isinstance(m, MoreThan) and not value > m.value:
-                raise ConfigError(f"{key}={value!r}: must be > {m.value:g}")
-    elif get_origin(typ) is Literal and value not in get_args(typ):
-        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(map(str, get_args(typ)))}")
-
-
 def _coerce(value: Any, typ: Any, key: str) -> Any:
     """Turn a TOML value or a `--set` string into the field's declared type, then check it."""
     origin = get_origin(typ)
     if origin is Annotated:
         out = _coerce(value, get_args(typ)[0], key)
-        _check_field(out, typ, key)
+        check_field(out, typ, key)
         return out
     if origin is Literal:
         choices = get_args(typ)
@@ -77,14 +60,14 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         raise ConfigError(f"{key}={value!r}: expected {typ.__name__}") from None
 
 
-def get_field(cfg: Config, dotted: str) -> Any:
-    """The value at "section.field" (or "section.table.field")."""
-    return reduce(getattr, dotted.split("."), cfg)
+def _value_at(tree: Any, dotted: str) -> Any:
+    """The value at "section.field" (or "section.table.field") of a config tree."""
+    return reduce(getattr, dotted.split("."), tree)
 
 
 def _set(obj: Any, parts: list[str], value: Any, key: str, table: str) -> Any:
     """`obj` (the config table named `table`) with the leaf at `parts` set to `value`."""
-    hints = _hints(type(obj))
+    hints = field_hints(type(obj))
     name = parts[0]
     if name not in hints:
         raise ConfigError(f"{key}: unknown field of [{table}] (known: {', '.join(hints)})")
@@ -92,7 +75,7 @@ def _set(obj: Any, parts: list[str], value: Any, key: str, table: str) -> Any:
     if is_dataclass(current):
         if len(parts) == 1:
             raise ConfigError(f"{key}: a table; set its fields "
-                              f"({', '.join(f'{key}.{n}' for n in _hints(type(current)))})")
+                              f"({', '.join(f'{key}.{n}' for n in field_hints(type(current)))})")
         return replace(obj, **{name: _set(current, parts[1:], value, key, f"{table}.{name}")})
     if len(parts) > 1:
         raise ConfigError(f"{key}: {table}.{name} is a field, not a table")
@@ -112,15 +95,6 @@ def override(cfg: Config, updates: dict[str, Any]) -> Config:
             raise ConfigError(f"{key}: unknown config section (known: {', '.join(sections)})")
         cfg = replace(cfg, **{section: _set(getattr(cfg, section), rest.split("."), value, key,
                                             section)})
-    return cfg
-
-
-def validate(cfg: Config) -> Config:
-    """Check every leaf against its type's rules, then the cross-field rules; return cfg."""
-    for section in fields(cfg):
-        for dotted, cls, name, value in leaves(getattr(cfg, section.name), f"{section.name}."):
-            _check_field(value, _hints(cls)[name], dotted)
-    check_rules(cfg)
     return cfg
 
 
@@ -155,13 +129,12 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
     return flat
 
 
-def from_toml(cfg: Config, path: str | Path, *, old_names: bool = False) -> Config:
-    """Override `cfg` with a TOML file's [section] tables. `old_names=True` (a run directory's
-    own config.toml, written by an older qurl) maps the fields renamed since then first."""
+def toml_updates(path: str | Path, *, old_names: bool = False) -> dict[str, Any]:
+    """A TOML file's [section] tables as `override`'s {"section.field": value} updates.
+    `old_names=True` (a run directory's own config.toml, written by an older qurl) maps the
+    fields renamed since then first."""
     flat = _read_toml(path)
-    if old_names:
-        flat = upgrade(flat, where=str(path))
-    return override(cfg, flat)
+    return upgrade(flat, where=str(path)) if old_names else flat
 
 
 def to_toml(cfg: Config) -> str:
@@ -195,5 +168,5 @@ def to_toml(cfg: Config) -> str:
 
 
 def immutable_changes(old: Config, new: Config) -> list[str]:
-    return [f"{k}: {get_field(old, k)!r} -> {get_field(new, k)!r}"
-            for k in IMMUTABLE_ON_RESUME if get_field(old, k) != get_field(new, k)]
+    return [f"{k}: {_value_at(old, k)!r} -> {_value_at(new, k)!r}"
+            for k in IMMUTABLE_ON_RESUME if _value_at(old, k) != _value_at(new, k)]

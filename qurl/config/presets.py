@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from qurl.config.load import from_toml, override, parse_sets, validate
-from qurl.config.rules import ConfigError
+from qurl.config.fields import ConfigError
+from qurl.config.load import override, parse_sets, toml_updates
+from qurl.config.rules import validate
 from qurl.config.tree import Config
 
 
@@ -151,7 +152,7 @@ def load_config(preset: str = "cpu-tiny", toml: str | Path | None = None,
         raise ConfigError(f"preset {preset!r}: unknown (known: {', '.join(PRESETS)})")
     cfg = PRESETS[preset]()
     if toml is not None:
-        cfg = from_toml(cfg, toml)
+        cfg = override(cfg, toml_updates(toml))
     if sets:
         cfg = override(cfg, parse_sets(sets))
     return validate(cfg)

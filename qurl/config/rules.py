@@ -1,20 +1,22 @@
-"""The rules that tie config fields together (one field's own rules live on its type, in tree.py
-and deployment.py).
+"""Checking a whole config tree: each field's own rules (on its type, in tree.py and
+deployment.py; fields.py `check_field`), then the rules that tie fields together.
 
 Each rule names the fields it reads, so the error a user meets says which settings disagree.
 """
 from __future__ import annotations
 
-from qurl.config.tree import LOCAL_BASES, Config
-from qurl.errors import InputError
+from dataclasses import fields
+
+from qurl.config.fields import ConfigError, check_field, field_hints
+from qurl.config.tree import LOCAL_BASES, Config, leaves
 
 
-class ConfigError(InputError):
-    """A config value is wrong; the message names the field."""
-
-
-def check_rules(cfg: Config) -> None:
-    """Raise ConfigError for the first cross-field rule `cfg` breaks."""
+def validate(cfg: Config) -> Config:
+    """Check every leaf against its type's rules, then the cross-field rules; return cfg.
+    ConfigError for the first rule `cfg` breaks."""
+    for section in fields(cfg):
+        for dotted, cls, name, value in leaves(getattr(cfg, section.name), f"{section.name}."):
+            check_field(value, field_hints(cls)[name], dotted)
     r, a, e = cfg.rollout, cfg.algo, cfg.eval
     if r.top_p > 1:
         raise ConfigError(f"rollout.top_p={r.top_p}: must be in (0, 1]")
@@ -78,3 +80,4 @@ def check_rules(cfg: Config) -> None:
         raise ConfigError(f"data.fields={list(cfg.data.fields)}: must be two names, question,answer")
     if cfg.deploy.stream.key and len(cfg.deploy.stream.key.encode()) < 16:
         raise ConfigError("deploy.stream.key: must be at least 16 bytes (or empty for a random run key)")
+    return cfg

@@ -44,6 +44,15 @@ def builds_base(m: ModelConfig) -> bool:
     return m.base in LOCAL_BASES or (m.warmstart_checkpoint and m.warmstart_steps > 0)
 
 
+def base_dir(model: ModelConfig, run_dir: Path) -> Path:
+    """The HF checkpoint a run in `run_dir` with `[model]` section `model` started from (config,
+    tokenizer, chat template): the run directory's base_model/ for a model built here, once
+    `prepare_base_model` has put it there, else model.base resolved."""
+    from qurl.models.registry import resolve_base
+
+    return Path(run_dir) / "base_model" if builds_base(model) else Path(resolve_base(model.base))
+
+
 def _checkpoint_identity(path: Path) -> dict:
     """What tells one checkpoint from another cheaply: its config.json and its files' names, sizes."""
     files = sorted(f for f in path.iterdir() if f.is_file())
