@@ -13,7 +13,8 @@
 - research (qurl/research/studies, qurl/research/bench) stays outside the product's import graph:
   no product module imports it but qurl/cli.py, and that only inside its dispatch function;
   research imports the product's modules directly, as a user's script would;
-- the public Python face, qurl/api.py, stays small: at most 20 names, each of which imports.
+- the public Python face, qurl/api.py, stays small: at most 20 names, each of which imports;
+- every `qurl/...py` path the code and docs cite exists.
 """
 from __future__ import annotations
 
@@ -251,3 +252,13 @@ def test_every_public_name_imports():
     assert out.returncode == 0, out.stderr[-2000:]
     assert ast.literal_eval(out.stdout.strip().splitlines()[-1]) == []
 
+
+
+def test_every_cited_qurl_path_exists():
+    """Docstrings, comments, README and docs/ cite files as `qurl/room/file.py`; a move that leaves
+    one behind fails here (a file citing a neighbour in its own folder uses the bare name)."""
+    cited = re.compile(r"(?<![\w/.])qurl/[\w/]+\.py")
+    texts = [*QURL.rglob("*.py"), ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    stale = sorted({f"{p.relative_to(ROOT)}: {m}" for p in texts
+                    for m in cited.findall(p.read_text()) if not (ROOT / m).is_file()})
+    assert stale == []
