@@ -460,3 +460,37 @@ def test_w8a8_engine_refuses_a_server_without_the_restore_loader(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_stop_all_stops_stubborn_servers_and_their_children_together(tmp_path, monkeypatch):
+    """Two launched "servers" whose leader and child both ignore SIGTERM (as a busy SGLang can be
+    slow to honour it): stop_all escalates to SIGKILL on each process group, the children with
+    their leaders, and an attached server (no process) is left alone."""
+    import qurl.engines.sglang.launcher as launcher
+
+    monkeypatch.setattr(launcher, "STOP_WAIT_S", 1.0)
+    stubborn = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+                "print(c.pid, flush=True); time.sleep(600)")
+    servers, children = [], []
+    for i in range(2):
+        s = launcher.Server(ServerSpec(f"http://127.0.0.1:{free_port()}",
+                                       command=[sys.executable, "-c", stubborn]), tmp_path)
+        s.launch()
+        servers.append(s)
+    for s in servers:
+        deadline = time.monotonic() + 60
+        while not (s.log_path.is_file() and s.log_path.read_text().strip()):
+            assert time.monotonic() < deadline, "the stub never started its child"
+            time.sleep(0.05)
+        children.append(int(s.log_path.read_text().split()[0]))
+    attached = launcher.Server(ServerSpec(f"http://127.0.0.1:{free_port()}"), None)
+    launcher.stop_all([*servers, attached])
+    assert [s.proc.returncode for s in servers] == [-9, -9]  # SIGTERM ignored: SIGKILLed
+    for pid in children:  # the group's other member went too (reaped by init, or a zombie)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and \
+                Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z":
+            assert time.monotonic() < deadline, f"child {pid} outlived its server's group"
+            time.sleep(0.05)

@@ -117,9 +117,11 @@ class Fleet:
         self.slots = [_SlotState() for _ in range(self.n)]
         # each slot's mismatch streak and what follows a sync it reports (qurl/weights/resync.py)
         self.resync = ResyncRule()
-        # A worker stops its SGLang server itself (SIGTERM to the worker, then `finally`; the server
-        # runs in its own session, so a SIGKILLed worker would leave it running): wait that long.
-        grace = 2 * STOP_WAIT_S + 10.0 if kind.worker_stop_waits_for_server else 5.0
+        # A worker stops its SGLang servers itself (SIGTERM to the worker, then `finally`; a server
+        # runs in its own session, so a SIGKILLed worker would leave it running): wait that long,
+        # its watchdog's join (5 s) and its servers' SIGTERM -> SIGKILL escalation, all servers
+        # together (launcher.stop_all), with 10 s to spare.
+        grace = 2 * STOP_WAIT_S + 15.0 if kind.worker_stop_waits_for_server else 5.0
         from qurl.node.placement import spawned_worker_env
 
         self.procs = WorkerProcs(self.run_dir, self.n, threads=worker_threads, grace_s=grace,

@@ -48,7 +48,7 @@ import torch
 
 from qurl.config import ConfigError
 from qurl.engines.sglang.inside.tp_cut import Layout
-from qurl.engines.sglang.launcher import Server, ServerSpec
+from qurl.engines.sglang.launcher import Server, ServerSpec, stop_all
 from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError,
                                           SGLangUnavailable, parse_generate, topk_entropy)
 from qurl.engines.sglang.update import WeightUpdates
@@ -353,9 +353,10 @@ class SGLangEngine(StallHandling, WeightUpdates):
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:
-        """Leave the weight group and stop the servers qurl launched (attached ones keep running)."""
+        """Stop the servers qurl launched, then leave the weight group (attached servers keep
+        running, told to drop it). Stopping comes first: it is what must finish within a stopped
+        worker's grace, and a server already gone answers the group's teardown at once."""
         if self._watchdog is not None:
             self._watchdog.close()
+        stop_all(self.servers)
         self._leave_group(5.0)
-        for s in self.servers:
-            s.stop()

@@ -215,18 +215,7 @@ class Server:
             out.close()
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, STOP_WAIT_S)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_all([self])
 
     def wait_healthy(self, timeout: float, health_s: float) -> None:
         deadline = time.monotonic() + timeout
@@ -239,3 +228,28 @@ class Server:
             time.sleep(0.2)
         raise SGLangError(f"server {self.spec.url} not healthy after {timeout:.0f}s; "
                           f"log tail:\n{self.log_tail()}")
+
+
+def stop_all(servers: Iterable[Server]) -> None:
+    """Stop the servers qurl launched, all at once: SIGTERM to each one's process group (its
+    scheduler and detokenizer too), up to STOP_WAIT_S for all of them together, then SIGKILL to
+    those still running and as long again. Attached servers (no process here) are left alone.
+    Together, not one after another, so stopping n servers takes the time of one: a worker that
+    is itself being stopped has a fixed grace (pipeline/fleet.py) before it is SIGKILLed, and a
+    server it has not stopped by then outlives it (it runs in its own session)."""
+    live = [s.proc for s in servers if s.proc is not None and s.proc.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in live:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_WAIT_S
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        live = [proc for proc in live if proc.poll() is None]
+        if not live:
+            return
