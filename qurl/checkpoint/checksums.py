@@ -7,7 +7,7 @@ A checkpoint directory holds `manifest.json`:
 listing every other file of the checkpoint. Files are hashed (BLAKE3) as they are written:
 `save_torch` hashes the bytes on their way to disk, so a large shard is never read back at save
 time; `write_manifest` hashes after the fact only a file nobody reported. The manifest is written
-inside the temp dir before the atomic rename (qurl/checkpoint/rundir.py), so a committed checkpoint always has
+inside the temp dir before the atomic rename (rundir.py), so a committed checkpoint always has
 the checksums of the bytes its writers produced.
 
 `damage(dir)` re-reads a checkpoint and names the first problem: a missing file, a size that

@@ -7,7 +7,7 @@
       ckpt/step_000010/    one checkpoint: learner shards (model_rank<tp>.pt), optimizer state
                            (optim_rank<tp>[_dp<dp>].pt), state.pt (step, version, data cursor,
                            RNG states, pending trajectories, prompts in flight), manifest.json
-                           (size and BLAKE3 checksum of each of those files: qurl/checkpoint/checksums.py)
+                           (size and BLAKE3 checksum of each of those files: checksums.py)
       ckpt/latest          name of the newest complete checkpoint
 
 A checkpoint is written to `ckpt/.tmp-step_N/`, gets its manifest, and is renamed into place only

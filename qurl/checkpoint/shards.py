@@ -3,7 +3,7 @@
 Each TP rank writes its model shard (`model_rank<tp>.pt`, by DP rank 0: the shard is the same on
 every DP rank) and its optimizer state (fp32 masters, AdamW moments, schedule position:
 `optim_rank<tp>.pt`, or `optim_rank<tp>_dp<dp>.pt` per DP rank when DP > 1). Files are hashed as
-they are written (qurl/checkpoint/checksums.py `save_torch`), for the checkpoint manifest. Model keys are
+they are written (checksums.py `save_torch`), for the checkpoint manifest. Model keys are
 megatron's local-spec names whichever layer spec built the model, so a run resumes with or without
 Transformer Engine; `save`/`load` give bit-identical continuation on the same TP and DP sizes.
 

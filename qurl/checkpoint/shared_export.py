@@ -9,7 +9,7 @@ files, and the checkpoint a server on another node is already loading (issue 59,
 The protocol (`export_shared`), for every caller alike:
 1. Done? `<out>/export.json` names the same request (the source's files by name, size and mtime;
    fmt; UAQ scale; dtype) and `<out>/manifest.json` (BLAKE3 of every file,
-   qurl/checkpoint/checksums.py; written last) verifies: return `<out>`, writing nothing.
+   checksums.py; written last) verifies: return `<out>`, writing nothing.
 2. Else take the lock `<out>.lock` (created with O_CREAT | O_EXCL: one winner, on local disks and
    NFSv3+ alike). The holder checks 1 again, exports into a staging directory of its own
    (`<out>.staging-<host>-<pid>`), adds export.json and then the manifest, removes an `<out>` that

@@ -7,7 +7,7 @@ The flags are checked first (one line, exit 2, for an unknown format or dtype, o
 a checkpoint); the checkpoint is the run's latest or `--step`'s. `--dtype` defaults to the base
 checkpoint's dtype (float32 when it names none), and to bf16 for an 8-bit format (SGLang's w8a8
 kernels take bf16 / fp16 activations only). Then the run's own learner ranks start
-(qurl/commands/ranks.py), each opens the checkpoint (`qurl.train.run_setup.on_checkpoint`)
+(ranks.py), each opens the checkpoint (`qurl.train.run_setup.on_checkpoint`)
 and runs `write_export`; rank 0 writes the checkpoint.
 
 What it writes. A run's checkpoints hold the learner's Megatron shards

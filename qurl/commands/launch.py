@@ -4,7 +4,7 @@
     qurl launch --preset P ... --nodes h0,h1 --node-rank R              run node R's commands
 
 `qurl launch` parses its own options: qurl/cli.py passes them through untouched (a leading `--` is
-dropped). The config is loaded as `qurl train` loads it; qurl/commands/launch_plan.py `plan` turns it
+dropped). The config is loaded as `qurl train` loads it; launch_plan.py `plan` turns it
 into each node's commands (export, SGLang servers, external workers, the learner's torchrun)
 with their GPUs and network settings -- its docstring, the placement rules, is this command's
 --help. A placement the plan refuses, or a learner memory plan that cannot hold one row on a GPU of

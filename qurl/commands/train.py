@@ -7,7 +7,7 @@ Before any rank starts, what would fail late and far away is refused in one line
 training and eval data are read (a bad row names its file and line), the base model is resolved
 (a hub id or a model not fetched), the layout is checked against it (qurl/models/fits.py), and
 the learner ranks' memory plan is printed (on a GPU, refused when it cannot hold one row). Then the
-learner's ranks start (qurl/commands/ranks.py) and each runs the synchronous loop
+learner's ranks start (ranks.py) and each runs the synchronous loop
 (qurl/train/inline.py) or the asynchronous controller (qurl/pipeline/controller.py), as
 deploy.rollout says; the final evaluation's summary is printed.
 """

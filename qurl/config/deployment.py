@@ -1,7 +1,7 @@
 """The deployment sections of the config tree: `sglang` and `deploy`.
 
 They decide only where a run's processes execute, how they find each other and what is written
-on the side, never the numbers a run produces for a seed (qurl/config/tree.py holds the training
+on the side, never the numbers a run produces for a seed (tree.py holds the training
 sections and the whole `Config`). Every field carries its type, its default and a docstring
 under it, as in tree.py.
 """

@@ -7,8 +7,8 @@
   ends and any run-on text begins.
 - `gsm8k_final_answer`: the number after the last `####` of a GSM8K worked answer.
 
-Both the data loader (gold answers from worked solutions, qurl/data/datasets.py) and the reward
-(answers from responses, qurl/data/rewards.py) read answers this way; neither imports the other
+Both the data loader (gold answers from worked solutions, datasets.py) and the reward
+(answers from responses, rewards.py) read answers this way; neither imports the other
 for it.
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ ANSWER_KINDS = ("math", "number")
 class Example:
     """One verifiable task: `prompt` is the raw question text (no template), `answer` the gold string.
 
-    answer_kind says what the reward accepts as equal to the gold (qurl/data/rewards.py):
+    answer_kind says what the reward accepts as equal to the gold (rewards.py):
     "math" (math-verify's symbolic equivalence: "\\frac{1}{2}" equals "0.5") or "number" (a plain
     numeral only, compared exactly: the kind of a task whose question is itself an expression)."""
 

@@ -1,6 +1,6 @@
 """Verifiable reward: is the final answer of a response mathematically equal to the gold answer?
 
-Pipeline per response: `extract_answer` (qurl/data/answers.py) takes the content of the last `\\boxed{...}` (balanced
+Pipeline per response: `extract_answer` (answers.py) takes the content of the last `\\boxed{...}` (balanced
 braces; `\\fbox` too), else the number after a GSM8K `####`; no answer means reward 0. Then the
 extracted string is compared with the gold:
 - fast path, no verifier: identical strings are equal; two plain integers (thousands commas allowed)
@@ -13,7 +13,7 @@ extracted string is compared with the gold:
   (integer or decimal, thousands commas allowed), compared exactly; anything else scores 0 and never
   reaches math-verify. math-verify evaluates expressions ("6+7+0" equals "13"), which is right for
   MATH-style answers and a hole in a task whose question is the expression: copying the question
-  into the box would score 1 (qurl/data/synthetic.py).
+  into the box would score 1 (synthetic.py).
 
 Why a process pool: sympy can run for minutes (or forever) on a pathological answer such as
 `9^{9^{9^{9}}}`, and math-verify's own timeout uses SIGALRM, which exists only in the main thread and

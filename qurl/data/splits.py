@@ -1,14 +1,14 @@
 """A run's data, from its `[data]` config: the training prompts and the evaluation sets.
 
 `data.train` names one source and `data.eval` a comma-separated list of them: "synthetic"
-(arithmetic tasks generated from the run seed, qurl/data/synthetic.py), a jsonl / json / parquet
+(arithmetic tasks generated from the run seed, synthetic.py), a jsonl / json / parquet
 file path, or the bare name of a set shipped in qurl/data/sets/ ("aime24"). Training files are read
 with the `data.format` preset; each eval file's format is detected from its own rows unless the
-fields are spelled out (qurl/data/datasets.py). Each eval set is cut to `data.eval_size` examples
+fields are spelled out (datasets.py). Each eval set is cut to `data.eval_size` examples
 (0 = the whole file); the training file is used whole (`data.train_size` sizes only the synthetic
 split).
 
-A malformed row or unreadable file raises DataError (qurl/data/datasets.py), a bad `data.eval` list
+A malformed row or unreadable file raises DataError (datasets.py), a bad `data.eval` list
 ConfigError, a name that is neither a file nor a shipped set FileNotFoundError: `qurl train` calls
 `load_datasets` before starting any rank, so each is one line and exit status 2.
 """

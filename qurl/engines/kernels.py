@@ -1,4 +1,4 @@
-"""The 8-bit GEMM kernels the W8A8 linears (qurl/engines/qlinear.py) compute their code products with.
+"""The 8-bit GEMM kernels the W8A8 linears (qlinear.py) compute their code products with.
 
 Each takes 8-bit codes and returns their exact integer (INT8) or fp32 (FP8) product; the layers
 apply the scales.

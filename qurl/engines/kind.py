@@ -1,6 +1,6 @@
 """What the run's kind of rollout engine means for the code around it, asked by name.
 
-A run generates with the local torch decoder (rollout.engine = local: qurl/engines/local.py) or
+A run generates with the local torch decoder (rollout.engine = local: local.py) or
 through adapters over SGLang servers (rollout.engine = sglang: qurl/engines/sglang/), which qurl
 launches or attaches to when sglang.urls names them. The rooms around the engines never need that
 choice itself, only its consequences: whether an async worker needs a GPU, what a

@@ -10,9 +10,9 @@ At run time every token's activation row is quantized dynamically (`quantize_per
 
     y = (xq @ weight^T) * x_scale * weight_scale^T + bias
 
-where the product of codes is computed by an 8-bit kernel (qurl/engines/kernels.py):
+where the product of codes is computed by an 8-bit kernel (kernels.py):
 - INT8: an exact int8 x int8 -> int32 GEMM (no dequantize-then-float), by `torch._int_mm` or
-  FBGEMM (`Int8Linear.backend`; FBGEMM is the CPU default where it is exact): qurl/engines/kernels.py.
+  FBGEMM (`Int8Linear.backend`; FBGEMM is the CPU default where it is exact): kernels.py.
   The int32 sum cannot overflow for K < 2^31 / 127^2 ~ 133k.
 - FP8: `torch._scaled_mm` (unit tensor-wise scales, fp32 output) on CUDA devices with an FP8 GEMM
   (sm89+, probed once per device). Elsewhere (CPU) an *exact emulation*:

@@ -33,7 +33,7 @@ sliding windows, softmax offsets ('off-by-one', 'learnable'), context parallelis
 and attention bias. Dropout is supported (under megatron's RNG tracker, as there) but RL policies
 load with attention_dropout = 0.
 
-Transformer Engine's attention is the choice when TE imports (qurl/learner/build.py); this module
+Transformer Engine's attention is the choice when TE imports (build.py); this module
 replaces only the local spec's core attention.
 """
 from __future__ import annotations

@@ -88,7 +88,7 @@ def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype:
     """This TP rank's GPTModel holding `shard` (local-spec names, as convert.hf_to_megatron
     makes them), parameters in `dtype` on `device`; `attention` (local spec only) and `recompute`
     as in the module docstring; `routing_replay` (a MoE only): every router gets megatron's
-    RouterReplay (qurl/learner/replay.py)."""
+    RouterReplay (replay.py)."""
     if attention not in ATTENTION:
         raise ValueError(f"learner.attention={attention!r}: must be one of {', '.join(ATTENTION)}")
     if recompute not in RECOMPUTE:

@@ -95,7 +95,7 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
         return
     kwargs: dict[str, Any] = {"tensor_model_parallel_size": learner.tp}
     # Extra gloo groups only serve megatron's own distributed optimizer, which the learner does not
-    # use (qurl/learner/distopt.py shards over the main DP group).
+    # use (distopt.py shards over the main DP group).
     if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:
         kwargs["create_gloo_process_groups"] = False
     ps.initialize_model_parallel(**kwargs)

@@ -3,7 +3,7 @@
 
 One instance per learner rank (after `init_learner_dist`; TP shards × DP replicas). At start the
 HF checkpoint is read, cast to fp32, UAQ-scaled once (`algo.uaq_scale`; the function is unchanged,
-see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel (qurl/learner/build.py:
+see qurl/quant/uaq.py), and this rank's shard is loaded into a GPTModel (build.py:
 megatron's Transformer Engine layer spec on CUDA when installed, its local spec with SDPA attention
 otherwise; megatron's activation recompute per learner.recompute). Those weights are the master
 weights: `named_weights()` streams them (TP-gathered, HF names) to the weight sync.
@@ -23,14 +23,14 @@ Log-probs: out[:, j] = log softmax(logits(tokens[:, :j]) / T)[tokens[:, j]], out
 megatron's vocab-parallel cross entropy (logits never gathered), the head run only from the
 micro-batch's first loss column and in chunks of positions (logits.py). Padded vocab rows (the
 vocab is padded to a multiple of 128·TP) are masked to -inf so the distribution is exactly HF's.
-The optimizer (qurl/learner/distopt.py) keeps fp32 master weights and AdamW moments, sharded over
+The optimizer (distopt.py) keeps fp32 master weights and AdamW moments, sharded over
 the data-parallel ranks with ranks.distributed_optimizer (ZeRO-1); in bfloat16 mode the model runs
 in bf16 and receives the masters after every update. With DP > 1 each DP rank computes its rows of
 every mini-batch and the gradients are summed over DP.
 
 Mixture-of-experts (Qwen3-MoE): train_step takes the engine's routes [B, L, layers, k]; with
-algo.routing_replay=rollout every forward of the trained model replays them (qurl/learner/replay.py),
-and the step's record gets the moe/ route-flip and expert-load entries (qurl/learner/moe_step.py).
+algo.routing_replay=rollout every forward of the trained model replays them (replay.py),
+and the step's record gets the moe/ route-flip and expert-load entries (moe_step.py).
 
 Invariants: all ranks must call every method with identical inputs (rank 0 broadcasts batches);
 `named_weights()` is a collective that every rank must exhaust; `save`/`load` give bit-identical
@@ -111,7 +111,7 @@ class MegatronLearner(ShardCheckpoint):
             hf_state = apply_uaq(hf_state, algo.uaq_scale)
         self.dtype = _DTYPES[model.dtype]
         model_parallel_cuda_manual_seed(seed)  # attention forks megatron's RNG tracker every call
-        # a MoE runs on the local spec (qurl/learner/build.py): "auto" picks it, "on" is refused there
+        # a MoE runs on the local spec (build.py): "auto" picks it, "on" is refused there
         self.te = use_transformer_engine(ranks.transformer_engine) and not (
             ranks.transformer_engine == "auto" and convert.is_moe(hf_config))
         self.sdpa = not self.te and ranks.attention == "sdpa"

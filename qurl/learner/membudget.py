@@ -12,7 +12,7 @@ A learner rank holds two kinds of memory:
   off autograd's saved tensors, fp32, Qwen2.5-1.5B shapes):
     - the two RMSNorms' inputs and outputs: `4h·e` (and one fp32 rstd each);
     - RoPE's cos and sin for q and k: `4d·e`;
-    - attention, `"flash"` (torch SDPA, qurl/learner/attention.py, or TE): the RoPE'd Q, K and V
+    - attention, `"flash"` (torch SDPA, attention.py, or TE): the RoPE'd Q, K and V
       repeated to every head, the output and its reshaped copy for the output projection
       (`5q/t·e`) and one fp32 log-sum-exp per head (`4·heads/t`) — nothing that grows with L;
       `"unfused"` (megatron's DotProductAttention): Q, K, V, output and copy (`5q/t·e`) plus the
@@ -28,7 +28,7 @@ A learner rank holds two kinds of memory:
   Under recompute a layer's forward still builds its intermediates, then drops them: at the
   forward's peak one MLP's (`5f/t·e`, measured for both "selective" and "full") sits on top of
   what is kept — or the head's chunk, whichever is larger (they never coincide). Outside the layers the final norm keeps `2h·e`. The head runs in chunks of positions
-  (qurl/learner/logits.py) and holds one chunk of logits at a time: in the forward its product and
+  (logits.py) and holds one chunk of logits at a time: in the forward its product and
   fp32 scaled copy (8 bytes per logit), in the backward also the softmax and its gradient
   (`e + 12`).
 
@@ -37,7 +37,7 @@ point, on CPU in fp32 with Qwen2.5-1.5B's layer shapes and vocabulary cut to two
 docs/long_sequences.md for the table and its reading.
 
 The split (`rows_per_micro`): on CPU a fixed logits budget (LOGITS_BUDGET fp32 logits per
-micro-batch in qurl/learner/megatron.py); on a GPU a share (`GPU_FRACTION`) of the memory free when
+micro-batch in megatron.py); on a GPU a share (`GPU_FRACTION`) of the memory free when
 the batch is split — what the driver reports free plus what torch's caching allocator holds unused.
 Every learner rank must run the same number of micro-batches (the TP all-reduces inside a forward
 pair up rank by rank), so the free figure is agreed before the split: the minimum over all learner
@@ -68,7 +68,7 @@ class TokenCost:
     elem: int  # bytes of the model's compute dtype (2 for bf16, 4 for fp32)
     attention: str = "flash"  # "flash" (SDPA / TE: nothing L x L kept) or "unfused"
     recompute: str = "none"  # learner.recompute: none | selective | full
-    chunk_logits: int = 2**26  # logits per head chunk (qurl/learner/logits.py LOGITS_CHUNK)
+    chunk_logits: int = 2**26  # logits per head chunk (logits.py LOGITS_CHUNK)
 
     def _layer(self, L: int) -> float:
         """Bytes per token one layer keeps without recompute."""

@@ -1,5 +1,5 @@
 """What a learner step does for a Mixture-of-Experts model beside the dense path: check the
-engine's routes that came with the batch, replay them (qurl/learner/replay.py), watch the learner's
+engine's routes that came with the batch, replay them (replay.py), watch the learner's
 own routing in π_prox's forwards and turn it into the moe/ record entries (qurl/algo/routes.py).
 
 Which positions are compared: the log-prob of token j is read from the hidden state at position

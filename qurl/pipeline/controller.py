@@ -14,7 +14,7 @@ trains exactly what the sync loop would (up to the float noise of running the sa
 another process). With η ≥ 1 generation of the next batches overlaps training and weight sync;
 responses may span versions (partial rollout) and the learner sees per-token staleness.
 
-Nothing is lost or trained twice (qurl/pipeline/dispatch.py, ledger.py): every dataset index taken
+Nothing is lost or trained twice (dispatch.py, ledger.py): every dataset index taken
 from the cursor is in flight at one worker, buffered, trained, or put back. A dead worker's prompts
 are put back and re-dispatched; a group that became too stale is dropped and its prompt put back;
 late output of a replaced worker is dropped. The checkpoint holds the cursor, the buffer
@@ -25,7 +25,7 @@ metrics.jsonl), so exactly-once can be checked.
 Re-broadcasts to replaced workers use the chunks cached on rank 0, so they need no collective of the
 TP ranks (which run the loop without a source). Rank 0 builds no engine: evaluation
 (qurl/train/loop.py, qurl/train/eval_suite.py) asks the workers, through their task path, for the
-answers of the 8-bit actor they run at the version just published (qurl/pipeline/remote_eval.py),
+answers of the 8-bit actor they run at the version just published (remote_eval.py),
 and scores beside it the full-precision policy (a local decoder, eval.fp_policy).
 """
 from __future__ import annotations
@@ -219,7 +219,7 @@ class Controller:
         return replaced
 
     def eval_engine(self, version: int) -> WorkerEval:
-        """The workers, answering the evaluation of `version` (qurl/pipeline/remote_eval.py)."""
+        """The workers, answering the evaluation of `version` (remote_eval.py)."""
         self.evals.version = version
         return self.evals
 

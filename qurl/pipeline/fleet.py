@@ -9,7 +9,7 @@ Topology:
   worker holds which prompt;
 - the controller binds one PULL (`inbound`, published in controller.json) for everything workers
   send: trajectory batches and control (hello, synced).
-Every message is authenticated with the run key and validated by qurl/pipeline/channel.py; rejects
+Every message is authenticated with the run key and validated by channel.py; rejects
 (forged, replayed, truncated, oversized, invalid) are counted there and never reach the caller.
 
 Liveness and the weight group. A torch.distributed group has fixed membership, so whenever the set
@@ -23,7 +23,7 @@ Delta syncs (qurl/weights/plan.py). A version goes as a delta against the previo
 the group has not been re-formed since that version was broadcast to it (so every member received
 it) and no worker has asked for a full sync since; the first announcement carries the header
 (base, digests). Each worker refuses a delta whose base it does not hold verified and checks
-every sync against the digests (qurl/pipeline/worker.py); either failure comes back as a `resync`
+every sync against the digests (worker.py); either failure comes back as a `resync`
 control message with its reason, counted (`resync/<reason>`), and the current version is sent
 again in full. A worker whose full resync fails verification too (two mismatches in a row) stops
 the run: `halted` holds the one-line error naming the slot, its engine and the tensors, and the

@@ -29,7 +29,7 @@ def ack_stats(acks: Iterable[dict[str, Any]]) -> dict[str, float]:
         vals = [a[k] for a in acks if isinstance(a.get(k), (int, float))]
         if vals:
             out[f"sync/worker_{k[:-2]}_max"] = float(max(vals))
-    # every worker checks each sync against the learner's digests (qurl/pipeline/worker.py)
+    # every worker checks each sync against the learner's digests (worker.py)
     checks = [a["verified"] for a in acks if isinstance(a.get("verified"), (int, float))]
     out["sync/verified"] = float(min(checks)) if checks else float("nan")
     out["sync/verify_mismatches"] = float(sum(1 for c in checks if c == 0))

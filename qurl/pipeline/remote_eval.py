@@ -9,7 +9,7 @@ the workers' ordinary task path:
     generate(requests)   one round r: request i travels as a one-sample prompt task keyed
                          `e<r>.<i>` with its own sampling params (seed included) and meta
                          `eval`, to the ready workers in contiguous shares, one burst each; the
-                         worker runs it as given and answers unscored (qurl/pipeline/worker.py)
+                         worker runs it as given and answers unscored (worker.py)
     file(msg)            a trajectory message marked `eval` (the controller routes every one
                          here, never to the dispatcher): answers of the open round are kept as
                          the engine's results; anything else is late and dropped

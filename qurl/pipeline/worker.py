@@ -3,7 +3,7 @@
     python -m qurl.pipeline.worker --run-dir runs/<run> --slot 0 [--host H] [--parent-pid PID]
 
 The worker reads the run's config, stream key and the controller's endpoint from the run directory
-(qurl/pipeline/session.py), builds its engine from the model dir the controller names (the local
+(session.py), builds its engine from the model dir the controller names (the local
 engine, or an SGLang adapter driving this slot's one server: each weight version then goes
 controller -> worker -> its server, the second hop through the adapter's own weight group), binds
 its own inbox (prompts + control; only authenticated messages are accepted) and then:
@@ -24,9 +24,9 @@ its own inbox (prompts + control; only authenticated messages are accepted) and 
    (qurl/train/generate.py `generate_groups`), and sends the whole batch back as one trajectory
    message whose prompt_uids are the dispatch keys (`uid@did`); a task marked `eval` is one
    evaluation request of the controller, run as given and answered unscored, never trained
-   (qurl/pipeline/remote_eval.py).
+   (remote_eval.py).
 
-Receiving and verifying weights is qurl/pipeline/worker_sync.py (`WeightClient`).
+Receiving and verifying weights is worker_sync.py (`WeightClient`).
 
 Prompts and control share one ordered channel per slot, so a weight update announced before a prompt
 is always seen before it. Between decode steps the worker polls that channel: a weight update that
@@ -248,7 +248,7 @@ class RolloutWorker(WeightClient):
 
     def _rollout(self, batch: list[tuple[Any, dict[str, Any], float]]) -> None:
         """Generate a batch of tasks, each kind as its own generation: training prompts, and the
-        controller's evaluation requests (meta `eval`; qurl/pipeline/remote_eval.py)."""
+        controller's evaluation requests (meta `eval`; remote_eval.py)."""
         evals = [b for b in batch if b[1].get("eval")]
         train = [b for b in batch if not b[1].get("eval")]
         if train:

@@ -8,11 +8,11 @@ the generation in progress (its prompts go back to the queue) and generates noth
 sync verifies. Either way it asks the controller for a full sync (`resync` with the reason; a
 mismatch also names the engine and the tensors that differ, for the controller's error when the
 full sync fails too) and stays in the group; the worker says how many prompts it queued again
-(`redone`, qurl/pipeline/worker.py). The worker only reports; what follows (resend in full, or halt
+(`redone`, worker.py). The worker only reports; what follows (resend in full, or halt
 the run) is the controller's decision, made by the same rule the synchronous loop applies
-(qurl/weights/resync.py `ResyncRule`, per worker slot in qurl/pipeline/fleet.py).
+(qurl/weights/resync.py `ResyncRule`, per worker slot in fleet.py).
 
-`WeightClient` is that part of `RolloutWorker` (qurl/pipeline/worker.py): it uses the worker's
+`WeightClient` is that part of `RolloutWorker` (worker.py): it uses the worker's
 engine and its `kind` (qurl/engines/kind.py), inbox, session, counts and `_queue_prompt` /
 `_handle` / `_send_control`. `Abort` and `Unverified` are how a sync (or a control message) stops
 the generation in progress.

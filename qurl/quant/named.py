@@ -15,7 +15,7 @@ with fmt "fp8_block" (SGLang's `fp8` method with `weight_block_size` [128, 128])
 A Qwen3-MoE's experts are linears too: per expert under their checkpoint names
 (`model.layers.N.mlp.experts.e.{gate,up,down}_proj.weight`), or fused per layer into SGLang's
 `mlp.experts.w13_weight` [E, 2I, H] / `w2_weight` [E, H, I] with scales [E, rows, 1] (or per expert
-tiles, `_scale_inv`), which is what `engine_chunks` hands the engines (qurl/quant/experts.py). The
+tiles, `_scale_inv`), which is what `engine_chunks` hands the engines (experts.py). The
 router (`mlp.gate.weight`) is not a quantized linear: SGLang keeps it in full precision.
 
 Everything else (embeddings, lm_head, norms, biases) passes through untouched: those stay in full
@@ -59,7 +59,7 @@ _LINEAR_RE = re.compile(
 def is_quantized_linear(name: str) -> bool:
     """True for the decoder-layer linear weights W8A8 quantizes: q/k/v/o, gate/up/down (dense, or
     one MoE expert's `mlp.experts.e.{gate,up,down}_proj.weight`), and a MoE layer's fused experts
-    (`mlp.experts.w13_weight` / `w2_weight`, qurl/quant/experts.py). Never the router
+    (`mlp.experts.w13_weight` / `w2_weight`, experts.py). Never the router
     (`mlp.gate.weight`): SGLang keeps it in full precision."""
     return _LINEAR_RE.match(name) is not None or is_fused_expert(name)
 
@@ -117,7 +117,7 @@ def engine_chunks(named: Iterable[tuple[str, torch.Tensor]], fmt: str,
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The chunks an engine of format `fmt` loads, lazily, one input tensor at a time (a MoE
     layer's experts: one layer at a time, fused into SGLang's `w13_weight` / `w2_weight` and
-    quantized per expert, qurl/quant/experts.py, at every format, bf16 included). fuse=False
+    quantized per expert, experts.py, at every format, bf16 included). fuse=False
     keeps the experts under their per-expert checkpoint names, each quantized as a linear (what an
     8-bit checkpoint holds: qurl/models/export8bit.py).
 

@@ -54,7 +54,7 @@ def build_batch(
     """Pack complete groups (each the G samples of one prompt) into a TrainBatch.
 
     dynamic_sampling: drop groups whose accuracies (rewards before overlong shaping) are all equal;
-    the loops fill the batch beforehand (qurl/train/dynamic_sampling.py), so this only guards.
+    the loops fill the batch beforehand (dynamic_sampling.py), so this only guards.
     Returns (batch or None if dynamic sampling dropped every group, stats)."""
     if advantage not in ("grpo", "drgrpo"):
         raise ValueError(f"advantage={advantage!r}: must be grpo or drgrpo")

@@ -1,6 +1,6 @@
 """Which engine evaluates which policy, and whether a local evaluation engine fits (issue 59 item 7).
 
-Two policies are scored (qurl/train/eval_suite.py): the 8-bit actor (`eval/...`) and, with
+Two policies are scored (eval_suite.py): the 8-bit actor (`eval/...`) and, with
 eval.fp_policy, the full-precision master weights (`eval_fp/...`). Where:
 
 - the synchronous loop scores the actor on its own rollout engine (SGLang servers, or the local

@@ -152,7 +152,7 @@ class Evaluator:
         (whether there is an fp policy to score beside the actor); deploy.reward_timeout_s and
         deploy.eval_gpu_gb. asynchronous: the actor is scored on the async controller's workers,
         not on rank 0; the local evaluation engine (the fp policy) on a GPU is checked against
-        deploy.eval_gpu_gb first (qurl/train/eval_placement.py), on rank 0 (`main`)."""
+        deploy.eval_gpu_gb first (eval_placement.py), on rank 0 (`main`)."""
         from qurl.data.splits import load_eval_sets
         from qurl.engines.factory import local_engine
         from qurl.weights.publish import WeightSync

@@ -2,7 +2,7 @@
 
 For each prompt, G responses are sampled from the engine (8-bit weights in QuRL), each token with the
 behaviour log-prob and the policy version that sampled it; every response is decoded and scored by
-the verifiable reward. The requests and their seeds are qurl/train/requests.py.
+the verifiable reward. The requests and their seeds are requests.py.
 """
 from __future__ import annotations
 

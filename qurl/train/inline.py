@@ -3,10 +3,10 @@
     sync v0 to the 8-bit engine (UAQ already on the learner's master weights)
     each step: prompts <- data cursor; G samples each from the engine at the current version,
                scored by the verifiable reward (DAPO dynamic sampling: more prompts until B
-               groups of mixed accuracy, qurl/train/dynamic_sampling.py); after training, re-quantize
+               groups of mixed accuracy, dynamic_sampling.py); after training, re-quantize
                -> engine (flip fraction measured)
 
-The step around it (batch, train, publish, log, evaluate, checkpoint) is qurl/train/loop.py, shared with
+The step around it (batch, train, publish, log, evaluate, checkpoint) is loop.py, shared with
 the async pipeline (qurl/pipeline/controller.py), whose η = 0 reduces to this source.
 """
 from __future__ import annotations

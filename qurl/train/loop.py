@@ -1,6 +1,6 @@
 """The training loop of every mode: ask a batch source for groups, train, hand it the new weights.
 
-    open the run (qurl/train/run_setup.py); rank 0 loads the data and builds the sync loop's engine
+    open the run (run_setup.py); rank 0 loads the data and builds the sync loop's engine
     and the batch source
     source.publish(v0)                      the UAQ-scaled master weights, quantized, to the actor
     evaluate at step 0 (fresh run)
@@ -12,21 +12,21 @@
         log the train record; evaluate / checkpoint as configured
     evaluate at the end
 
-A batch source is where rollouts come from. `InProcessRollout` (qurl/train/inline.py) generates each batch
+A batch source is where rollouts come from. `InProcessRollout` (inline.py) generates each batch
 with an engine in this process at the current version: the synchronous loop. The async `Controller`
 (qurl/pipeline/controller.py) dispatches prompts to rollout workers under the staleness bound η and
 pops B complete groups from its buffer; its weights go to the workers through the weight group.
 With η = 0 it dispatches exactly the sync loop's prompts at the current version, with the same
-request seeds (qurl/train/requests.py `make_requests`), and everything after `next_groups` is this one loop, so
+request seeds (requests.py `make_requests`), and everything after `next_groups` is this one loop, so
 η = 0 reproduces the sync loop by construction. The other TP ranks run the same loop with no source:
 they receive the batch, train, take part in the weight gather and write their checkpoint shard.
 
 This module alone decides the record shapes and metric names (train: rollout statistics of the
 trained batch, the source's timings and statistics (with sync DAPO dynamic sampling: those of every
-sampled response, qurl/train/dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
-qurl/train/eval_suite.py, rollout engine and full-precision policy side by side), the eval /
+sampled response, dynamic_sampling.py), batch, learner and sync statistics; eval: the record of
+eval_suite.py, rollout engine and full-precision policy side by side), the eval /
 checkpoint cadence and the checkpoint state: step, version, RNG, the mismatch alarm's history
-(qurl/train/alarm.py: its `alarm/*` keys join the train record; with deploy.alarm.stop it ends the
+(alarm.py: its `alarm/*` keys join the train record; with deploy.alarm.stop it ends the
 run before that step's checkpoint) and the source's own state (the data cursor; for async also the
 buffer, staleness counters and ledger).
 """
@@ -113,7 +113,7 @@ def _drain(named: Iterable[Any]) -> dict[str, float]:
 
 
 def mismatch_alarm(alarm_cfg: AlarmDeployConfig, state: dict | None) -> MismatchAlarm | None:
-    """Rank 0's mismatch alarm (qurl/train/alarm.py) from `[deploy.alarm]`, with the history a
+    """Rank 0's mismatch alarm (alarm.py) from `[deploy.alarm]`, with the history a
     resumed run's checkpoint kept; None when deploy.alarm.kl_factor = 0."""
     if alarm_cfg.kl_factor == 0:
         return None

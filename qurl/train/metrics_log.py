@@ -1,5 +1,5 @@
 """Where per-step numbers go: `metrics.jsonl` (always), wandb (when enabled), the progress display
-(qurl/train/progress.py: a bar in a terminal, a line per step in a log).
+(progress.py: a bar in a terminal, a line per step in a log).
 
 Each record is one JSON object with `step` and `kind` ("train" | "eval"). Values must be finite or
 explicitly `null`: a NaN is written as null *and* counted in `nan_fields`, never silently as 0.

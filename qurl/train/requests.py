@@ -4,7 +4,7 @@ A prompt is rendered with the configured chat template and tokenized (`PromptCod
 samples becomes one `GenRequest` whose sampling seed is derived from (run seed, step, prompt uid,
 sample index) (`request_seed`), so a resumed run samples exactly what an uninterrupted one would,
 whatever the batch composition, and the async dispatcher (qurl/pipeline/dispatch.py) asks for the
-same samples as the sync loop. Generating and scoring them is qurl/train/generate.py.
+same samples as the sync loop. Generating and scoring them is generate.py.
 """
 from __future__ import annotations
 

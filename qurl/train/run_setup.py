@@ -1,4 +1,4 @@
-"""Opening a run on a learner rank: for the training loop of every mode (qurl/train/loop.py,
+"""Opening a run on a learner rank: for the training loop of every mode (loop.py,
 `open_run`), and for the commands that read a finished run's checkpoint (`qurl eval`,
 `qurl export`: `on_checkpoint`).
 

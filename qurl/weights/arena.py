@@ -13,13 +13,13 @@ bucket, and every version's chunks are written into views of those buffers at th
 
 The chunks handed on are those views, so a `WeightSender` with the same bucket budget finds each
 bucket's tensors already in place (`buckets.bucket_buffer`) and broadcasts the buffer without
-packing. (The receiving end avoids its copy the same way: qurl/weights/receiver.py receives into
+packing. (The receiving end avoids its copy the same way: receiver.py receives into
 two banks of buffers and the local engine adopts them as its weights.) Anything that holds chunks across a version (the flip tracker keeps the previous codes,
 an SGLang adapter keeps the last version to resend it to a restarted server) needs them intact
 until the next version is in place, so `ArenaQuantizer` alternates two arenas: version v+1 never
 overwrites version v.
 
-The arenas are in host memory, pinned when CUDA is available (qurl/weights/host.py): quantizing
+The arenas are in host memory, pinned when CUDA is available (host.py): quantizing
 runs on the weights' device and each code lands in its host view; the sender stages one bucket at
 a time back onto the device for the broadcast. The learner's GPU holds no copy of the 8-bit model
 between syncs (issue 59 item 5: two arenas there were ~15 GB at 7B).
@@ -131,5 +131,5 @@ class ArenaQuantizer:
         return out, timing[0], timing[1]
 
     def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The arenas' buffers (qurl/weights/host.py `sync_memory`)."""
+        """The arenas' buffers (host.py `sync_memory`)."""
         return {"arenas": [b for a in self._arenas for b in a.buffers]}

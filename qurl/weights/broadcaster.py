@@ -67,7 +67,7 @@ class Broadcaster:
         """(Re)form the group for `world` ranks. `invite(spec)` must start every peer's join
         without waiting for it and return a function that waits for the peers' replies (raising
         what they reported). timeout_s: of the join and of every broadcast (default: the
-        constructor's). NCCL settings (qurl/weights/nccl_env.py): `known` {peer: settings} of peers
+        constructor's). NCCL settings (nccl_env.py): `known` {peer: settings} of peers
         that cannot report (SGLang servers, from how they were launched) are checked before any
         invitation; `reporters` are the peers that report at the join (default: every peer).
         Either raises NcclMismatch (one line): a deployment error, not retried."""

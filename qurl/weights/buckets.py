@@ -37,7 +37,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "int8": torch.int8,
     "uint8": torch.uint8,
-    "int16": torch.int16,  # delta positions (qurl/weights/delta.py)
+    "int16": torch.int16,  # delta positions (delta.py)
     "float8_e4m3fn": torch.float8_e4m3fn,
     "int32": torch.int32,
     "int64": torch.int64,
@@ -159,7 +159,7 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout,
 def bucket_buffer(named: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout
                   ) -> torch.Tensor | None:
     """The uint8 [layout.nbytes] buffer that `named` already fill at their layout offsets (they
-    are views of one storage, as qurl/weights/arena.py makes them), or None when they do not; then
+    are views of one storage, as arena.py makes them), or None when they do not; then
     `pack` must copy them. Zero copy: the result shares the tensors' storage."""
     if not named or len(named) != len(layout.specs):
         return None
@@ -191,7 +191,7 @@ def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Ten
 
 def _owner(name: str) -> str:
     """The weight a chunk belongs to: `x`, `x_scale`, `x_scale_inv` and the delta parts of any
-    of them (`x#dpos`, `x_scale#dval`, qurl/weights/delta.py) all belong to `x`."""
+    of them (`x#dpos`, `x_scale#dval`, delta.py) all belong to `x`."""
     name = name.split("#d", 1)[0]
     for suffix in ("_scale_inv", "_scale"):
         if name.endswith(suffix):

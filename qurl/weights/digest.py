@@ -1,6 +1,6 @@
 """Weight digests: how an engine proves, after every sync, that it holds the learner's exact bits.
 
-A delta sync (qurl/weights/delta.py) is only correct if it lands on exactly the version it was
+A delta sync (delta.py) is only correct if it lands on exactly the version it was
 computed against, and any sync can go wrong in ways no exception reports (a buggy apply, memory
 corrupted on the engine, a receiver that skipped a bucket). So after each sync both ends hash the
 tensors, never the wire: the sender hashes the engine chunks of version v it quantized (codes,

@@ -38,13 +38,13 @@ while it waits for the mesh, so both sides fail in seconds with ONE line naming 
 address instead of waiting out the timeout. A failed mesh names the addresses too.
 
 NCCL settings. Before the backend forms, every member that runs this class writes its NCCL
-settings (qurl/weights/nccl_env.py: `settings`, with host and pid) to the store under
+settings (nccl_env.py: `settings`, with host and pid) to the store under
 `<group_name>/qurl_nccl/`; rank 0 compares each with its own and posts a verdict the reporting
 peers wait for, so a mismatch is refused by all of them in one line (`NcclMismatch`, naming both
 sides) instead of hanging inside NCCL. It runs for gloo groups too (same store, same keys): the
 CPU tests exercise it. Peers that do not run this class (SGLang's ranks) cannot report: rank 0 is
 told its `reporters` (default: every peer), and the caller checks the others' settings from what
-it launched them with (qurl/weights/broadcaster.py `known`).
+it launched them with (broadcaster.py `known`).
 
 Invariants: rank 0 is always the source of every broadcast; tensors must live on the backend's
 device (CPU for gloo, CUDA for nccl); every blocking call has a timeout (gloo raises on timeout

@@ -1,13 +1,13 @@
 """Where the weight sync keeps its copies of the 8-bit model: host memory, never the learner's GPU.
 
 Learner rank 0 holds up to three copies of the engine chunks between syncs: the two arenas the
-quantizer alternates (qurl/weights/arena.py: version v+1 must not overwrite v while the delta
+quantizer alternates (arena.py: version v+1 must not overwrite v while the delta
 planner and flip tracker read it) and an SGLang adapter's kept copy (qurl/engines/sglang/
 verified_sync.py: what a restarted server is resent). At 7B that is ~3 x 7.6 GB; on the
 learner's GPU it came out of the memory the learner needs for long rows (issue 59 item 5). So
 they live in host memory, PINNED when CUDA is available (page-locked: the host -> device copy
 runs at full PCIe speed and asynchronously), plain on a CPU-only host (pinning needs a CUDA
-context). The broadcast stages one bucket at a time onto the device (qurl/weights/sender.py: two
+context). The broadcast stages one bucket at a time onto the device (sender.py: two
 bucket-sized device buffers, bucket i+1 copied in while bucket i is on the wire), so the device
 holds 2 x deploy.sync.bucket_mb of sync memory instead of the model three times.
 

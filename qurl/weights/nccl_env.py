@@ -18,7 +18,7 @@ What qurl does:
 - `settings(environ)` are the values of `MUST_AGREE` one process reports ("unset" for a missing
   one); interface names (NCCL_SOCKET_IFNAME) differ per node by nature and are not compared.
 - `disagreement(...)` names the first setting two members differ on, both sides in one line;
-  qurl/weights/group.py exchanges the reports over the group's store at every formation (gloo and
+  group.py exchanges the reports over the group's store at every formation (gloo and
   NCCL alike) and refuses the group on a disagreement.
 """
 from __future__ import annotations

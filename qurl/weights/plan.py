@@ -1,9 +1,9 @@
 """Sender-side policy of a weight sync: a delta against v-1, or everything, and what to verify.
 
-For each version v the learner has the engine chunks (qurl/weights/arena.py: codes, scales,
+For each version v the learner has the engine chunks (arena.py: codes, scales,
 pass-throughs in their wire dtypes). `SyncPlanner.plan` decides what goes on the wire:
 
-- a **delta** (qurl/weights/delta.py) only when delta sync is on, the planner still holds v-1's
+- a **delta** (delta.py) only when delta sync is on, the planner still holds v-1's
   chunks (the arena quantizer alternates two arenas, so they stay intact while v is built), the
   receivers are known to hold exactly v-1 (`holder` = the version and combined digest they last
   verified), and the periodic full sync is not due;
@@ -14,7 +14,7 @@ pass-throughs in their wire dtypes). `SyncPlanner.plan` decides what goes on the
   caller gives when it resyncs (`mismatch`: verification failed; `refused`: a receiver found its
   base differs).
 
-Every plan carries the digests (qurl/weights/digest.py) of the full version v, which the engines must
+Every plan carries the digests (digest.py) of the full version v, which the engines must
 match after applying it, and a delta carries its base (v-1 and v-1's combined digest), which an
 engine checks before applying anything. The planner remembers v as the next base whether or not
 the send succeeds; the receivers' `holder` decides whether it can be used.
@@ -22,7 +22,7 @@ the send succeeds; the receivers' `holder` decides whether it can be used.
 `fallbacks` counts every full sync by reason over the planner's life (cumulative, for records).
 
 One compare pass per sync: `diff(chunks)` finds the changed positions of every tensor against the
-previous version (the flip fraction is counted from them, qurl/weights/publish.py) and `plan` reuses them
+previous version (the flip fraction is counted from them, publish.py) and `plan` reuses them
 for the delta of the same chunks.
 """
 from __future__ import annotations

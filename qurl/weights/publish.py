@@ -6,11 +6,11 @@ The flip fraction — the share of 8-bit codes that changed since the previous s
 on the exact codes sent, split into the layers UAQ scales (q/k/v/gate/up) and the others.
 
 Each version goes as a delta against the previous one when the engine holds it verified, else in
-full (qurl/weights/plan.py), and the engine then proves it holds the sender's bits (qurl/weights/digest.py:
+full (plan.py), and the engine then proves it holds the sender's bits (digest.py:
 `verify`); a refused delta or a mismatch is resynced in full at once and counted, and a second
 mismatch stops the run with one line naming the engine and the tensors (`unverified`, a RunHalted:
 `qurl train` prints it and exits 2; the run resumes from its last checkpoint): the loop never
-samples from weights that differ from the learner's. That rule is qurl/weights/resync.py
+samples from weights that differ from the learner's. That rule is resync.py
 `ResyncRule`, the same one the async fleet applies to each worker (qurl/pipeline/fleet.py).
 Engines without `verify` (an SGLang engine whose servers lack qurl's sync loader, or run TP > 1
 with a cut qurl cannot map: qurl/engines/sglang/verified_sync.py) get full syncs (`unsupported`)
@@ -35,14 +35,14 @@ CODES = (torch.int8, torch.float8_e4m3fn)
 
 
 class WeightSync:
-    """Quantize (into wire-bucket arenas, see qurl/weights/arena.py) and load each version."""
+    """Quantize (into wire-bucket arenas, see arena.py) and load each version."""
 
     def __init__(self, precision: str, bucket_bytes: int = 64 << 20,
                  wire_dtype: torch.dtype | None = None, mode: str = "delta",
                  full_every: int = 0) -> None:
         """wire_dtype: the dtype the engine holds full-precision tensors in (None: the masters').
         bucket_bytes / mode / full_every: a run's come from its `SyncSettings` (`of`;
-        qurl/weights/settings.py, qurl/weights/plan.py)."""
+        settings.py, plan.py)."""
         if precision not in NAMED_FORMATS:
             raise ValueError(f"precision={precision!r}: must be one of {', '.join(NAMED_FORMATS)}")
         self.precision = precision
@@ -60,7 +60,7 @@ class WeightSync:
                    full_every=sync.full_every)
 
     def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this sync keeps between versions: its arenas (qurl/weights/host.py `sync_memory`)."""
+        """What this sync keeps between versions: its arenas (host.py `sync_memory`)."""
         return self.quantizer.sync_tensors()
 
     def quantize(self, named: Iterable[tuple[str, torch.Tensor]],
@@ -114,7 +114,7 @@ class WeightSync:
             t2 = time.perf_counter()
             bad = checked.verify(plan.digests)
             verified, mismatched = (0.0, float(len(bad))) if bad else (1.0, 0.0)
-            # never sample from weights that differ from the learner's (qurl/weights/resync.py):
+            # never sample from weights that differ from the learner's (resync.py):
             # a mismatch is resynced in full and checked again, a second one halts the run
             while (decision := self.resync.decide(key, MISMATCH if bad else OK, version=version,
                                                   bad=bad, who=who)).action != ACCEPT:

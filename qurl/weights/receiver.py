@@ -20,7 +20,7 @@ Invariants:
 - announcements must arrive in order (index 0, 1, ...) with one version; anything else is a
   ValueError before any broadcast is joined for it.
 
-Delta syncs (qurl/weights/plan.py). The first announcement (in its dict form) may carry the sync's
+Delta syncs (plan.py). The first announcement (in its dict form) may carry the sync's
 header under "sync": mode, base (v-1 and its digest) and the digests of v. For a delta the
 engine gets `base=` and refuses (qurl.engines.local_weights.StaleBase, before writing anything) unless it
 holds exactly that base; the receiver still joins every broadcast of the sync, so the group stays

@@ -3,11 +3,11 @@
 A rollout engine must never sample from weights that differ from the learner's: the bits it holds
 are the policy the learner's importance weights and KL terms assume. So every load is checked, and
 one rule decides what follows. A *holder* is one copy of the rollout weights — the engine of the
-synchronous loop (qurl/weights/publish.py `WeightSync.push`) or one worker slot of the async
+synchronous loop (publish.py `WeightSync.push`) or one worker slot of the async
 pipeline (qurl/pipeline/fleet.py `Fleet`, told by the workers' `synced` / `resync` messages,
 qurl/pipeline/worker_sync.py). Each load of a version into a holder ends in one outcome:
 
-- `ok`: the holder proved it holds the sender's bits (its digests match, qurl/weights/digest.py);
+- `ok`: the holder proved it holds the sender's bits (its digests match, digest.py);
 - `refused`: the version came as a delta against a base the holder does not hold verified
   (qurl/types.py `StaleBase`), so it wrote nothing;
 - `mismatch`: the load finished but the holder's digests differ from the learner's in some

@@ -1,7 +1,7 @@
 """Learner side of a weight sync: engine chunks -> byte buckets -> broadcast (transport only).
 
 One sync of version v, run on learner rank 0 (the quantizing is the caller's: the production
-syncs quantize into wire-bucket arenas, qurl/weights/arena.py; `quant.named.engine_chunks` is the
+syncs quantize into wire-bucket arenas, arena.py; `quant.named.engine_chunks` is the
 lazy form of the same rule, for checkpoints and tests):
 
     named_weights()  ->  ArenaQuantizer / engine_chunks(fmt)  ->  WeightSender.send:
@@ -34,12 +34,12 @@ refusal is raised within `POLL_S`.
 
 Two wire formats, both exactly what SGLang 0.5.23's receiver
 (`model_runner_components/weight_updater.py: receive_weights_from_distributed`) does:
-`flattened_bucket` — ONE broadcast of the bucket's uint8 buffer (see qurl/weights/buckets.py);
+`flattened_bucket` — ONE broadcast of the bucket's uint8 buffer (see buckets.py);
 `per_tensor` (SGLang's `load_format=None`) — one broadcast per tensor, in the announced order.
 
 Timings per sync (seconds): gather (waiting on the chunks, i.e. the learner's TP gather),
 quantize (filled by the caller that quantized), pack (copy into the bucket buffer; none when the chunks are already laid out in one,
-see qurl/weights/arena.py), send (broadcast), load (waiting for receivers after the
+see arena.py), send (broadcast), load (waiting for receivers after the
 broadcast); plus bytes, buckets, tensors.
 """
 from __future__ import annotations
@@ -190,7 +190,7 @@ class WeightSender:
             if self.load_format == "flattened_bucket":
                 buf = bucket_buffer(tensors, bucket.layout)  # already in place (sync/arena.py)
                 if buf is not None and buf.device != self.group.device:
-                    # a host arena's bucket (qurl/weights/host.py): one copy onto the device, into
+                    # a host arena's bucket (host.py): one copy onto the device, into
                     # the staging buffer bucket i-1 is not using
                     staging = self._buffer(index % 2, bucket)[:bucket.layout.nbytes]
                     buf = staging.copy_(buf, non_blocking=True)
@@ -223,5 +223,5 @@ class WeightSender:
         return stats
 
     def sync_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The two staging / packing buffers, on the group's device (qurl/weights/host.py)."""
+        """The two staging / packing buffers, on the group's device (host.py)."""
         return {"staging": [b for b in self._bufs if b is not None]}

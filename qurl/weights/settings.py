@@ -5,14 +5,14 @@ group, an SGLang engine's own group) takes this record instead of reading the co
 so each setting is converted in one place. What each one does to a sync:
 
 - `bucket_bytes` (deploy.sync.bucket_mb MiB, as whole bytes): the size of one wire bucket. The
-  quantizer writes each version into arenas of this size (qurl/weights/arena.py), the sender
-  packs and broadcasts them one bucket at a time (qurl/weights/buckets.py, sender.py), and the
-  receivers hold buffers of it (qurl/weights/receiver.py): larger buckets mean fewer
-  collectives, more staging memory (qurl/weights/host.py; a tensor larger than a bucket still
+  quantizer writes each version into arenas of this size (arena.py), the sender
+  packs and broadcasts them one bucket at a time (buckets.py, sender.py), and the
+  receivers hold buffers of it (receiver.py): larger buckets mean fewer
+  collectives, more staging memory (host.py; a tensor larger than a bucket still
   travels whole in one).
 - `mode`: `delta` sends only the codes, scales and pass-through values whose bits changed since
   the version the engines hold verified (whole tensors where that is smaller); `full` sends every
-  tensor every time (qurl/weights/plan.py). Both are verified by digests at every sync.
+  tensor every time (plan.py). Both are verified by digests at every sync.
 - `full_every`: with mode = delta, every this many syncs one is full anyway (0: only when the
   planner needs one: first sync, a new holder, a refusal or a mismatch).
 - `verify_kernels_every`: SGLang servers only: after every full sync and every this many delta
@@ -21,7 +21,7 @@ so each setting is converted in one place. What each one does to a sync:
 - `worker_backend`: the controller -> async workers weight group's backend: `gloo` (CPU tensors;
   SGLang workers, which forward to their servers) or `nccl` (each worker on a GPU of its own).
 - `port`: the weight group's rendezvous port (generation g uses port + g - 1); 0 = a free port
-  each time (qurl/weights/broadcaster.py).
+  each time (broadcaster.py).
 
 Import-light: it loads the config package only (no torch), so any room above config may hold
 one.

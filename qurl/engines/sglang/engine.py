@@ -11,14 +11,14 @@ rollout). A server that refuses a bucket (HTTP 400 before joining its broadcast)
 the broadcast is in flight, not after the group timeout (qurl/weights/sender.py). Before use, each
 server's /server_info must agree with what qurl was told (TP size; the W8A8 restore loader); it
 also tells whether the servers run qurl's sync loader, which makes deltas and verification
-possible (qurl/engines/sglang/verified_sync.py, qurl/engines/sglang/inside/apply.py).
+possible (verified_sync.py, qurl/engines/sglang/inside/apply.py).
 Servers qurl launches get GPUs of their own after the learner's (`--base-gpu-id`,
 qurl/node/placement.py); the weight group's backend is sglang.backend. A server that stops
 answering is restarted (when qurl launched it), the weight group is formed anew, and the current
 weights are sent again (so the engine keeps the last synced chunks in CPU memory: the size of the
 8-bit model). Every HTTP call has a timeout; a malformed reply is an SGLangError naming the server,
 route and what is wrong. A server whose requests stop moving is found within `Timeouts.stall_s`
-(qurl/engines/sglang/watchdog.py), its calls cut, and it is restarted or dropped. Limits: syncs
+(watchdog.py), its calls cut, and it is restarted or dropped. Limits: syncs
 are not watched: with NCCL, servers that survive a peer dying in the middle of a broadcast stay
 blocked in it until SGLang's group timeout (30 min by default); gloo reports it at once.
 
@@ -28,7 +28,7 @@ Concurrency is per server: each gets as many requests at once as it runs itself 
 sglang.max_running, or UNREPORTED_RUNNING when the server reports neither. More would only wait
 in the server's queue (and be aborted by the next sync's pause); fewer leaves it idle.
 
-The protocol facts this relies on are qurl/engines/sglang/protocol.py; one server process is
+The protocol facts this relies on are protocol.py; one server process is
 launcher.py; the weight group and update sessions are update.py (`WeightUpdates`, which this
 class extends); from_config.py makes one from a run's `sglang` section; this module starts the
 servers, routes and resumes requests, recovers servers.

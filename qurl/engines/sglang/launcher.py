@@ -4,7 +4,7 @@ A server is either launched by qurl (`ServerSpec.command` set: qurl may restart 
 with its scheduler and detokenizer children, by its process group) or attached (a URL someone
 else started: qurl never restarts or stops it). Every HTTP call has a timeout; no answer is
 `SGLangUnavailable` (the server may need a restart), a wrong answer `SGLangError` naming the server
-and route (qurl/engines/sglang/protocol.py).
+and route (protocol.py).
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class Server:
         self.custom_loaders: tuple[str, ...] = ()  # from /server_info (WeightUpdates._check_server)
         self.layout = None  # TP > 1: the head counts that map each rank's cut (inside/tp_cut.py Layout)
         self.device: str | None = None  # TP > 1: from /server_info ("cpu" pads uneven cuts)
-        # the progress watchdog's (qurl/engines/sglang/watchdog.py): when the server last made
+        # the progress watchdog's (watchdog.py): when the server last made
         # progress (time.monotonic), and why it is stalled (None: it is not)
         self.progress_at = time.monotonic()
         self.stalled: str | None = None

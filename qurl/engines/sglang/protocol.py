@@ -60,7 +60,7 @@ weight_updater.py`); recheck them when the pinned release changes:
   the tokenizer manager got ANY output from the scheduler after the probe began, running a
   one-token request of its own, else 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); `/model_info`
   is answered without the scheduler. A stuck scheduler is seen by the first, never by the second
-  (qurl/engines/sglang/watchdog.py cites the lines).
+  (watchdog.py cites the lines).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ its broadcast) is reported while the broadcast is in flight, not after the group
 (`Replies.poll`, qurl/weights/sender.py). Before use, each server's /server_info must agree with what
 qurl was told (TP size; the W8A8 restore loader).
 
-`WeightUpdates` is the part of `SGLangEngine` (qurl/engines/sglang/engine.py) that does this; it
+`WeightUpdates` is the part of `SGLangEngine` (engine.py) that does this; it
 uses the engine's servers, timeouts, weight group (`weights`: a Broadcaster), its hold on
 submissions (`_hold`), `_each` and `_recover`.
 """
@@ -56,7 +56,7 @@ class Replies:
 
 class WeightUpdates(SGLangDeltaMixin):
     """SGLangEngine's weight group and update sessions (see the module docstring; deltas and
-    verification: qurl/engines/sglang/verified_sync.py)."""
+    verification: verified_sync.py)."""
 
     def _set_version_all(self, version: int) -> None:
         self._each(lambda s: s.post_json("/update_weight_version",
@@ -117,7 +117,7 @@ class WeightUpdates(SGLangDeltaMixin):
     def load_weights(self, chunks: Iterable[tuple[str, torch.Tensor]], version: int,
                      base: tuple[int, str] | None = None) -> None:
         """Send engine chunks (already 8-bit: see qurl.quant.named.engine_chunks) to every server
-        as `version`; with base = (v-1, digest) they are a delta (qurl/engines/sglang/verified_sync.py;
+        as `version`; with base = (v-1, digest) they are a delta (verified_sync.py;
         StaleBase if a server does not hold that base). Recovers dead servers (restart + new
         group + resend) up to max_restarts."""
         chunks = list(chunks)

@@ -16,7 +16,7 @@ every qurl update session (qurl.engines.sglang.inside.loader.prepare_sync) — u
 same storage) and, once per process, wraps the model's `load_weights`. The wrapper takes from
 each bucket:
 
-- the control chunks (qurl/engines/sglang/inside/layout.py): `qurl.sync.header` opens a qurl sync of
+- the control chunks (layout.py): `qurl.sync.header` opens a qurl sync of
   version v. A delta's header names its base (v-1, combined digest): unless this process
   verified exactly that version, the sync is refused before anything is written (reply message
   `qurl-stale-base: ...`; the rest of that sync's buckets are refused too). Any load that is not
@@ -25,7 +25,7 @@ each bucket:
   sync's path);
 - deltas: buffered until all three parts of a tensor arrived, validated (positions ascending and
   in range, value dtype = the held dtype), then written at their positions into the HF tensor's
-  rows of the fused parameter (qurl/engines/sglang/inside/layout.py: `hf_view`, a view of the
+  rows of the fused parameter (layout.py: `hf_view`, a view of the
   parameter's storage): in place, every `data_ptr` kept (CUDA graphs captured at startup read
   those addresses). Server-side work is O(changes) per tensor;
 - `qurl.sync.verify`: hashes every tensor it names, as the server holds it (its rows of the
@@ -37,7 +37,7 @@ each bucket:
   layout rules are kernels.py.
 
 Tensor parallelism (TP size T > 1): every rank runs this code on every bucket. Rank r holds only
-its box of each HF tensor (qurl/engines/sglang/inside/tp_cut.py, SGLang's own cutting rules): a delta's
+its box of each HF tensor (tp_cut.py, SGLang's own cutting rules): a delta's
 positions are validated against the whole HF tensor, then only those inside the rank's box are
 written, re-indexed to the box; verification hashes the rank's box and compares it with the
 digest the learner computed for that rank (`qurl.sync.verify` carries {T: {name: [digest per
@@ -118,7 +118,7 @@ def prepare(model: torch.nn.Module, named_tensors: list, restore: Callable) -> N
 
 
 def prepare_read_back(model: torch.nn.Module, named_tensors: list) -> None:
-    """Custom loader body opening a read-back session (qurl/engines/sglang/inside/readback.py,
+    """Custom loader body opening a read-back session (readback.py,
     step 2): learn this rank's place, install the wrapper, skip the closing repack once. Never
     raises: a failure is kept and fails the next bucket."""
     try:
@@ -153,7 +153,7 @@ def _bind_ranks(model: torch.nn.Module) -> None:
                                ("original_total_num_kv_heads", "num_key_value_heads"),
                                ("original_intermediate_size", "intermediate_size"))
               if getattr(cfg, k, None) not in (None, getattr(cfg, now, None))]
-    if padded:  # SGLang's CPU path padded the cut (qurl/engines/sglang/inside/tp_cut.py): no layout
+    if padded:  # SGLang's CPU path padded the cut (tp_cut.py): no layout
         log.warning("qurl: SGLang padded %s at TP %d: no delta / verified syncs", padded, st.tp)
         st.layout = None
 
@@ -250,7 +250,7 @@ def _load_bucket(model: torch.nn.Module, inner: Callable,
             apply_positions(t, pos, val)
     if VERIFY in control:
         verify(model, read_json_chunk(control[VERIFY]))
-    if KERNELS in control:  # the post-repack read-back (qurl/engines/sglang/inside/readback.py)
+    if KERNELS in control:  # the post-repack read-back (readback.py)
         check_kernels(model, read_json_chunk(control[KERNELS]))
     return out
 
@@ -274,7 +274,7 @@ def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None,
     """(views of every parameter region that holds this rank's box of the HF tensor — the
     embedding also in a tied lm_head with storage of its own —, the box); ValueError when the
     server has no place for it. params: {name: tensor in the loading orientation} to read
-    instead of the model's parameters (the kernels' tensors: qurl/engines/sglang/inside/readback.py)."""
+    instead of the model's parameters (the kernels' tensors: readback.py)."""
     st = STATE
     if hf_shape is None:
         raise ValueError(f"{hf_name}: no shape in the sync's header")

@@ -14,11 +14,11 @@ in its own parameters:
 - **vocabulary padding**: `embed_tokens` / `lm_head` hold the vocabulary padded to a multiple of
   64 rows (`VocabParallelEmbedding`), the HF rows first;
 - **W8A8 transposition**: `w8a8_int8` / `w8a8_fp8` hold each weight transposed ([in, out]) after
-  loading; qurl's restore (qurl/engines/sglang/inside/loader.py) gives back the [out, in] view of the same
+  loading; qurl's restore (loader.py) gives back the [out, in] view of the same
   storage, which is the layout everything here reads and writes (always inside an update session,
   after the restore);
 - TP slicing: a rank of a TP size T > 1 server holds only its box of each HF tensor
-  (qurl/engines/sglang/inside/tp_cut.py: rows, or columns of a row-parallel layer, or the whole tensor).
+  (tp_cut.py: rows, or columns of a row-parallel layer, or the whole tensor).
   Its parameter holds that box exactly where it would hold the whole tensor at T = 1 (each fused
   part's rows are the rank's rows of that part; a vocabulary rank's rows come first), so the
   functions below are called with the box's shape instead of the HF shape.
@@ -28,7 +28,7 @@ So every HF tensor (or a rank's box of it) is a contiguous row range of one para
 place).
 
 Control chunks (uint8 tensors holding UTF-8 JSON, under names no model has), which ride the
-weight broadcast itself, so they reach the in-server loader (qurl/engines/sglang/inside/apply.py)
+weight broadcast itself, so they reach the in-server loader (apply.py)
 through the same `update_weights_from_distributed` path as the weights:
 
     qurl.sync.header  first chunk of every sync: {"version": v, "base": [v-1, digest] | null}
@@ -47,7 +47,7 @@ import torch
 
 HEADER = "qurl.sync.header"
 VERIFY = "qurl.sync.verify"
-KERNELS = "qurl.sync.kernels"  # the post-repack read-back (qurl/engines/sglang/inside/readback.py)
+KERNELS = "qurl.sync.kernels"  # the post-repack read-back (readback.py)
 CONTROL = (HEADER, VERIFY, KERNELS)
 # the server's refusals, as they come back in the HTTP reply's message
 STALE_MARK = "qurl-stale-base:"

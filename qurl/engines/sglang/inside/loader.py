@@ -62,9 +62,9 @@ import torch
 # SGLang quant methods whose process_weights_after_loading drops the loaders and transposes.
 RESTORED_METHODS = ("W8A8Int8LinearMethod", "W8A8Fp8LinearMethod")
 LOAD_FORMAT = "qurl.engines.sglang.inside.loader.restore_w8a8"
-# delta and verified syncs (qurl/engines/sglang/inside/apply.py): restore + the load_weights wrapper
+# delta and verified syncs (apply.py): restore + the load_weights wrapper
 SYNC_LOAD_FORMAT = "qurl.engines.sglang.inside.loader.prepare_sync"
-# the post-repack read-back of what the kernels read (qurl/engines/sglang/inside/readback.py)
+# the post-repack read-back of what the kernels read (readback.py)
 KERNELS_LOAD_FORMAT = "qurl.engines.sglang.inside.loader.read_kernels"
 
 
@@ -137,7 +137,7 @@ def restore_w8a8(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
 def prepare_sync(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
     """SGLang custom weight loader called at the start of every qurl update session on a server
     launched with `--custom-weight-loader qurl.engines.sglang.inside.loader.prepare_sync`: the W8A8
-    restore above, then qurl's delta / verification hook (qurl/engines/sglang/inside/apply.py).
+    restore above, then qurl's delta / verification hook (apply.py).
     Never raises (that would kill the scheduler): a failure is reported by the next load."""
     from qurl.engines.sglang.inside.apply import prepare
 
@@ -148,7 +148,7 @@ def read_kernels(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -
     """SGLang custom weight loader opening qurl's read-back session (first act after
     `begin_weight_update`, no restore): the session's closing repack becomes a no-op, so the
     `qurl.sync.kernels` bucket that follows reads the tensors the kernels read
-    (qurl/engines/sglang/inside/readback.py). Never raises."""
+    (readback.py). Never raises."""
     from qurl.engines.sglang.inside.apply import prepare_read_back
 
     prepare_read_back(model, named_tensors)

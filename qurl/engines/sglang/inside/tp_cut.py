@@ -28,8 +28,8 @@ slice of each weight, cut by SGLang's own loaders (paths inside the wheel,
 At T = 1 every tensor is whole. The slice is a box of the HF tensor seen as [rows, cols]:
 `Box.rows` / `Box.cols` = (start, count). Both ends call the same functions: the learner hashes
 each rank's box of each tensor (`rank_digests`), and a server rank finds its box in its
-parameter (qurl/engines/sglang/inside/apply.py: the box is what the part's rows of the rank's
-parameter hold, found by qurl/engines/sglang/inside/layout.py as at T = 1) and keeps only the delta
+parameter (apply.py: the box is what the part's rows of the rank's
+parameter hold, found by layout.py as at T = 1) and keeps only the delta
 positions inside it, re-indexed (`local_positions`). A name or shape this map does not know is a
 ValueError: such a server gets full, unverified syncs.
 

@@ -1,4 +1,4 @@
-"""What qurl's in-server loader (qurl/engines/sglang/inside/apply.py) needs of SGLang's own internals:
+"""What qurl's in-server loader (apply.py) needs of SGLang's own internals:
 the only place qurl imports `sglang`, and only ever inside a running SGLang server process.
 
 At TP size T a server runs T ranks; only rank 0 answers the HTTP call, so each rank's outcome of a
