@@ -6,6 +6,10 @@ learner rank with the checked cost model (membudget.py) before anything starts:
 
 - weights (model dtype), gradients (plus a tied head's second gradient), fp32 master weights and
   AdamW moments (DP-sharded with deploy.ranks.distributed_optimizer) and the step's flat fp32 gradient;
+  for a mixture of experts (Qwen3-MoE) every layer's router (E x H, replicated over TP) and its E
+  experts (3·I·H each: gate, up, down; I/tp rows on each TP rank) count whole, because every learner
+  rank holds every expert: expert parallelism is not built, and `_params` takes the divisor (`ep`)
+  it would apply;
 - the frozen reference model when algo.kl_coef > 0;
 - on learner rank 0, the weight sync's device staging: its copies of the 8-bit model (two
   alternating arenas, the SGLang adapter's kept copy: ~3 bytes per parameter of the whole model)
@@ -13,16 +17,24 @@ learner rank with the checked cost model (membudget.py) before anything starts:
   staged through: each max(deploy.sync.bucket_mb, the largest single tensor on the wire — the
   embedding or head in the engines' dtype);
 - one micro-batch of one row at the run's length L = `prompt_tokens` + rollout.max_new_tokens,
-  at the run's attention (TE or SDPA: no L x L scores; unfused) and learner.recompute.
+  at the run's attention (TE or SDPA: no L x L scores; unfused) and learner.recompute. A token of
+  a mixture of experts runs k of the E experts, so its MLP activations are those of a dense SwiGLU
+  of width k·I (`token_cost_from_fields`), whatever E is; the dispatcher's permuted copies of the
+  token (k·H in and out of the experts) and the router's E scores are not priced (not measured).
 
 What it reads of the config: `[model]` (dtype; base, for the shape), `[learner]` (tp, dp,
 recompute), `[rollout]` (max_new_tokens, engine), `[deploy]` (ranks.attention,
 ranks.distributed_optimizer, sync.bucket_mb) and algo.kl_coef, passed as those sections and that
 value. `plan_ranks` returns the per-rank figures; `render` prints them with the rows per
 micro-batch the rest of the memory allows; `refusal` says in one line why a plan cannot fit at one row per
-micro-batch and which field to change (learner.tp, learner.recompute, the length). The model's
-shape comes from the checkpoint's config.json, or for the paper presets' hub ids, which are not
-on disk before a run, from their published config fields (`KNOWN_SHAPES`).
+micro-batch and which field to change (learner.tp, learner.recompute, the length), and for a MoE
+what its experts take. The model's shape comes from the checkpoint's config.json, or for the
+presets' hub ids, which are not on disk before a run, from their published config fields
+(`KNOWN_SHAPES`).
+
+`param_counts` gives a model's whole and per-token (active) parameter counts from the same
+arithmetic: for Qwen3-30B-A3B 30.53B and 3.35B, the model card's "30.5B" and "3.3B"
+(tests/test_moe_at_scale.py checks both, and a built tiny Qwen3-MoE's count exactly).
 """
 from __future__ import annotations
 
@@ -48,6 +60,16 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
         architectures=["Qwen2ForCausalLM"]),
+    # Qwen3-30B-A3B's config.json (huggingface.co/Qwen/Qwen3-30B-A3B, the model card's file): 48
+    # layers, each 32 query / 4 KV heads of 128 and 128 routed experts of width 768, 8 per token
+    # (top-8 renormalised, norm_topk_prob); no dense MLP layer (decoder_sparse_step 1, no
+    # mlp_only_layers), so intermediate_size (6144) is unused; q/k norms as every Qwen3.
+    "Qwen/Qwen3-30B-A3B": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]),
 }
 
 
@@ -62,37 +84,79 @@ class RankPlan:
     L: int
     rows: int  # rows per micro-batch the remaining memory allows (>= 1 even when it does not fit)
     fits: bool
+    params: int = 0  # parameters on this rank
+    experts: int = 0  # a MoE's routed experts per layer on this rank (0: dense)
+    expert_params: int = 0  # the parameters of those experts, every layer's
+    expert_bytes: float = 0.0  # their weights, gradients and optimizer state (part of fixed)
 
     @property
     def fixed(self) -> float:
         return self.weights + self.optimizer + self.sync
 
 
-def _params(f: dict[str, Any], tp: int, vocab_pad: int) -> tuple[int, int, int]:
-    """(parameters on one TP rank, of the whole model, tied-head elements on one rank)."""
+def _mlp(f: dict[str, Any]) -> tuple[int, int, int]:
+    """One layer's MLP as (elements split over TP, elements on every TP rank, routed experts E
+    (0 for a dense MLP)). Dense: gate, up, down [I, H] each. Qwen3-MoE: E experts of the same three
+    matrices at I = moe_intermediate_size, and the router [E, H], which megatron replicates."""
+    from qurl.models.convert import dims, is_moe
+    from qurl.models.moe import moe_dims
+
+    cfg = SimpleNamespace(**f)
+    d = dims(cfg)  # d["I"]: one expert's width for a MoE
+    if not is_moe(cfg):
+        return 3 * d["I"] * d["H"], 0, 0
+    E = moe_dims(cfg)["E"]
+    return 3 * d["I"] * d["H"], E * d["H"], E
+
+
+def _params(f: dict[str, Any], tp: int, vocab_pad: int, ep: int = 1) -> tuple[int, int, int]:
+    """(parameters on one TP rank, of the whole model, tied-head elements on one rank); a MoE's
+    experts divided over `ep` expert-parallel ranks (1: not built, every rank holds all E)."""
     from qurl.models.convert import dims, qk_norm, qkv_bias
 
     cfg = SimpleNamespace(**f)
     d = dims(cfg)
-    h, q, kv, ffn = d["H"], d["nh"] * d["hd"], d["ng"] * d["hd"], d["I"]
+    h, q, kv = d["H"], d["nh"] * d["hd"], d["ng"] * d["hd"]
+    expert, router, E = _mlp(f)
     bias = (q + 2 * kv) if qkv_bias(cfg) else 0
     norms = 2 * h + (2 * d["hd"] if qk_norm(cfg) else 0)  # replicated on every TP rank
-    layer = ((q + 2 * kv) * h + bias + q * h + 3 * ffn * h) // tp + norms
+    attn = (q + 2 * kv) * h + bias + q * h  # split over TP
+    mlp_rank = expert * (E // ep if E else 1) // tp + router
+    layer = attn // tp + mlp_rank + norms
     tied = bool(f.get("tie_word_embeddings", False))
     embed = vocab_pad * h // tp * (1 if tied else 2)
     per_rank = d["L"] * layer + embed + h
-    whole = d["L"] * (layer - norms) * tp + d["L"] * norms + embed * tp + h
+    whole = d["L"] * (attn + expert * max(E, 1) + router + norms) + embed * tp + h
     return per_rank, whole, (vocab_pad // tp * h if tied else 0)
+
+
+def param_counts(f: dict[str, Any]) -> tuple[int, int]:
+    """(all parameters, those one token uses) of the model whose config.json fields are `f`, at the
+    unpadded vocabulary (as the checkpoint holds it): a MoE token runs k of the E experts (and the
+    whole router); a dense model uses all of them."""
+    from qurl.models.convert import dims, is_moe
+    from qurl.models.moe import moe_dims
+
+    _, whole, _ = _params(f, 1, int(f["vocab_size"]))
+    cfg = SimpleNamespace(**f)
+    if not is_moe(cfg):
+        return whole, whole
+    m, expert = moe_dims(cfg), _mlp(f)[0]
+    return whole, whole - dims(cfg)["L"] * (m["E"] - m["k"]) * expert
 
 
 def token_cost_from_fields(f: dict[str, Any], *, tp: int, elem: int, attention: str,
                            recompute: str) -> TokenCost:
-    """membudget.TokenCost of one TP rank of the model whose config.json fields are `f`."""
-    from qurl.models.convert import dims, padded_vocab_size
+    """membudget.TokenCost of one TP rank of the model whose config.json fields are `f`; a MoE's
+    token runs k experts of width I: its MLP activations are a dense SwiGLU's of width k·I."""
+    from qurl.models.convert import dims, is_moe, padded_vocab_size
+    from qurl.models.moe import moe_dims
 
-    d = dims(SimpleNamespace(**f))
+    cfg = SimpleNamespace(**f)
+    d = dims(cfg)
+    ffn = d["I"] * (moe_dims(cfg)["k"] if is_moe(cfg) else 1)
     return TokenCost(padded_vocab_size(int(f["vocab_size"]), tp) // tp, layers=d["L"],
-                     hidden=d["H"], heads=d["nh"], groups=d["ng"], head_dim=d["hd"], ffn=d["I"],
+                     hidden=d["H"], heads=d["nh"], groups=d["ng"], head_dim=d["hd"], ffn=ffn,
                      tp=tp, elem=elem, attention=attention, recompute=recompute)
 
 
@@ -114,11 +178,16 @@ def plan_ranks(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfi
     cost = token_cost_from_fields(fields, tp=tp, elem=elem,
                                   attention=attention_kind(deploy.ranks, te),
                                   recompute=learner.recompute)
-    per_rank, _, tied = _params(fields, tp, padded_vocab_size(int(fields["vocab_size"]), tp))
+    vocab_pad = padded_vocab_size(int(fields["vocab_size"]), tp)
+    per_rank, _, tied = _params(fields, tp, vocab_pad)
+    expert, _, E = _mlp(fields)
+    experts = int(fields["num_hidden_layers"]) * E * expert // tp  # no expert parallelism: all E
+    distributed = deploy.ranks.distributed_optimizer
+    expert_bytes = fixed_bytes(experts, elem, dp, distributed) + (experts * elem if kl_coef > 0 else 0)
     L = prompt_tokens + rollout.max_new_tokens
     ref = per_rank * elem if kl_coef > 0 else 0
     weights = per_rank * elem + grad_bytes(per_rank, elem, tied) + ref
-    optimizer = fixed_bytes(per_rank, elem, dp, deploy.ranks.distributed_optimizer) - 2 * per_rank * elem
+    optimizer = fixed_bytes(per_rank, elem, dp, distributed) - 2 * per_rank * elem
     # the largest wire tensor: embedding / head rows in bf16 (SGLang) or fp32 (the local engine)
     wire_elem = EngineKind.of(rollout).wire_element_bytes
     largest = int(fields["vocab_size"]) * int(fields["hidden_size"]) * wire_elem
@@ -129,7 +198,8 @@ def plan_ranks(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfi
         left = gpu_bytes - reserve - weights - optimizer - sync
         fits = cost.micro_bytes(1, L) <= GPU_FRACTION * left
         rows = rows_per_micro(L, cost, max(left, 0), 0)
-        out.append(RankPlan(rank, weights, optimizer, sync, cost.micro_bytes(1, L), L, rows, fits))
+        out.append(RankPlan(rank, weights, optimizer, sync, cost.micro_bytes(1, L), L, rows, fits,
+                            per_rank, E, experts, expert_bytes))
     return out
 
 
@@ -170,6 +240,12 @@ def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
         lines.append(f"#   {who:12s} weights+grads {p.weights / GB:6.1f} GB  optimizer "
                      f"{p.optimizer / GB:6.1f} GB  sync {p.sync / GB:5.1f} GB  one row "
                      f"{p.row / GB:6.1f} GB  = {(p.fixed + p.row) / GB:6.1f} GB: {verdict}")
+    p = plans[0]
+    if p.experts:
+        lines.append(f"#   every rank holds {p.params / 1e9:.2f}B parameters, {p.expert_params / 1e9:.2f}B "
+                     f"of them its share of all {p.experts} experts of every layer "
+                     f"({p.expert_bytes / GB:.1f} GB with their gradients and optimizer state): "
+                     f"expert parallelism, which would divide them over the ranks, is not built")
     if gpu:
         lines.append(f"#   micro-batches: {min(p.rows for p in plans)} rows each (the minimum over "
                      f"the ranks: every rank runs the same plan)")
@@ -178,7 +254,9 @@ def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
 
 def refusal(learner: LearnerConfig, rollout: RolloutConfig, ranks: RanksDeployConfig,
             fields: dict[str, Any], plans: list[RankPlan], gpu_bytes: float) -> str | None:
-    """One line when some rank cannot hold one row, naming the fields that would change it."""
+    """One line when some rank cannot hold one row, naming the fields that would change it; for a
+    mixture of experts also what its experts take on the rank, and that expert parallelism (the
+    only way to hold fewer of them: learner.tp is not open to a MoE) is not built."""
     bad = [p for p in plans if not p.fits]
     if not bad:
         return None
@@ -187,17 +265,27 @@ def refusal(learner: LearnerConfig, rollout: RolloutConfig, ranks: RanksDeployCo
                                                              or fields["num_attention_heads"])
     fixes = []
     bigger = [t for t in (2, 4, 8) if t > learner.tp and heads % t == 0 and groups % t == 0]
-    if bigger:
+    if bigger and not p.experts:  # a MoE trains at TP 1 only (qurl/models/fits.py check_moe_run)
         fixes.append(f"learner.tp={bigger[0]} (now {learner.tp})")
     if learner.recompute != "full":
         fixes.append(f"learner.recompute=full (now {learner.recompute})")
     if ranks.attention == "unfused":
         fixes.append("deploy.ranks.attention=sdpa (now unfused)")
     fixes.append(f"a shorter rollout.max_new_tokens (now {rollout.max_new_tokens})")
-    return (f"learner rank {p.rank} needs {(p.fixed + p.row) / GB:.1f} GB for one {p.L}-token row "
+    room = gpu_bytes - RESERVE - p.fixed
+    line = (f"learner rank {p.rank} needs {(p.fixed + p.row) / GB:.1f} GB for one {p.L}-token row "
             f"({p.fixed / GB:.1f} GB weights, optimizer and sync + {p.row / GB:.1f} GB the row) "
-            f"but a {gpu_bytes / GB:.0f} GB GPU leaves {GPU_FRACTION * (gpu_bytes - RESERVE - p.fixed) / GB:.1f} GB "
-            f"for it: set {' or '.join(fixes)}")
+            + (f"but a {gpu_bytes / GB:.0f} GB GPU leaves {GPU_FRACTION * room / GB:.1f} GB for it"
+               if room > 0 else f"but a {gpu_bytes / GB:.0f} GB GPU holds "
+               f"{(gpu_bytes - RESERVE) / GB:.1f} GB after the reserve"))
+    if not p.experts:
+        return f"{line}: set {' or '.join(fixes)}"
+    ep = (f"its share of all {p.experts} experts of every layer takes {p.expert_bytes / GB:.1f} GB "
+          f"with their gradients and optimizer state, and expert parallelism, which would divide "
+          f"them over the learner ranks, is not built")
+    if room <= 0:  # no length or recompute makes room: only fewer experts per rank would
+        return f"{line}: {ep}"
+    return f"{line}: set {' or '.join(fixes)}; or {ep}"
 
 
 def model_fields(base: str) -> dict[str, Any] | None:
