@@ -186,6 +186,7 @@ _USUAL_CORRECTION = {"tis_cap": 2.0, "seq_tis_cap": 2.0, "icepop_low": 0.5, "ice
 _PRESET_LOSS = {name: {"preset": "acr", "eps_low": 0.2, "eps_high": 0.2, "agg": "token-mean",
                        "kl_coef": 0.0, **_USUAL_CORRECTION} for name in PRESETS}
 _PRESET_LOSS["paper-deepscaler-1.5b"]["kl_coef"] = 1e-3
+_PRESET_LOSS["qwen3-30b-a3b"]["kl_coef"] = 1e-3  # added after issue 57: the 1.5B recipe's loss
 _PRESET_LOSS["paper-dapo-7b"]["eps_high"] = 0.28
 
 

@@ -1,5 +1,7 @@
-"""A mixture of experts at scale: Qwen3-30B-A3B's known shape and the MoE-aware memory plan
-(qurl/learner/memory_plan.py).
+"""A mixture of experts at scale: Qwen3-30B-A3B's known shape, the MoE-aware memory plan
+(qurl/learner/memory_plan.py) and the qwen3-30b-a3b preset, which `qurl launch --dry-run` refuses
+in one line today (qurl/models/fits.py check_moe_run, and the plan: expert parallelism is not
+built).
 
 References: the model card's published counts (30.5B parameters, 3.3B activated, 29.9B without
 the embeddings) and a tiny Qwen3-MoE built by transformers, whose parameter count the plan must
@@ -8,8 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from qurl.commands import launch
+from qurl.commands.launch import main_launch
+from qurl.config import load_config
+from qurl.errors import InputError
 from qurl.learner.memory_plan import KNOWN_SHAPES, _params, param_counts, token_cost_from_fields
-from qurl.models.fits import read_fields
+from qurl.models.fits import check_moe_run, read_fields
 
 A3B = KNOWN_SHAPES["Qwen/Qwen3-30B-A3B"]
 
@@ -43,3 +49,35 @@ def test_the_planned_count_of_a_built_tiny_moe_is_exact(tmp_path) -> None:
     assert active == built - experts * (E - k) // E
     # the experts divide over expert-parallel ranks (the divisor expert parallelism would use)
     assert _params(fields, 1, fields["vocab_size"], ep=4)[0] == built - experts * 3 // 4
+
+
+def test_the_a3b_preset_is_refused_in_one_line_before_anything_starts(capsys, monkeypatch) -> None:
+    cfg = load_config("qwen3-30b-a3b")
+    with pytest.raises(InputError) as moe:  # the check every MoE run gets (qurl train: check_fits)
+        check_moe_run(cfg.model.base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
+                      precision=cfg.rollout.precision)
+    monkeypatch.setattr(launch, "plan", lambda *a, **k: pytest.fail("placement planned"))
+    monkeypatch.setattr(launch, "run_node", lambda *a, **k: pytest.fail("a node started"))
+    for argv in (["--dry-run"], ["--nodes", "h0,h1", "--node-rank", "0"]):
+        assert main_launch(["--preset", "qwen3-30b-a3b", *argv]) == 2
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"qurl launch: error: {moe.value}; and ")
+        for missing in ("learner.tp=4", "inside SGLang", "expert parallelism", "is not built"):
+            assert missing in lines[0], missing
+        # the memory plan, per rank, with the experts every rank holds
+        assert "#   ranks 1-7" in out and "all 128 experts of every layer" in out
+        assert "every rank holds 7.64B parameters, 7.25B of them" in out
+
+
+def test_a_moe_run_check_moe_run_accepts_is_refused_by_the_memory_plan(capsys) -> None:
+    """At TP 1 on the local engine check_moe_run has nothing to say; 30.5B parameters per rank
+    cannot fit, and the plan's one line names the experts and expert parallelism, not learner.tp
+    (which a MoE cannot use)."""
+    rc = main_launch(["--preset", "qwen3-30b-a3b", "--set", "learner.tp=1",
+                      "--set", "rollout.engine=local", "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("qurl launch: error: learner rank 0 needs")
+    assert "128 experts" in err[0] and "expert parallelism" in err[0]
+    assert "learner.tp=" not in err[0]

@@ -11,13 +11,20 @@ with their GPUs and network settings -- its docstring, the placement rules, is t
 `--gpu-memory-gb`, is one line `qurl launch: error: ...`, exit 2. `--dry-run` prints the plan
 (commands, GPU map) and the memory plan; `--node-rank R` runs node R's commands (`run_node`) and
 returns the learner's exit code.
+
+A mixture-of-experts model.base whose shape is known here (a checkpoint, a local preset, a hub id
+in KNOWN_SHAPES) is first asked what qurl/models/fits.py `check_moe_run` asks of every MoE run
+(`qurl train` asks it through check_fits), before any placement: what it refuses, and what the
+memory plan refuses with it (a rank that cannot hold all the experts: expert parallelism is not
+built), is one line, exit 2, after the memory plan is printed.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
-from qurl.config import PRESETS, load_config
+from qurl.config import Config, PRESETS, load_config
 from qurl.commands import launch_plan as launch
 from qurl.commands.launch_plan import BASE_PORT, plan, render, run_node
 
@@ -46,16 +53,22 @@ def main_launch(argv: list[str] | None = None) -> int:
     config_args = ["--preset", args.preset] + (["--config", args.config] if args.config else [])
     config_args += [a for s in args.set for a in ("--set", s)]
     nodes = [h for h in args.nodes.split(",") if h] if args.nodes else None
-    try:
-        plans = plan(cfg, config_args, nodes, args.gpus_per_node, args.python, args.server_port)
-    except ValueError as e:
-        print(f"qurl launch: error: {e}", file=sys.stderr)
-        return 2
     from qurl.learner.memory_plan import plan_text
 
     text, refused = plan_text(cfg.model, cfg.learner, cfg.rollout, cfg.deploy,
                               args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU",
                               kl_coef=cfg.algo.kl_coef)
+    moe = moe_refusal(cfg)
+    if moe:  # before placement: nothing about the layout matters until this changes
+        print(text)
+        print(f"qurl launch: error: {moe}" + (f"; and {refused}" if refused else ""),
+              file=sys.stderr)
+        return 2
+    try:
+        plans = plan(cfg, config_args, nodes, args.gpus_per_node, args.python, args.server_port)
+    except ValueError as e:
+        print(f"qurl launch: error: {e}", file=sys.stderr)
+        return 2
     if refused:
         print(f"qurl launch: error: {refused}", file=sys.stderr)
         return 2
@@ -72,3 +85,23 @@ def main_launch(argv: list[str] | None = None) -> int:
     except ValueError as e:  # this node reaches no interface to node 0 (qurl/node/netif.py)
         print(f"qurl launch: error: {e}", file=sys.stderr)
         return 2
+
+
+def moe_refusal(cfg: Config) -> str | None:
+    """qurl/models/fits.py `check_moe_run`'s one line for a mixture-of-experts model.base whose
+    config fields are known here (memory_plan.model_fields); None for a dense model, an unknown
+    shape, or a MoE run it accepts."""
+    from qurl.errors import InputError
+    from qurl.learner.memory_plan import model_fields
+    from qurl.models.convert import is_moe
+    from qurl.models.fits import check_moe_run
+
+    fields = model_fields(cfg.model.base)
+    if fields is None or not is_moe(SimpleNamespace(**fields)):
+        return None
+    try:
+        check_moe_run(cfg.model.base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
+                      precision=cfg.rollout.precision)
+    except InputError as e:
+        return str(e)
+    return None

@@ -1,5 +1,7 @@
-"""Named starting points for a Config: the CPU default and the paper's three recipes, and
-`load_config`, which starts from one (preset -> TOML file -> `--set` overrides -> validate).
+"""Named starting points for a Config: the CPU default, the paper's three recipes, the paper's GRPO
+recipe carried to a mixture of experts (qwen3-30b-a3b: `qurl launch --dry-run` plans it or says in
+one line what is not built), and `load_config`, which starts from one (preset -> TOML file ->
+`--set` overrides -> validate).
 
 The paper recipes (docs/paper_recipes.md has their sources and what qurl changes) name Hugging
 Face checkpoints; without a hub on the machine, `model.base` must be a local copy (`qurl fetch`).
@@ -86,6 +88,30 @@ def paper_dapo_7b() -> Config:
     })
 
 
+def qwen3_30b_a3b() -> Config:
+    """The paper's GRPO / DeepScaleR recipe (paper_deepscaler_1p5b) on a mixture of experts,
+    Qwen3-30B-A3B (30.5B parameters, 3.3B per token; docs/moe.md "At scale"). Not a paper run: the
+    paper trained no MoE.
+
+    The paper's numbers: GRPO advantages, INT8 rollout + ACR (C=2), UAQ s=1.5, lr 1e-6, k3 KL
+    1e-3, 8 samples per prompt, 8k context, its five evaluation sets at Avg@32, up to 1200 steps.
+    Chosen here: routing replay (algo.routing_replay=rollout: the learner takes the experts the
+    8-bit engine chose, so quantization cannot move a token to other experts between rollout and
+    update); the layout of one 8-GPU learner node, learner TP 4 x DP 2 with full recompute and the
+    distributed optimizer (slime's Qwen3-30B-A3B script trains at TP 4 with expert parallelism 8,
+    the EP over a node this layout leaves room for), and SGLang INT8 servers of 2 GPUs on the other
+    nodes (~15 GB of 8-bit weights per GPU, the rest for KV cache). Today `qurl launch` refuses it
+    in one line (qurl/models/fits.py check_moe_run: SGLang's expert loader and per-expert
+    verification, MoE training at TP > 1; and the memory plan: expert parallelism is not built)."""
+    return override(paper_deepscaler_1p5b(), {
+        "run.name": "qwen3-30b-a3b",
+        "model.base": "Qwen/Qwen3-30B-A3B",
+        "algo.routing_replay": "rollout",
+        "learner.tp": 4, "learner.dp": 2, "learner.recompute": "full",
+        "deploy.ranks.distributed_optimizer": True, "sglang.tp": 2,
+    })
+
+
 def smollm2_arith() -> Config:
     """A real pretrained model learning on this CPU: SmolLM2-135M-Instruct (`qurl fetch
     smollm2-135m`; a de-quantized Q4_1 GGUF), INT8 rollout + ACR + UAQ s=1.5, C=2.
@@ -142,6 +168,7 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "paper-deepscaler-1.5b": paper_deepscaler_1p5b,
     "paper-dapo-7b": paper_dapo_7b,
     "paper-ppo-gsm8k": paper_ppo_gsm8k,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
 }
 
 

@@ -95,22 +95,27 @@ def check_architecture(fields: dict[str, Any], base: str) -> None:
 
 
 def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str) -> None:
-    """What a Qwen3-MoE run needs beyond the checkpoint (InputError, one line): the learner at TP 1
-    (megatron-core 0.16's MoE layer trains at TP > 1 only with sequence parallelism, which qurl's
-    learner does not use; evaluation would run), the local engine (SGLang's in-server expert
-    loader and per-expert read-back are not built), and a precision the local engine's experts
-    take (bf16, int8, fp8: qurl/engines/moe_block.py)."""
+    """What a Qwen3-MoE run needs beyond the checkpoint (InputError, one line naming every part
+    that is missing, joined by '; '): the learner at TP 1 (megatron-core 0.16's MoE layer trains at
+    TP > 1 only with sequence parallelism, which qurl's learner does not use; evaluation would
+    run), the local engine (SGLang's in-server expert loader and per-expert read-back are not
+    built), and a precision the local engine's experts take (bf16, int8, fp8:
+    qurl/engines/moe_block.py). `qurl train` (check_fits) and `qurl launch` (its model check) both
+    ask here."""
+    missing = []
     if learner_tp > 1:
-        raise InputError(f"learner.tp={learner_tp} with a mixture-of-experts model.base={base}: "
-                         "megatron-core trains a MoE layer at TP > 1 only with sequence "
-                         "parallelism, which qurl's learner does not use; set learner.tp=1")
+        missing.append(f"learner.tp={learner_tp} (megatron-core trains a MoE layer at TP > 1 only "
+                       "with sequence parallelism, which qurl's learner does not use; set "
+                       "learner.tp=1)")
     if engine != "local":
-        raise InputError(f"rollout.engine={engine} with a mixture-of-experts model.base={base}: "
-                         "qurl's expert loader and per-expert verification inside SGLang are not "
-                         "built yet; use rollout.engine=local")
+        missing.append(f"rollout.engine={engine} (qurl's expert loader and per-expert "
+                       "verification inside SGLang are not built yet; use rollout.engine=local)")
     if precision not in ("bf16", "int8", "fp8"):
-        raise InputError(f"rollout.precision={precision} with a mixture-of-experts "
-                         f"model.base={base}: the local engine's experts take bf16, int8 or fp8")
+        missing.append(f"rollout.precision={precision} (the local engine's experts take bf16, "
+                       "int8 or fp8)")
+    if missing:
+        raise InputError(f"model.base={base} is a mixture of experts, and qurl cannot yet run one "
+                         f"with {'; with '.join(missing)}")
 
 
 def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int,
