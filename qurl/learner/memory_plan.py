@@ -220,6 +220,11 @@ def longest_fit(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConf
     return lo * 256
 
 
+def _count(n: int) -> str:
+    """7.64B, 6.2M: a parameter count as a reader says it."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
     """The plan as printed by `qurl launch --dry-run` and `qurl train` (`memory`: what each rank
     is planned against, in words)."""
@@ -242,7 +247,7 @@ def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
                      f"{p.row / GB:6.1f} GB  = {(p.fixed + p.row) / GB:6.1f} GB: {verdict}")
     p = plans[0]
     if p.experts:
-        lines.append(f"#   every rank holds {p.params / 1e9:.2f}B parameters, {p.expert_params / 1e9:.2f}B "
+        lines.append(f"#   every rank holds {_count(p.params)} parameters, {_count(p.expert_params)} "
                      f"of them its share of all {p.experts} experts of every layer "
                      f"({p.expert_bytes / GB:.1f} GB with their gradients and optimizer state): "
                      f"expert parallelism, which would divide them over the ranks, is not built")

@@ -21,7 +21,7 @@ Presets (parameter counts include the tied embedding once):
   128 over 1,024): ~3.7M.
 - `tiny-qwen3-moe` as `tiny-qwen3` but Qwen3-MoE (transformers' Qwen3MoeConfig): every layer's MLP
   is 8 routed SwiGLU experts of width 224, top-2 with the top-2 weights renormalised
-  (`norm_topk_prob`, Qwen3-30B-A3B's routing), no shared expert: ~6.7M in all, ~3.0M active
+  (`norm_topk_prob`, Qwen3-30B-A3B's routing), no shared expert: 6.85M in all, 2.72M active
   per token. (Its `intermediate_size` 896 is the width of a dense MLP layer, which it has none of.)
 """
 from __future__ import annotations
