@@ -237,6 +237,9 @@ def print_rows(rows: Sequence[dict[str, Any]]) -> None:
         full = {c: sum(r["full"][c] for r in deltas) / len(deltas) for c in CATEGORIES}
         print(f"mean over {len(deltas)} delta syncs, KiB sent (of full): " + ", ".join(
             f"{c} {mean[c] / 1024:.1f} ({mean[c] / full[c]:.1%})" for c in CATEGORIES if full[c]))
+        print(f"mean over {len(deltas)} delta syncs, elements changed: " + ", ".join(
+            f"{c} {sum(r['changed'][c] for r in deltas) / len(deltas):.2%}" for c in CATEGORIES
+            if c in deltas[0]["changed"]))
         exp = sum(mean[c] for c in EXPERT)
         print(f"expert delta bytes per step: {exp / 1024:.1f} KiB = {exp / sum(full[c] for c in EXPERT):.1%} "
               f"of the experts' full bytes, {exp / sum(mean.values()):.1%} of the bytes sent")
