@@ -8,7 +8,7 @@ rounds; each round runs every arm once on the same `batch` requests x `new_token
 order rotated each round so that a burst of load on a shared machine does not always hit the same
 arm. Per arm it reports the median wall time, tokens/s, tokens per CPU-second (the process's CPU
 time: steadier than wall time on an oversubscribed machine), and the median over rounds of the
-same-round ratio to each reference arm (`generate` and `bf16` when present). A short untimed
+same-round ratio to each reference arm (`generate`, `bf16` and `fp32` when present: fp32 is the fast full-precision path on CPUs without native bf16). A short untimed
 warm-up per arm absorbs one-time costs (kernel selection, allocator growth, weight packing).
 
 Arms (`ARMS`):
@@ -232,7 +232,7 @@ def bench_local_engine(
         raise InputError(f"--arms: unknown arm {bad[0] if bad else '(none)'!r} (known: {', '.join(ARMS)})")
     if rounds < 1:
         raise InputError(f"--rounds must be >= 1, got {rounds}")
-    from qurl.models.hf import param_count
+    from qurl.models.hf import read_state_dict
 
     prev = torch.get_num_threads()
     if num_threads is not None:
@@ -244,10 +244,11 @@ def bench_local_engine(
         if gemms:
             torch.set_num_threads(1)
             return {"model": preset, "gemms": bench_gemms(model_dir, batch)}
-        runs, n_params, tok = {}, 0, None
+        # from the checkpoint, not an arm's model: an 8-bit engine holds its codes as buffers
+        n_params = sum(t.numel() for t in read_state_dict(model_dir).values())
+        runs, tok = {}, None
         for arm in arms:
-            runs[arm], model = _build(arm, model_dir, batch, seed)
-            n_params = n_params or param_count(model)
+            runs[arm], _ = _build(arm, model_dir, batch, seed)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -276,7 +277,7 @@ def bench_local_engine(
                     print(f"  round {r + 1} {arm}: wall {walls[arm][-1]:.2f} s, CPU {cpus[arm][-1]:.2f} s, "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
         load1 = os.getloadavg()
-        refs = [a for a in ("generate", "bf16") if a in arms]
+        refs = [a for a in ("generate", "bf16", "fp32") if a in arms]
         results: dict[str, dict[str, float]] = {}
         for arm in arms:
             res = {"seconds": statistics.median(walls[arm]), "cpu_seconds": statistics.median(cpus[arm]),
