@@ -182,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flips-from", action="append", default=[], metavar="JSON",
                    help="sync --delta: also the per-kind change fractions of a real run "
                         "(rows of python -m qurl.research.bench.run_flips --out); repeatable")
+    p.add_argument("--moe", action="store_true",
+                   help="sync: bytes per sync on a Qwen3-MoE over real training steps, full vs "
+                        "delta, expert codes and scales apart (qurl/research/bench/sync_moe.py)")
+    p.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                   help="sync --moe: config overrides of the observed run (repeatable)")
     p.add_argument("--layers", type=int, default=0, help="sync --delta: first N layers (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="sync --delta: timed rounds")
     p.add_argument("--encode-only", action="store_true", help="sync --delta: encode, old vs new")

@@ -42,6 +42,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from qurl.research.bench.stream import bench_stream
 
         bench_stream()
+    elif args.moe:
+        from qurl.research.bench.sync_moe import bench_moe_sync
+
+        bench_moe_sync(args.sets)
     elif args.delta:
         from qurl.research.bench.sync_delta import DELTA_SHAPES, bench_delta
 

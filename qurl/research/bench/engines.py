@@ -1,13 +1,14 @@
 """Rollout throughput side by side in one run: the local engine per precision vs transformers `generate`.
 
-`bench_local_engine` takes a model (a preset built with random weights, a fetched model by name such
-as `smollm2-135m`, or an HF checkpoint directory), builds every *arm* once, then times `rounds`
+`bench_local_engine` takes a model (a preset built with random weights: tiny, small, tiny-qwen3,
+tiny-qwen3-moe; a fetched model by name such as `smollm2-135m`; or an HF checkpoint directory),
+builds every *arm* once, then times `rounds`
 rounds; each round runs every arm once on the same `batch` requests x `new_tokens` sampled tokens
 (T = 1, top-p 1; EOS disabled so every request decodes exactly `new_tokens` tokens), the arms'
 order rotated each round so that a burst of load on a shared machine does not always hit the same
 arm. Per arm it reports the median wall time, tokens/s, tokens per CPU-second (the process's CPU
 time: steadier than wall time on an oversubscribed machine), and the median over rounds of the
-same-round ratio to each reference arm (`generate` and `bf16` when present). A short untimed
+same-round ratio to each reference arm (`generate`, `bf16` and `fp32` when present: fp32 is the fast full-precision path on CPUs without native bf16). A short untimed
 warm-up per arm absorbs one-time costs (kernel selection, allocator growth, weight packing).
 
 Arms (`ARMS`):
@@ -16,12 +17,15 @@ Arms (`ARMS`):
 - `bf16`, `int8`, `fp8`: the local engine with that rollout precision, everything else (embedding,
   head, norms, attention, KV cache) in bf16 compute;
 - `fp32`, `int8-fp32`: the engine's "bf16" (unquantized) and int8 precisions with fp32 compute.
-On CPU, int8 is an exact int8 GEMM (FBGEMM where exact, else torch._int_mm) and fp8 the exact fp32
+On a Qwen3-MoE the engine arms run its sparse MLPs as qurl/engines/moe_block.py does (router in
+full precision, experts fused and 8-bit per expert; no w4a16 experts: refused in one line), and
+the header names E and top-k. On CPU, int8 is an exact int8 GEMM (FBGEMM where exact, else torch._int_mm) and fp8 the exact fp32
 emulation of an E4M3 GEMM (engines/qlinear.py). Threads are pinned to `num_threads` (2 on the CPU
 machines) for the run and restored afterwards.
 
 `gemms=True` instead times one decode-step GEMM per kernel for the model's shapes (`bench_gemms`,
-CPU time, one thread): which kernel bounds a precision.
+CPU time, one thread): which kernel bounds a precision. On a MoE the MLP rows are one expert's
+GEMM over the rows routed to it on average (ceil(batch x k / E)).
 
 `profile=True` instead runs each arm once under torch.profiler (a short decode, `new_tokens` as
 given) and prints the ops with the most self CPU time: where a decode step's time goes.
@@ -40,6 +44,8 @@ from typing import Callable
 import torch
 
 from qurl.errors import InputError
+from qurl.models.hf import MODEL_PRESETS
+from qurl.models.moe import route_shape
 from qurl.types import GenRequest, SamplingParams
 
 # arm -> (engine precision or None for transformers generate, compute dtype)
@@ -52,7 +58,7 @@ ARMS: dict[str, tuple[str | None, torch.dtype]] = {
     "fp32": ("bf16", torch.float32),
     "int8-fp32": ("int8", torch.float32),
 }
-PRESETS = ("tiny", "small")
+PRESETS = tuple(MODEL_PRESETS)  # tiny, small, tiny-qwen3, tiny-qwen3-moe: random weights
 
 
 def _requests(tok, batch: int, prompt_len: int, new_tokens: int, seed: int) -> list[GenRequest]:
@@ -153,15 +159,20 @@ def bench_gemms(model_dir: Path, batch: int = 32) -> dict[str, dict[str, float]]
     c = json.loads((model_dir / "config.json").read_text())
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd
-    shapes = {"qkv": (h, qkv), "o": (c["num_attention_heads"] * hd, h),
-              "gate_up": (h, 2 * c["intermediate_size"]), "down": (c["intermediate_size"], h),
-              "head": (h, c["vocab_size"])}
+    ffn, rows, mlp = c["intermediate_size"], batch, ""
+    routes = route_shape(c)
+    if routes is not None:  # a MoE: one expert's GEMM over the rows routed to it on average
+        _, k_top, n_exp = routes
+        ffn, rows, mlp = c["moe_intermediate_size"], -(-batch * k_top // n_exp), "expert "
+    shapes = {"qkv": (h, qkv, batch), "o": (c["num_attention_heads"] * hd, h, batch),
+              mlp + "gate_up": (h, 2 * ffn, rows), mlp + "down": (ffn, h, rows),
+              "head": (h, c["vocab_size"], batch)}
     g = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, float]] = {}
-    for name, (k, n) in shapes.items():
-        a, w = torch.randn(batch, k, generator=g), torch.randn(n, k, generator=g)
+    for name, (k, n, m) in shapes.items():
+        a, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
         ab, wb = a.bfloat16(), w.bfloat16()
-        ai = torch.randint(-127, 128, (batch, k), generator=g, dtype=torch.int8)
+        ai = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
         wi = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         wit, wf8 = wi.t(), w.to(torch.float8_e4m3fn).float().t()
         row = {"fp32": _cpu_us(lambda: a @ w.t()),
@@ -172,13 +183,31 @@ def bench_gemms(model_dir: Path, batch: int = 32) -> dict[str, dict[str, float]]
             packed, pin = fbgemm_pack(wi), torch.zeros(1, k, dtype=torch.int8)
             pin[0, 0] = 127
             row["int8 fbgemm"] = _cpu_us(lambda: fbgemm_int8_product(ai, packed, pin))
-        out[f"{name} {k}x{n}"] = row
+        out[f"{name} {m}x{k}x{n}"] = row
     kernels = list(next(iter(out.values())))
-    print(f"CPU microseconds per GEMM, M = {batch} rows (one decode step), 1 thread, median of 9")
-    print(f"{'shape':>18} " + " ".join(f"{k:>13}" for k in kernels))
+    print(f"CPU microseconds per GEMM, M x K x N, M = {batch} rows (one decode step; a MoE's "
+          "experts: the rows routed to one expert on average), 1 thread, median of 9")
+    print(f"{'shape':>26} " + " ".join(f"{k:>13}" for k in kernels))
     for name, row in out.items():
-        print(f"{name:>18} " + " ".join(f"{row[k]:13.0f}" for k in kernels))
+        print(f"{name:>26} " + " ".join(f"{row[k]:13.0f}" for k in kernels))
     return out
+
+
+def _moe_line(model_dir: Path, arms: tuple[str, ...]) -> str:
+    """", E experts, top-k" for a Qwen3-MoE ("" for a dense model); an arm whose precision the
+    local engine has no MoE experts for (qurl/engines/local.py MOE_PRECISIONS) is an InputError."""
+    import json
+
+    from qurl.engines.local import MOE_PRECISIONS
+
+    routes = route_shape(json.loads((model_dir / "config.json").read_text()))
+    if routes is None:
+        return ""
+    bad = [a for a in arms if ARMS[a][0] not in (None, *MOE_PRECISIONS)]
+    if bad:
+        raise InputError(f"--arms: {bad[0]!r} on a MoE model: the local engine's experts run at "
+                         f"{', '.join(MOE_PRECISIONS)} only")
+    return f", {routes[2]} experts, top-{routes[1]}"
 
 
 def bench_local_engine(
@@ -203,7 +232,7 @@ def bench_local_engine(
         raise InputError(f"--arms: unknown arm {bad[0] if bad else '(none)'!r} (known: {', '.join(ARMS)})")
     if rounds < 1:
         raise InputError(f"--rounds must be >= 1, got {rounds}")
-    from qurl.models.hf import param_count
+    from qurl.models.hf import read_state_dict
 
     prev = torch.get_num_threads()
     if num_threads is not None:
@@ -211,13 +240,15 @@ def bench_local_engine(
     tmp = tempfile.TemporaryDirectory(prefix="qurl-bench-")
     try:
         model_dir = resolve_model(preset, Path(tmp.name), seed)
+        moe = _moe_line(model_dir, arms)
         if gemms:
             torch.set_num_threads(1)
             return {"model": preset, "gemms": bench_gemms(model_dir, batch)}
-        runs, n_params, tok = {}, 0, None
+        # from the checkpoint, not an arm's model: an 8-bit engine holds its codes as buffers
+        n_params = sum(t.numel() for t in read_state_dict(model_dir).values())
+        runs, tok = {}, None
         for arm in arms:
-            runs[arm], model = _build(arm, model_dir, batch, seed)
-            n_params = n_params or param_count(model)
+            runs[arm], _ = _build(arm, model_dir, batch, seed)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -225,7 +256,7 @@ def bench_local_engine(
             run(_requests(tok, min(batch, 4), prompt_len, 2, seed))
         reqs = _requests(tok, batch, prompt_len, new_tokens, seed)
         load0 = os.getloadavg()
-        head = (f"model {preset} ({n_params / 1e6:.1f}M params), batch {batch}, {new_tokens} new "
+        head = (f"model {preset} ({n_params / 1e6:.1f}M params{moe}), batch {batch}, {new_tokens} new "
                 f"tokens, prompts {len(reqs[0].prompt_ids)}-{max(len(r.prompt_ids) for r in reqs)} "
                 f"tokens, {torch.get_num_threads()} threads")
         if profile:
@@ -246,7 +277,7 @@ def bench_local_engine(
                     print(f"  round {r + 1} {arm}: wall {walls[arm][-1]:.2f} s, CPU {cpus[arm][-1]:.2f} s, "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
         load1 = os.getloadavg()
-        refs = [a for a in ("generate", "bf16") if a in arms]
+        refs = [a for a in ("generate", "bf16", "fp32") if a in arms]
         results: dict[str, dict[str, float]] = {}
         for arm in arms:
             res = {"seconds": statistics.median(walls[arm]), "cpu_seconds": statistics.median(cpus[arm]),
