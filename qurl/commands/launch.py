@@ -24,7 +24,7 @@ import argparse
 import sys
 from types import SimpleNamespace
 
-from qurl.config import Config, PRESETS, load_config
+from qurl.config import PRESETS, load_config
 from qurl.commands import launch_plan as launch
 from qurl.commands.launch_plan import BASE_PORT, plan, render, run_node
 
@@ -58,7 +58,8 @@ def main_launch(argv: list[str] | None = None) -> int:
     text, refused = plan_text(cfg.model, cfg.learner, cfg.rollout, cfg.deploy,
                               args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU",
                               kl_coef=cfg.algo.kl_coef)
-    moe = moe_refusal(cfg)
+    moe = moe_refusal(cfg.model.base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
+                      precision=cfg.rollout.precision)
     if moe:  # before placement: nothing about the layout matters until this changes
         print(text)
         print(f"qurl launch: error: {moe}" + (f"; and {refused}" if refused else ""),
@@ -87,7 +88,7 @@ def main_launch(argv: list[str] | None = None) -> int:
         return 2
 
 
-def moe_refusal(cfg: Config) -> str | None:
+def moe_refusal(base: str, *, learner_tp: int, engine: str, precision: str) -> str | None:
     """qurl/models/fits.py `check_moe_run`'s one line for a mixture-of-experts model.base whose
     config fields are known here (memory_plan.model_fields); None for a dense model, an unknown
     shape, or a MoE run it accepts."""
@@ -96,12 +97,11 @@ def moe_refusal(cfg: Config) -> str | None:
     from qurl.models.convert import is_moe
     from qurl.models.fits import check_moe_run
 
-    fields = model_fields(cfg.model.base)
+    fields = model_fields(base)
     if fields is None or not is_moe(SimpleNamespace(**fields)):
         return None
     try:
-        check_moe_run(cfg.model.base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
-                      precision=cfg.rollout.precision)
+        check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision)
     except InputError as e:
         return str(e)
     return None
