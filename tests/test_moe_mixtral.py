@@ -259,3 +259,26 @@ def test_real_smollm2_mlp_split_equals_the_dense_mlp() -> None:
                 block.experts.down_proj.copy_(torch.stack([d for _, _, d in parts]))
                 got = block(x[None])[0]
             assert (got - want).abs().max().item() <= DENSE_TOL * want.abs().max().item()
+
+
+def test_fetch_derives_the_registered_moe_from_its_fetched_source(llama_dir, tmp_path, monkeypatch):
+    """`qurl fetch smollm2-135m-moe` (registry.fetch_model) on a models dir whose smollm2-135m is a
+    tiny Llama with a valid fetch manifest: derived once, manifest written, found by
+    `model.base=smollm2-135m-moe`, and not rebuilt by a second fetch."""
+    import shutil
+
+    from qurl.models import registry
+
+    monkeypatch.setenv("QURL_MODELS", str(tmp_path))
+    src = tmp_path / "smollm2-135m"
+    shutil.copytree(llama_dir, src)
+    files = {p.name: registry._file_digest(p) for p in sorted(src.iterdir()) if p.is_file()}
+    (src / registry.MANIFEST).write_text(json.dumps({"name": "smollm2-135m", "files": files}))
+    out = registry.fetch_model("smollm2-135m-moe")
+    assert out == tmp_path / "smollm2-135m-moe" and registry.is_fetched(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_local_experts"], cfg["num_experts_per_tok"]) == ("mixtral", 8, 2)
+    assert registry.resolve_base("smollm2-135m-moe") == str(out)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert registry.fetch_model("smollm2-135m-moe") == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
