@@ -1,4 +1,4 @@
-"""Tiny random HF Qwen2 / Qwen3 / Llama models for the Megatron conversion and learner tests.
+"""Tiny random HF Qwen2 / Qwen3 / Llama / Qwen3-MoE / Mixtral models for the Megatron conversion and learner tests.
 
 Weights are drawn from a seeded generator with a wide spread (and non-trivial norm gains and q/k/v
 biases) so that logits are far from uniform and every mapped tensor matters.
@@ -80,6 +80,30 @@ def build_moe(seed: int = 0, **overrides) -> torch.nn.Module:
     cfg._experts_implementation = "eager"
     model = Qwen3MoeForCausalLM(cfg)
     return _randomized(model, seed)
+
+
+def mixtral_config(**overrides) -> "MixtralConfig":
+    # Llama attention (no q/k norms; head_dim 32 != hidden/heads) + 8 experts of width 32, top-2,
+    # always renormalised (Mixtral's routing); tied
+    from transformers import MixtralConfig
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_local_experts=8,
+                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, max_position_embeddings=64, router_jitter_noise=0.0,
+                  sliding_window=None, architectures=["MixtralForCausalLM"])
+    return MixtralConfig(**dict(fields, **overrides))
+
+
+def build_mixtral(seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random Mixtral (`mixtral_config` + overrides), drawn as `build` draws, experts run
+    by transformers' eager loop; fp32, eval mode."""
+    from transformers import MixtralForCausalLM
+
+    cfg = mixtral_config(**overrides)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    return _randomized(MixtralForCausalLM(cfg), seed)
 
 
 def _randomized(model, seed: int):

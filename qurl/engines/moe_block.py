@@ -1,13 +1,15 @@
-"""The local engine's Qwen3-MoE sparse MLP: the router in full precision, the experts fused and 8-bit.
+"""The local engine's MoE sparse MLP: the router in full precision, the experts fused and 8-bit.
 
-What a Qwen3-MoE layer computes (transformers `Qwen3MoeSparseMoeBlock`; qurl/models/moe.py), per
+What a Qwen3-MoE or Mixtral layer computes (transformers `Qwen3MoeSparseMoeBlock`,
+`MixtralSparseMoeBlock`; qurl/models/moe.py), per
 token x [H] after the post-attention norm, E experts of width I, top-k:
 
     p = softmax(W_r x) over all E, in fp32;  S, w = top-k of p;  w /= sum(w) if norm_topk_prob
+    (Mixtral: always)
     y = sum_{e in S} w_e * W2_e (silu(Wg_e x) * Wu_e x)
 
 `MoeBlock` keeps transformers' own router module (`mlp.gate`, weight [E, H], in the model's
-dtype: SGLang keeps the router unquantized too), so the routing is Qwen3-MoE's to the bit, and
+dtype: SGLang keeps the router unquantized too), so the routing is the family's to the bit, and
 records the top-k it picks into a `RouteSink` (the engine's `GenResult.routed_experts`).
 
 `FusedExperts` holds the experts in SGLang's fused layout (qurl/quant/experts.py), as buffers
@@ -81,7 +83,8 @@ class FusedExperts(nn.Module):
 
     @classmethod
     def from_hf(cls, experts: nn.Module, fmt: str | None) -> FusedExperts:
-        """From transformers' `Qwen3MoeExperts` (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+        """From transformers' `Qwen3MoeExperts` / `MixtralExperts` (gate_up_proj [E, 2I, H],
+        down_proj [E, H, I])."""
         gu, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         E, two_i, H = gu.shape
         mod = cls(E, two_i // 2, H, fmt, gu.dtype, device=gu.device)
@@ -144,7 +147,8 @@ class FusedExperts(nn.Module):
 
 
 class MoeBlock(nn.Module):
-    """Qwen3-MoE sparse MLP over `FusedExperts`, recording its routes (module docstring)."""
+    """A Qwen3-MoE / Mixtral sparse MLP over `FusedExperts`, recording its routes (module
+    docstring)."""
 
     def __init__(self, gate: nn.Module, experts: FusedExperts, sink: RouteSink) -> None:
         super().__init__()
@@ -190,7 +194,7 @@ class ExpertWeight:
 
 
 def install_moe(model: nn.Module, fmt: str | None) -> tuple[dict[str, ExpertWeight], RouteSink]:
-    """Replace every Qwen3-MoE sparse MLP of an HF causal LM by a `MoeBlock`, in place.
+    """Replace every Qwen3-MoE / Mixtral sparse MLP of an HF causal LM by a `MoeBlock`, in place.
 
     fmt: None (full precision), "int8" or "fp8". Returns ({HF name of each fused 8-bit weight,
     e.g. "model.layers.0.mlp.experts.w13_weight": its ExpertWeight} (empty at full precision),
@@ -199,7 +203,7 @@ def install_moe(model: nn.Module, fmt: str | None) -> tuple[dict[str, ExpertWeig
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
         if not (hasattr(mlp, "gate") and hasattr(mlp, "experts")):
-            raise ValueError(f"model.layers.{i}.mlp: not a Qwen3-MoE sparse block (dense MLP layers "
+            raise ValueError(f"model.layers.{i}.mlp: not a sparse MoE block (dense MLP layers "
                              "among MoE layers are unsupported)")
         if int(mlp.experts.gate_up_proj.shape[0]) > 256:  # routes travel as uint8
             raise ValueError(f"model.layers.{i}.mlp: {mlp.experts.gate_up_proj.shape[0]} experts; "

@@ -56,7 +56,7 @@ from qurl.learner.logits import first_loss_columns, head_logp, head_weight, hidd
 from qurl.learner.membudget import agreed_free, free_bytes, rows_per_micro
 from qurl.learner.memory_plan import token_cost_from_fields
 from qurl.learner.moe_step import check_routes, moe_watch, routed_stats, watched_positions
-from qurl.models import convert
+from qurl.models import convert, moe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_BUDGET = 2**26  # CPU: fp32 logits per micro-batch (256 MiB); GPU: free memory (membudget.py)
@@ -105,6 +105,8 @@ class MegatronLearner(ShardCheckpoint):
             hf_state, hf_config = read_hf(model_dir)
         self.hf_config = hf_config
         hf_state = {k: v.float() if v.is_floating_point() else v for k, v in hf_state.items()}
+        if convert.is_moe(hf_config):
+            hf_state = moe.per_expert(hf_state)  # qurl's expert names (Mixtral's differ on disk)
         if algo.uaq_scale != 1.0:
             from qurl.quant.uaq import apply_uaq
 

@@ -1,4 +1,4 @@
-"""HF Qwen2/Qwen3/Llama/Qwen3-MoE weights <-> megatron-core GPTModel (local layer spec) weights, per TP shard.
+"""HF Qwen2/Qwen3/Llama/Qwen3-MoE/Mixtral weights <-> megatron-core GPTModel (local layer spec) weights, per TP shard.
 
 The learner trains a megatron-core `GPTModel` built with `get_gpt_layer_local_spec` (RMSNorm, SwiGLU,
 RoPE, GQA); the rollout engines and the checkpoints on disk use Hugging Face names. This module maps
@@ -33,9 +33,11 @@ named `self_attention.linear_qkv.layer_norm_weight` and `mlp.linear_fc1.layer_no
 modules add `_extra_state` entries). `to_te_names` / `from_te_name` translate; every other name,
 shape and shard layout is the same as the local spec's.
 
-Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention as above; the sparse MLP (router and
-experts) maps as qurl/models/moe.py says, which also holds the megatron MoE settings that compute
-what transformers computes. `dims()['I']` is then one expert's width (`moe_intermediate_size`).
+Qwen3-MoE (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`): Qwen3's attention, or
+Llama's (no q/k norms), as above; the sparse MLP (router and experts) maps as qurl/models/moe.py
+says, which also holds the megatron MoE settings that compute what transformers computes and the
+family table telling the two apart. `dims()['I']` is then one expert's width
+(`moe_intermediate_size`; Mixtral's `intermediate_size`).
 
 Tied embeddings (`tie_word_embeddings`): Megatron has no `output_layer.weight`; HF has no (or an
 ignored) `lm_head.weight`, and `megatron_to_hf` emits none.
@@ -55,7 +57,7 @@ import torch.nn.functional as F
 
 from qurl.models import moe
 
-SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", moe.ARCH)
+SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", *moe.ARCHS)
 # HF buffers that may appear in old state dicts and carry no weights.
 _IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -69,7 +71,8 @@ def _arch(hf_config: Any) -> str:
     model_type = getattr(hf_config, "model_type", "")
     if not archs:
         archs = {"qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
-                 "llama": ["LlamaForCausalLM"], moe.MODEL_TYPE: [moe.ARCH]}.get(model_type, [])
+                 "llama": ["LlamaForCausalLM"],
+                 **{f.model_type: [f.arch] for f in moe.FAMILIES}}.get(model_type, [])
     for a in archs:
         if a in SUPPORTED_ARCHS:
             return a
@@ -92,8 +95,8 @@ def _rope_theta(hf_config: Any) -> float:
 
 
 def is_moe(hf_config: Any) -> bool:
-    """A Qwen3-MoE (every decoder layer's MLP is routed experts; qurl/models/moe.py)."""
-    return _arch(hf_config) == moe.ARCH
+    """A Qwen3-MoE or Mixtral (every decoder layer's MLP is routed experts; qurl/models/moe.py)."""
+    return _arch(hf_config) in moe.ARCHS
 
 
 def dims(hf_config: Any) -> dict[str, int]:
@@ -105,7 +108,7 @@ def dims(hf_config: Any) -> dict[str, int]:
     hd = int(getattr(hf_config, "head_dim", None) or H // nh)
     if nh % ng:
         raise ValueError(f"config: num_attention_heads={nh} not a multiple of num_key_value_heads={ng}")
-    ffn = hf_config.moe_intermediate_size if is_moe(hf_config) else hf_config.intermediate_size
+    ffn = moe.moe_dims(hf_config)["I"] if is_moe(hf_config) else hf_config.intermediate_size
     return {"nh": nh, "ng": ng, "hd": hd, "H": H, "I": int(ffn),
             "V": int(hf_config.vocab_size), "L": int(hf_config.num_hidden_layers)}
 
@@ -123,8 +126,10 @@ def qkv_bias(hf_config: Any) -> bool:
 
 
 def qk_norm(hf_config: Any) -> bool:
-    """Qwen3 RMS-normalises q and k per head (q_norm, k_norm) before RoPE."""
-    return _arch(hf_config) in ("Qwen3ForCausalLM", moe.ARCH)
+    """Qwen3 (and Qwen3-MoE) RMS-normalises q and k per head (q_norm, k_norm) before RoPE; Llama
+    and Mixtral do not."""
+    fam = moe.family(hf_config)
+    return _arch(hf_config) == "Qwen3ForCausalLM" or (fam is not None and fam.qk_norm)
 
 
 def check_supported(hf_config: Any) -> None:
@@ -137,11 +142,11 @@ def check_supported(hf_config: Any) -> None:
     windowed = [t for t in (getattr(hf_config, "layer_types", None) or []) if t != "full_attention"]
     if getattr(hf_config, "use_sliding_window", False) or windowed:
         raise ValueError("config: sliding-window attention layers are unsupported")
-    if arch == moe.ARCH:
+    if arch in moe.ARCHS:
         moe.check_moe(hf_config)
     elif moe.num_experts(hf_config):
         raise ValueError(f"config.num_experts={moe.num_experts(hf_config)} on {arch}: "
-                         f"mixture-of-experts layers are supported for {moe.ARCH} only")
+                         f"mixture-of-experts layers are supported for {' and '.join(moe.ARCHS)} only")
     _rope_theta(hf_config)
     qkv_bias(hf_config)
 
@@ -155,7 +160,7 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 def _check_tp(hf_config: Any, tp: int) -> dict[str, int]:
     d = dims(hf_config)
     if tp < 1 or d["nh"] % tp or d["ng"] % tp or d["I"] % tp:
-        ffn = "moe_intermediate_size" if is_moe(hf_config) else "intermediate_size"
+        ffn = moe.family(hf_config).width_field if is_moe(hf_config) else "intermediate_size"
         raise ValueError(f"learner.tp={tp}: must divide num_attention_heads={d['nh']}, "
                          f"num_key_value_heads={d['ng']} and {ffn}={d['I']}")
     return d
@@ -204,7 +209,8 @@ def _take(hf: Mapping[str, torch.Tensor], used: set[str], name: str, shape: tupl
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_rank: int,
                    tp_size: int, divisible_by: int = 128) -> dict[str, torch.Tensor]:
     """The Megatron parameters of TP shard `tp_rank` (fresh contiguous tensors, HF dtype kept). A
-    Qwen3-MoE's experts may come per expert (checkpoint names) or fused (transformers 5 in memory)."""
+    MoE's experts may come under its family's checkpoint names, qurl's per-expert names or fused
+    (transformers 5 in memory); qurl/models/moe.py `per_expert`."""
     d = _check_tp(hf_config, tp_size)
     sparse = is_moe(hf_config)
     if sparse:

@@ -12,10 +12,15 @@ that SGLang 0.5.23 reads (`srt/layers/quantization/w8a8_int8.py`, `w8a8_fp8.py`,
 | `fp8`       | `w8a8_fp8`              | `weight` float8_e4m3fn [out, in], `weight_scale` fp32 [out, 1] | `{"quant_method": "w8a8_fp8"}` |
 | `fp8_block` | `fp8`                   | `weight` float8_e4m3fn [out, in], `weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)] | `{"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}` |
 
-**Mixture-of-Experts (Qwen3-MoE).** Every expert is written under its own HF name,
+**Mixture-of-Experts (Qwen3-MoE, Mixtral).** Every expert is written under its own HF name,
 `model.layers.N.mlp.experts.e.{gate,up,down}_proj.weight` (bf16: `dtype`; 8-bit: codes) with its
 `weight_scale` [rows, 1] (`weight_scale_inv` [ceil(rows/128), ceil(cols/128)] for fp8_block); the
-router `mlp.gate.weight` stays in `dtype`. Verified in SGLang 0.5.23's source:
+router `mlp.gate.weight` stays in `dtype`. A Mixtral's are renamed to its own checkpoint names
+(qurl/models/moe.py `to_disk`): `block_sparse_moe.gate.weight`,
+`block_sparse_moe.experts.e.{w1,w3,w2}.weight` (+ the same scale suffixes), which SGLang's
+mixtral.py maps through `make_expert_params_mapping("w1", "w2", "w3", num_experts)` into the same
+fused `w13_` / `w2_` parameters (read from the issue and the mapping's rule below, not re-checked
+against mixtral.py here). Verified for Qwen3-MoE in SGLang 0.5.23's source:
 - `models/qwen3_moe.py` `load_weights` maps checkpoint names through
   `FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts)`
   (`layers/moe/fused_moe_triton/layer.py`): `experts.{e}.gate_proj.` / `up_proj.` -> `experts.w13_`
@@ -61,8 +66,7 @@ from pathlib import Path
 import torch
 
 from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
-from qurl.models.moe import MODEL_TYPE as MOE_MODEL_TYPE
-from qurl.models.moe import check_moe, per_expert
+from qurl.models.moe import check_moe, family, per_expert, to_disk
 from qurl.quant.named import FP8_BLOCK, dequantize_named, engine_chunks, is_quantized_linear
 from qurl.quant.uaq import apply_uaq
 
@@ -93,11 +97,9 @@ def export_8bit(src: str | Path, out: str | Path, fmt: str, *, uaq_scale: float 
     src, out = Path(src), Path(out)
     config = check_checkpoint(src)
     state = read_state_dict(src)
-    if config.get("model_type") == MOE_MODEL_TYPE:
-        from types import SimpleNamespace
-
-        check_moe(SimpleNamespace(**config))
-        state = per_expert(state)  # transformers 5's fused in-memory names, if any, split
+    if family(config) is not None:
+        check_moe(config)
+        state = per_expert(state)  # qurl's per-expert names, from the family's or fused ones
     if uaq_scale != 1.0:
         state = apply_uaq(state, uaq_scale)
     return write_checkpoint(state, config, src, out, fmt, dtype=dtype, max_shard_bytes=max_shard_bytes)
@@ -114,7 +116,8 @@ def write_checkpoint(state: dict[str, torch.Tensor], config: dict, tokenizer_dir
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype={dtype}: must be bfloat16, float16 or float32")
     src, out = Path(tokenizer_dir), Path(out)
-    chunks = dict(engine_chunks(state.items(), fmt, wire_dtype=dtype, fuse=False))  # per expert
+    chunks = to_disk(dict(engine_chunks(state.items(), fmt, wire_dtype=dtype, fuse=False)),
+                     config)  # per expert, under the family's checkpoint names
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     total = sum(t.numel() * t.element_size() for t in chunks.values())
@@ -150,6 +153,8 @@ def read_8bit(path: str | Path, dtype: torch.dtype = torch.float32
     config = check_checkpoint(path)
     qcfg = config.get("quantization_config")
     state = read_state_dict(path)
+    if family(config) is not None:
+        state = per_expert(state)  # a Mixtral's checkpoint names -> qurl's
     block = (qcfg or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
     if block[0] != block[1]:
         raise ValueError(f"{path}: weight_block_size {block} must be square")

@@ -5,10 +5,10 @@ far away: megatron-core asserts inside every learner rank, SGLang's scheduler di
 `qurl train` runs these checks where the base is resolved (qurl/commands/train.py), so the error is
 one line naming the sizes, exit 2.
 
-- **Architecture**: dense Qwen2, Qwen3 and Llama, and Qwen3-MoE (qurl/models/convert.py
+- **Architecture**: dense Qwen2, Qwen3 and Llama, and Qwen3-MoE and Mixtral (qurl/models/convert.py
   `check_supported`, qurl/models/moe.py `check_moe`); anything else (another family, MoE options
-  other than Qwen3-MoE's, sliding windows, scaled RoPE, a missing weight shard or tokenizer) is
-  refused here rather than inside the learner ranks. A Qwen3-MoE run also needs the learner at
+  other than theirs, sliding windows, scaled RoPE, a missing weight shard or tokenizer) is
+  refused here rather than inside the learner ranks. A MoE run also needs the learner at
   TP 1, the local engine and a precision its experts take (`check_moe_run`).
 - **Tensor parallelism** (`learner.tp`): Megatron splits attention heads, KV heads (GQA query
   groups) and the SwiGLU width across ranks, so tp must divide all three. SmolLM2-135M has 9
@@ -82,7 +82,7 @@ def fp8_block_problem(fields: dict[str, Any], sglang_tp: int = 1) -> str | None:
 
 def check_architecture(fields: dict[str, Any], base: str) -> None:
     """InputError (one line) unless qurl's conversion takes this architecture: dense Qwen2, Qwen3
-    or Llama, or Qwen3-MoE, with SwiGLU, RMSNorm gains, plain RoPE and full attention in every
+    or Llama, or Qwen3-MoE or Mixtral, with SwiGLU, RMSNorm gains, plain RoPE and full attention in every
     layer."""
     from qurl.models.convert import check_supported
 
@@ -90,13 +90,13 @@ def check_architecture(fields: dict[str, Any], base: str) -> None:
         check_supported(SimpleNamespace(**fields))
     except (ValueError, AttributeError, TypeError) as e:
         raise InputError(f"model.base={base}: {e}; qurl trains dense Qwen2, Qwen3 and Llama "
-                         f"checkpoints and Qwen3-MoE ones (SwiGLU MLP, RMSNorm, plain RoPE, full "
+                         f"checkpoints and Qwen3-MoE and Mixtral ones (SwiGLU MLP, RMSNorm, plain RoPE, full "
                          f"attention)") from None
 
 
 def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str) -> None:
-    """What a Qwen3-MoE run needs beyond the checkpoint (InputError, one line naming every part
-    that is missing, joined by '; '): the learner at TP 1 (megatron-core 0.16's MoE layer trains at
+    """What a MoE (Qwen3-MoE, Mixtral) run needs beyond the checkpoint (InputError, one line
+    naming every part that is missing, joined by '; '): the learner at TP 1 (megatron-core 0.16's MoE layer trains at
     TP > 1 only with sequence parallelism, which qurl's learner does not use; evaluation would
     run), the local engine (SGLang's in-server expert loader and per-expert read-back are not
     built), and a precision the local engine's experts take (bf16, int8, fp8:

