@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,15 +42,45 @@ def _wait_for_slow_rank0(rank: int, world: int, wait_min: float, sleep_s: float,
         destroy_learner_dist()
 
 
-def test_followers_outwait_the_group_timeout_for_rank0():
+def _both_waits(rank: int, world: int, ports: tuple[int, int], meet: str
+                ) -> dict[str, tuple[str, float]]:
+    """The two scenarios below in one pair of processes (each starts torch and megatron once):
+    each joins a process group of its own at its own port, left before the next one. The ranks
+    meet (files in `meet`) before each: a rank that reached the group's store ahead of rank 0 by
+    more than the group's 1.8 s timeout could not join it."""
+    out = {}
+    for (name, wait_min, sleep_s, rank0_sends), port in zip(SCENARIOS, ports, strict=True):
+        (Path(meet) / f"{name}.{rank}").touch()
+        while not all((Path(meet) / f"{name}.{r}").exists() for r in range(world)):
+            time.sleep(0.01)
+        os.environ["MASTER_PORT"] = str(port)
+        out[name] = _wait_for_slow_rank0(rank, world, wait_min, sleep_s, rank0_sends)
+    return out
+
+
+# the one that completes first: the second leaves its control group timed out
+SCENARIOS = [("outwait", 1.0, 4.0, True), ("timeout", 0.05, 8.0, False)]
+
+
+@pytest.fixture(scope="module")
+def waits(tmp_path_factory) -> list[dict[str, tuple[str, float]]]:
+    from qurl.learner.dist import free_port
+
+    ports = (free_port(), free_port())
+    while ports[1] == ports[0]:
+        ports = (ports[0], free_port())
+    return spawn(_both_waits, 2, ports, str(tmp_path_factory.mktemp("meet")))
+
+
+def test_followers_outwait_the_group_timeout_for_rank0(waits):
     # rank 0 busy 4 s, twice the default group's collective timeout; the wait allows 1 minute
-    (r0, _), (r1, waited) = spawn(_wait_for_slow_rank0, 2, 1.0, 4.0, True)
+    (r0, _), (r1, waited) = waits[0]["outwait"], waits[1]["outwait"]
     assert (r0, r1) == ("7:2", "7:2") and waited >= 3.5
 
 
-def test_the_wait_ends_at_the_configured_timeout_naming_the_field():
+def test_the_wait_ends_at_the_configured_timeout_naming_the_field(waits):
     # deploy.ranks.wait_timeout_min=0.05 (3 s), rank 0 busy 8 s: rank 1 stops waiting at ~3 s
-    _, (r1, waited) = spawn(_wait_for_slow_rank0, 2, 0.05, 8.0, False)
+    r1, waited = waits[1]["timeout"]
     assert r1.startswith("error: learner rank 1: waited deploy.ranks.wait_timeout_min=0.05 minutes"), r1
     assert 2.5 <= waited < 7.5
 
