@@ -417,13 +417,44 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
     return out
 
 
+def _dp_layouts(rank: int, ws: int, layouts: list[tuple], ports: list[int], meet: str) -> dict:
+    """`_dp_worker` for each layout in turn, in the first tp x dp of `ws` processes (the others
+    sit it out): one set of processes starting torch and megatron once, not once per layout. Each
+    layout joins a process group of its own at its own port and leaves it; its ranks meet
+    (files in `meet`) first, so none reaches the group's store long before rank 0 opens it."""
+    import os
+    import time
+    from pathlib import Path
+
+    from qurl.learner.dist import destroy_learner_dist
+
+    out = {}
+    for i, (lay, port) in enumerate(zip(layouts, ports, strict=True)):
+        n = lay[0] * lay[1]
+        if rank >= n:
+            continue
+        (Path(meet) / f"{i}.{rank}").touch()
+        while not all((Path(meet) / f"{i}.{r}").exists() for r in range(n)):
+            time.sleep(0.02)
+        os.environ["MASTER_PORT"] = str(port)
+        out[lay] = _dp_worker(rank, n, *lay)
+        destroy_learner_dist()
+    return out
+
+
 @pytest.fixture(scope="module")
-def dp_runs() -> dict[tuple, list[dict]]:
-    from qurl.learner.dist import spawn
+def dp_runs(tmp_path_factory) -> dict[tuple, list[dict]]:
+    from qurl.learner.dist import free_port, spawn
 
     layouts = [(1, 1, False, "float32"), (1, 2, False, "float32"), (1, 2, True, "float32"),
                (2, 2, True, "float32"), (1, 2, True, "bfloat16")]
-    return {lay: spawn(_dp_worker, lay[0] * lay[1], *lay) for lay in layouts}
+    ports: list[int] = []
+    while len(ports) < len(layouts):
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    ws = max(lay[0] * lay[1] for lay in layouts)
+    ranks = spawn(_dp_layouts, ws, layouts, ports, str(tmp_path_factory.mktemp("dp-meet")))
+    return {lay: [ranks[r][lay] for r in range(lay[0] * lay[1])] for lay in layouts}
 
 
 @pytest.mark.slow
