@@ -222,10 +222,9 @@ def _worker(rank: int, ws: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict]]:
-    from qurl.learner.dist import spawn
-
-    return {ws: spawn(_worker, ws) for ws in (1, 2)}
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    return _spawn_in_turn([(ws, ws, _worker, ()) for ws in (1, 2)],
+                          tmp_path_factory.mktemp("runs-meet"))
 
 
 @pytest.mark.slow
@@ -417,11 +416,12 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
     return out
 
 
-def _dp_layouts(rank: int, ws: int, layouts: list[tuple], ports: list[int], meet: str) -> dict:
-    """`_dp_worker` for each layout in turn, in the first tp x dp of `ws` processes (the others
-    sit it out): one set of processes starting torch and megatron once, not once per layout. Each
-    layout joins a process group of its own at its own port and leaves it; its ranks meet
-    (files in `meet`) first, so none reaches the group's store long before rank 0 opens it."""
+def _in_turn(rank: int, world: int, jobs: list[tuple], ports: list[int], meet: str) -> dict:
+    """Each job (key, n, fn, args) in turn as `fn(rank, n, *args)` in the first n of `world`
+    processes (the others sit it out): one set of processes starting torch and megatron once,
+    not once per job. Each job joins a process group of its own at its own port and leaves it
+    (destroy_learner_dist); its ranks meet (files in `meet`) first, so none reaches the group's
+    store long before rank 0 opens it. Returns {key: fn's result} of the jobs this rank ran."""
     import os
     import time
     from pathlib import Path
@@ -429,32 +429,36 @@ def _dp_layouts(rank: int, ws: int, layouts: list[tuple], ports: list[int], meet
     from qurl.learner.dist import destroy_learner_dist
 
     out = {}
-    for i, (lay, port) in enumerate(zip(layouts, ports, strict=True)):
-        n = lay[0] * lay[1]
+    for i, ((key, n, fn, args), port) in enumerate(zip(jobs, ports, strict=True)):
         if rank >= n:
             continue
         (Path(meet) / f"{i}.{rank}").touch()
         while not all((Path(meet) / f"{i}.{r}").exists() for r in range(n)):
             time.sleep(0.02)
         os.environ["MASTER_PORT"] = str(port)
-        out[lay] = _dp_worker(rank, n, *lay)
+        out[key] = fn(rank, n, *args)
         destroy_learner_dist()
     return out
 
 
-@pytest.fixture(scope="module")
-def dp_runs(tmp_path_factory) -> dict[tuple, list[dict]]:
+def _spawn_in_turn(jobs: list[tuple], meet: Path) -> dict:
+    """`_in_turn` in max(n) spawned processes; {key: [result of each of its n ranks]}."""
     from qurl.learner.dist import free_port, spawn
 
-    layouts = [(1, 1, False, "float32"), (1, 2, False, "float32"), (1, 2, True, "float32"),
-               (2, 2, True, "float32"), (1, 2, True, "bfloat16")]
     ports: list[int] = []
-    while len(ports) < len(layouts):
+    while len(ports) < len(jobs):
         if (port := free_port()) not in ports:
             ports.append(port)
-    ws = max(lay[0] * lay[1] for lay in layouts)
-    ranks = spawn(_dp_layouts, ws, layouts, ports, str(tmp_path_factory.mktemp("dp-meet")))
-    return {lay: [ranks[r][lay] for r in range(lay[0] * lay[1])] for lay in layouts}
+    ranks = spawn(_in_turn, max(n for _, n, _, _ in jobs), jobs, ports, str(meet))
+    return {key: [ranks[r][key] for r in range(n)] for key, n, _, _ in jobs}
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory) -> dict[tuple, list[dict]]:
+    layouts = [(1, 1, False, "float32"), (1, 2, False, "float32"), (1, 2, True, "float32"),
+               (2, 2, True, "float32"), (1, 2, True, "bfloat16")]
+    return _spawn_in_turn([(lay, lay[0] * lay[1], _dp_worker, lay) for lay in layouts],
+                          tmp_path_factory.mktemp("dp-meet"))
 
 
 @pytest.mark.slow
