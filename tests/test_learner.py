@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from spawn_in_turn import spawn_in_turn
 from tiny_hf import build, hf_state
 
 from qurl.algo.loss import policy_loss
@@ -223,7 +224,7 @@ def _worker(rank: int, ws: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict]]:
-    return _spawn_in_turn([(ws, ws, _worker, ()) for ws in (1, 2)],
+    return spawn_in_turn([(ws, ws, _worker, ()) for ws in (1, 2)],
                           tmp_path_factory.mktemp("runs-meet"))
 
 
@@ -416,48 +417,11 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
     return out
 
 
-def _in_turn(rank: int, world: int, jobs: list[tuple], ports: list[int], meet: str) -> dict:
-    """Each job (key, n, fn, args) in turn as `fn(rank, n, *args)` in the first n of `world`
-    processes (the others sit it out): one set of processes starting torch and megatron once,
-    not once per job. Each job joins a process group of its own at its own port and leaves it
-    (destroy_learner_dist); its ranks meet (files in `meet`) first, so none reaches the group's
-    store long before rank 0 opens it. Returns {key: fn's result} of the jobs this rank ran."""
-    import os
-    import time
-    from pathlib import Path
-
-    from qurl.learner.dist import destroy_learner_dist
-
-    out = {}
-    for i, ((key, n, fn, args), port) in enumerate(zip(jobs, ports, strict=True)):
-        if rank >= n:
-            continue
-        (Path(meet) / f"{i}.{rank}").touch()
-        while not all((Path(meet) / f"{i}.{r}").exists() for r in range(n)):
-            time.sleep(0.02)
-        os.environ["MASTER_PORT"] = str(port)
-        out[key] = fn(rank, n, *args)
-        destroy_learner_dist()
-    return out
-
-
-def _spawn_in_turn(jobs: list[tuple], meet: Path) -> dict:
-    """`_in_turn` in max(n) spawned processes; {key: [result of each of its n ranks]}."""
-    from qurl.learner.dist import free_port, spawn
-
-    ports: list[int] = []
-    while len(ports) < len(jobs):
-        if (port := free_port()) not in ports:
-            ports.append(port)
-    ranks = spawn(_in_turn, max(n for _, n, _, _ in jobs), jobs, ports, str(meet))
-    return {key: [ranks[r][key] for r in range(n)] for key, n, _, _ in jobs}
-
-
 @pytest.fixture(scope="module")
 def dp_runs(tmp_path_factory) -> dict[tuple, list[dict]]:
     layouts = [(1, 1, False, "float32"), (1, 2, False, "float32"), (1, 2, True, "float32"),
                (2, 2, True, "float32"), (1, 2, True, "bfloat16")]
-    return _spawn_in_turn([(lay, lay[0] * lay[1], _dp_worker, lay) for lay in layouts],
+    return spawn_in_turn([(lay, lay[0] * lay[1], _dp_worker, lay) for lay in layouts],
                           tmp_path_factory.mktemp("dp-meet"))
 
 
