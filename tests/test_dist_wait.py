@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
+from spawn_in_turn import meet
 
 from qurl.config import LearnerConfig, RanksDeployConfig
 from qurl.learner.dist import spawn
@@ -42,18 +42,14 @@ def _wait_for_slow_rank0(rank: int, world: int, wait_min: float, sleep_s: float,
         destroy_learner_dist()
 
 
-def _both_waits(rank: int, world: int, ports: tuple[int, int], meet: str
-                ) -> dict[str, tuple[str, float]]:
+def _both_waits(rank: int, world: int, where: str) -> dict[str, tuple[str, float]]:
     """The two scenarios below in one pair of processes (each starts torch and megatron once):
-    each joins a process group of its own at its own port, left before the next one. The ranks
-    meet (files in `meet`) before each: a rank that reached the group's store ahead of rank 0 by
-    more than the group's 1.8 s timeout could not join it."""
+    each joins a process group of its own at a port of its own, picked when the ranks meet
+    (tests/spawn_in_turn.py: rank 1 must not reach the group's store more than the group's
+    1.8 s timeout ahead of rank 0), and leaves it before the next one."""
     out = {}
-    for (name, wait_min, sleep_s, rank0_sends), port in zip(SCENARIOS, ports, strict=True):
-        (Path(meet) / f"{name}.{rank}").touch()
-        while not all((Path(meet) / f"{name}.{r}").exists() for r in range(world)):
-            time.sleep(0.01)
-        os.environ["MASTER_PORT"] = str(port)
+    for name, wait_min, sleep_s, rank0_sends in SCENARIOS:
+        os.environ["MASTER_PORT"] = str(meet(where, name, rank, world))
         out[name] = _wait_for_slow_rank0(rank, world, wait_min, sleep_s, rank0_sends)
     return out
 
@@ -64,12 +60,7 @@ SCENARIOS = [("outwait", 1.0, 4.0, True), ("timeout", 0.05, 8.0, False)]
 
 @pytest.fixture(scope="module")
 def waits(tmp_path_factory) -> list[dict[str, tuple[str, float]]]:
-    from qurl.learner.dist import free_port
-
-    ports = (free_port(), free_port())
-    while ports[1] == ports[0]:
-        ports = (ports[0], free_port())
-    return spawn(_both_waits, 2, ports, str(tmp_path_factory.mktemp("meet")))
+    return spawn(_both_waits, 2, str(tmp_path_factory.mktemp("meet")))
 
 
 def test_followers_outwait_the_group_timeout_for_rank0(waits):
