@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+from spawn_in_turn import meet
 
 from qurl.config import LearnerConfig, RanksDeployConfig
 from qurl.learner.dist import spawn
@@ -41,15 +42,36 @@ def _wait_for_slow_rank0(rank: int, world: int, wait_min: float, sleep_s: float,
         destroy_learner_dist()
 
 
-def test_followers_outwait_the_group_timeout_for_rank0():
+def _both_waits(rank: int, world: int, where: str) -> dict[str, tuple[str, float]]:
+    """The two scenarios below in one pair of processes (each starts torch and megatron once):
+    each joins a process group of its own at a port of its own, picked when the ranks meet
+    (tests/spawn_in_turn.py: rank 1 must not reach the group's store more than the group's
+    1.8 s timeout ahead of rank 0), and leaves it before the next one."""
+    out = {}
+    for name, wait_min, sleep_s, rank0_sends in SCENARIOS:
+        os.environ["MASTER_PORT"] = str(meet(where, name, rank, world))
+        out[name] = _wait_for_slow_rank0(rank, world, wait_min, sleep_s, rank0_sends)
+    return out
+
+
+# the one that completes first: the second leaves its control group timed out
+SCENARIOS = [("outwait", 1.0, 4.0, True), ("timeout", 0.05, 8.0, False)]
+
+
+@pytest.fixture(scope="module")
+def waits(tmp_path_factory) -> list[dict[str, tuple[str, float]]]:
+    return spawn(_both_waits, 2, str(tmp_path_factory.mktemp("meet")))
+
+
+def test_followers_outwait_the_group_timeout_for_rank0(waits):
     # rank 0 busy 4 s, twice the default group's collective timeout; the wait allows 1 minute
-    (r0, _), (r1, waited) = spawn(_wait_for_slow_rank0, 2, 1.0, 4.0, True)
+    (r0, _), (r1, waited) = waits[0]["outwait"], waits[1]["outwait"]
     assert (r0, r1) == ("7:2", "7:2") and waited >= 3.5
 
 
-def test_the_wait_ends_at_the_configured_timeout_naming_the_field():
+def test_the_wait_ends_at_the_configured_timeout_naming_the_field(waits):
     # deploy.ranks.wait_timeout_min=0.05 (3 s), rank 0 busy 8 s: rank 1 stops waiting at ~3 s
-    _, (r1, waited) = spawn(_wait_for_slow_rank0, 2, 0.05, 8.0, False)
+    r1, waited = waits[1]["timeout"]
     assert r1.startswith("error: learner rank 1: waited deploy.ranks.wait_timeout_min=0.05 minutes"), r1
     assert 2.5 <= waited < 7.5
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from spawn_in_turn import spawn_in_turn
 from tiny_hf import build, hf_state
 
 from qurl.algo.loss import policy_loss
@@ -222,10 +223,9 @@ def _worker(rank: int, ws: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict]]:
-    from qurl.learner.dist import spawn
-
-    return {ws: spawn(_worker, ws) for ws in (1, 2)}
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    return spawn_in_turn([(ws, ws, _worker, ()) for ws in (1, 2)],
+                          tmp_path_factory.mktemp("runs-meet"))
 
 
 @pytest.mark.slow
@@ -418,12 +418,11 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
 
 
 @pytest.fixture(scope="module")
-def dp_runs() -> dict[tuple, list[dict]]:
-    from qurl.learner.dist import spawn
-
+def dp_runs(tmp_path_factory) -> dict[tuple, list[dict]]:
     layouts = [(1, 1, False, "float32"), (1, 2, False, "float32"), (1, 2, True, "float32"),
                (2, 2, True, "float32"), (1, 2, True, "bfloat16")]
-    return {lay: spawn(_dp_worker, lay[0] * lay[1], *lay) for lay in layouts}
+    return spawn_in_turn([(lay, lay[0] * lay[1], _dp_worker, lay) for lay in layouts],
+                          tmp_path_factory.mktemp("dp-meet"))
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spawn_in_turn import spawn_in_turn
 from tiny_hf import build, hf_state
 
 from qurl.config import (AlgoConfig, CorrectionConfig, LearnerConfig, ModelConfig,
@@ -135,10 +136,10 @@ def _worker(rank: int, ws: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict]]:
-    from qurl.learner.dist import spawn
-
-    return {ws: spawn(_worker, ws) for ws in (1, 2)}
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    # TP 1 then TP 2 in one pair of processes (tests/spawn_in_turn.py)
+    return spawn_in_turn([(ws, ws, _worker, ()) for ws in (1, 2)],
+                         tmp_path_factory.mktemp("runs-meet"))
 
 
 TOL = 2e-5

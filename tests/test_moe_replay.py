@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from spawn_in_turn import spawn_in_turn
 from tiny_hf import build_moe, hf_state
 
 from qurl.algo.routes import RouteCounts, expert_sets, flips
@@ -291,11 +292,10 @@ def _dp_worker(rank: int, ws: int) -> dict:
 
 
 @pytest.mark.slow
-def test_moe_stats_are_summed_over_data_parallel_ranks() -> None:
-    from qurl.learner.dist import spawn
-
-    one = spawn(_dp_worker, 1)[0]
-    two = spawn(_dp_worker, 2)
+def test_moe_stats_are_summed_over_data_parallel_ranks(tmp_path) -> None:
+    # DP 1 then DP 2 in one pair of processes (tests/spawn_in_turn.py)
+    runs = spawn_in_turn([(ws, ws, _dp_worker, ()) for ws in (1, 2)], tmp_path)
+    one, two = runs[1][0], runs[2]
     assert set(one) == {"moe/route_flip_frac", "moe/tokens_any_flip", "moe/worst_layer_flip",
                         "moe/worst_layer", "moe/expert_load_max_over_mean"}
     for got in two:  # every DP rank reports the whole batch's numbers
