@@ -159,6 +159,7 @@ def _strip(rec: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # seven qurl processes: ~590 s on 2 cores under heavy load
 def test_study_spans_sessions(tmp_path, runs_dir, capsys):
     """Three 2-step `qurl train` processes: bf16 (session 1), int8-mis (session 2), the resume."""
     cfg = tiny_cfg(tmp_path, "unused", 2, **{"deploy.torch_threads": 1, "eval.samples": 2,
