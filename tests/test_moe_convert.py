@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from spawn_in_turn import spawn_in_turn
-from tiny_hf import build_moe, hf_state, qwen3_moe_config
+from tiny_hf import build_moe, hf_state, mixtral_config, qwen3_moe_config
 
 from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.models import convert, moe
@@ -77,18 +77,24 @@ def test_router_settings_match_qwen3_moe(norm: bool) -> None:
     assert kw["moe_shared_expert_intermediate_size"] is None
 
 
-@pytest.mark.parametrize("edit,named", [
-    ({"shared_expert_intermediate_size": 64}, "shared experts"),
-    ({"mlp_only_layers": [1]}, "mlp_only_layers"),
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ({"num_experts_per_tok": 1, "norm_topk_prob": True}, "norm_topk_prob"),
-    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+@pytest.mark.parametrize("family,edit,named", [
+    ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "shared experts"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True}, "norm_topk_prob"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("mixtral", {"sliding_window": 16}, "sliding_window"),
+    ("mixtral", {"num_experts_per_tok": 1}, "renormalised top-k"),
+    ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
 ])
-def test_unsupported_moe_options_are_refused_in_one_line(edit: dict, named: str) -> None:
+def test_unsupported_moe_options_are_refused_in_one_line(family: str, edit: dict,
+                                                          named: str) -> None:
     from qurl.errors import InputError
     from qurl.models.fits import check_architecture
 
-    fields = dict(qwen3_moe_config().to_dict(), **edit)
+    make = {"qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config}[family]
+    fields = dict(make().to_dict(), **edit)
     with pytest.raises(ValueError, match=named) as err:
         convert.check_supported(SimpleNamespace(**fields))
     assert "\n" not in str(err.value)
