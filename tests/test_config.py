@@ -39,7 +39,7 @@ def test_set_overrides_are_typed():
     ("algo.correction.cap=0.5", "algo.correction.cap"),
     ("optim.lr=abc", "optim.lr"), ("nosuch.x=1", "nosuch.x"), ("algo.nosuch=1", "algo.nosuch"),
     ("algo.mini_batches=3", "algo.mini_batches"), ("learner.dp=0", "learner.dp"),
-    ("learner.dp=3", "learner.dp"), ("rollout.precision=fp8_block", "rollout.precision"),  # 16*8/2 = 64 rows per mini-batch do not split 3 ways
+    ("learner.dp=3", "learner.dp"), ("learner.ep=2", "learner.ep"),  # ep must divide dp (1) ("rollout.precision=fp8_block", "rollout.precision"),  # 16*8/2 = 64 rows per mini-batch do not split 3 ways
     ("deploy.wandb=yes", "deploy.wandb"), ("model.dtype=fp16", "model.dtype"),
     ("rollout.max_staleness=1", "rollout.max_staleness"),  # inline rollout is synchronous
     ("optim.adam=0.9,0.999", "optim.adam"), ("optim.adam=0.9,0.999,0", "optim.adam"),

@@ -115,7 +115,7 @@ def eval_checkpoint(model_dir: Path, cfg: Config, max_examples: int | None = Non
                                   "run.name": f"eval-{model_dir.name}"}))
     _check_answers(cfg.eval, answers)
     check_fits(str(model_dir), learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
-               precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp)
+               precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp, learner_ep=cfg.learner.ep)
     return _evaluate_under(cfg, None, max_examples=max_examples, per_question=per_question,
                            answers=answers)
 

@@ -15,8 +15,9 @@ returns the learner's exit code.
 A mixture-of-experts model.base whose shape is known here (a checkpoint, a local preset, a hub id
 in KNOWN_SHAPES) is first asked what qurl/models/fits.py `check_moe_run` asks of every MoE run
 (`qurl train` asks it through check_fits), before any placement: what it refuses, and what the
-memory plan refuses with it (a rank that cannot hold all the experts: expert parallelism is not
-built), is one line, exit 2, after the memory plan is printed.
+memory plan refuses with it (a rank that cannot hold its share of the experts), is one line,
+exit 2, after the memory plan is printed; so is a learner.ep the model cannot take
+(`check_learner_ep`).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def main_launch(argv: list[str] | None = None) -> int:
                               args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU",
                               kl_coef=cfg.algo.kl_coef)
     moe = moe_refusal(cfg.model.base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
-                      precision=cfg.rollout.precision)
+                      precision=cfg.rollout.precision, learner_ep=cfg.learner.ep)
     if moe:  # before placement: nothing about the layout matters until this changes
         print(text)
         print(f"qurl launch: error: {moe}" + (f"; and {refused}" if refused else ""),
@@ -88,19 +89,24 @@ def main_launch(argv: list[str] | None = None) -> int:
         return 2
 
 
-def moe_refusal(base: str, *, learner_tp: int, engine: str, precision: str) -> str | None:
-    """qurl/models/fits.py `check_moe_run`'s one line for a mixture-of-experts model.base whose
-    config fields are known here (memory_plan.model_fields); None for a dense model, an unknown
-    shape, or a MoE run it accepts."""
+def moe_refusal(base: str, *, learner_tp: int, engine: str, precision: str,
+                learner_ep: int = 1) -> str | None:
+    """qurl/models/fits.py `check_learner_ep`'s and `check_moe_run`'s one line for a model.base
+    whose config fields are known here (memory_plan.model_fields): learner.ep that does not fit
+    the model (any ep > 1 on a dense model), or a mixture-of-experts run check_moe_run refuses;
+    None for an unknown shape or a run both accept."""
     from qurl.errors import InputError
     from qurl.learner.memory_plan import model_fields
     from qurl.models.convert import is_moe
-    from qurl.models.fits import check_moe_run
+    from qurl.models.fits import check_learner_ep, check_moe_run
 
     fields = model_fields(base)
-    if fields is None or not is_moe(SimpleNamespace(**fields)):
+    if fields is None:
         return None
     try:
+        check_learner_ep(fields, learner_ep, base)
+        if not is_moe(SimpleNamespace(**fields)):
+            return None
         check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision)
     except InputError as e:
         return str(e)

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     # a model the layout cannot split (TP over its heads, SGLang's block FP8): one line, not ranks
     check_fits(base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
                precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp,
-               routing_replay=cfg.algo.routing_replay)
+               routing_replay=cfg.algo.routing_replay, learner_ep=cfg.learner.ep)
     _print_memory_plan(cfg.model, cfg.learner, cfg.rollout, cfg.deploy, kl_coef=cfg.algo.kl_coef)
     result = run_ranks(train, cfg.learner, cfg, resume=bool(args.resume))
     if result:

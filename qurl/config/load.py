@@ -21,7 +21,7 @@ from qurl.config.tree import Config
 
 # Fields a resumed run may not change: they define the weights and their layout.
 IMMUTABLE_ON_RESUME = (
-    "model.base", "model.dtype", "learner.tp", "learner.dp", "algo.uaq_scale",
+    "model.base", "model.dtype", "learner.tp", "learner.dp", "learner.ep", "algo.uaq_scale",
     "rollout.group_size", "run.seed", "data.train", "deploy.ranks.distributed_optimizer",
 )
 

@@ -32,6 +32,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"learner.dp={cfg.learner.dp}: must divide the mini-batch of "
                           f"{batch // a.mini_batches} sequences (prompts_per_step*group_size"
                           f"/algo.mini_batches)")
+    if cfg.learner.dp % cfg.learner.ep:
+        raise ConfigError(f"learner.ep={cfg.learner.ep}: must divide learner.dp={cfg.learner.dp} "
+                          "(expert parallelism divides the experts over groups of data-parallel "
+                          "ranks)")
     if r.precision == "w4a16" and r.engine != "local":
         raise ConfigError("rollout.precision='w4a16': the weight-only 4-bit stress format of the "
                           "ablation study runs on the local engine only (rollout.engine='local')")

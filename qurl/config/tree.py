@@ -220,6 +220,10 @@ class LearnerConfig:
     """Tensor-parallel size of the Megatron learner."""
     dp: Positive = 1
     """Data-parallel size; the learner has tp x dp ranks."""
+    ep: Positive = 1
+    """Expert-parallel size (a mixture of experts only): the experts of every layer are divided
+    over groups of ep data-parallel ranks, each rank holding E/ep of them (megatron-core's
+    expert_model_parallel_size; docs/moe.md). Must divide learner.dp and the model's expert count."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recompute (megatron-core's own): none = keep every layer's activations for the
     backward; selective = recompute each layer's core attention and MLP; full = keep only each

@@ -84,11 +84,12 @@ RECOMPUTE = {
 
 def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype: torch.dtype,
               device: torch.device, te: bool, attention: str = "sdpa",
-              recompute: str = "none", routing_replay: bool = False) -> torch.nn.Module:
+              recompute: str = "none", routing_replay: bool = False, ep: int = 1) -> torch.nn.Module:
     """This TP rank's GPTModel holding `shard` (local-spec names, as convert.hf_to_megatron
-    makes them), parameters in `dtype` on `device`; `attention` (local spec only) and `recompute`
-    as in the module docstring; `routing_replay` (a MoE only): every router gets megatron's
-    RouterReplay (replay.py)."""
+    makes them; with `ep` > 1 only this expert-parallel rank's experts, numbered from 0:
+    expert_parallel.py), parameters in `dtype` on `device`; `attention` (local spec only) and
+    `recompute` as in the module docstring; `routing_replay` (a MoE only): every router gets
+    megatron's RouterReplay (replay.py)."""
     if attention not in ATTENTION:
         raise ValueError(f"learner.attention={attention!r}: must be one of {', '.join(ATTENTION)}")
     if recompute not in RECOMPUTE:
@@ -102,6 +103,8 @@ def build_gpt(shard: dict[str, torch.Tensor], hf_config: Any, *, tp: int, dtype:
     flags = dict(_RUNTIME_FLAGS, use_cpu_initialization=device.type == "cpu")
     kwargs.update({k: v for k, v in flags.items() if k in known})  # newer mcore may drop some
     kwargs.update(RECOMPUTE[recompute])
+    if ep > 1:  # the EP groups themselves come from parallel_state (init_learner_dist)
+        kwargs["expert_model_parallel_size"] = ep
     if routing_replay:
         if not convert.is_moe(hf_config):
             raise ValueError("algo.routing_replay='rollout': the model has no experts to replay")

@@ -14,8 +14,10 @@ every rank is there. Launch with torchrun (RANK/WORLD_SIZE/MASTER_* in the envir
 `spawn` (tests, the CPU launcher), which picks a free port and sets the same variables.
 
 Invariants: `init_learner_dist` is idempotent within a process; after it returns, megatron's
-`parallel_state` reports TP size = learner.tp and DP size = learner.dp; `spawn` returns each rank's return value, in rank
-order, and raises if any rank failed.
+`parallel_state` reports TP size = learner.tp, DP size = learner.dp and expert-parallel size =
+learner.ep (groups of ep data-parallel ranks that divide a mixture of experts' experts:
+qurl/learner/expert_parallel.py); `spawn` returns each rank's return value, in rank order, and
+raises if any rank failed.
 """
 from __future__ import annotations
 
@@ -61,12 +63,14 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
                       ranks: RanksDeployConfig = RanksDeployConfig(), host: str = "127.0.0.1",
                       timeout_min: float = 30.0) -> None:
     """Join the default process group (if not yet; collectives time out after `timeout_min`), the
-    gloo control group (waits time out after deploy.ranks.wait_timeout_min) and build megatron's TP and
-    DP groups."""
+    gloo control group (waits time out after deploy.ranks.wait_timeout_min) and build megatron's TP,
+    DP and expert (EP, expert-DP) groups."""
     global _WAIT_GROUP, _WAIT_MIN
     if world_size != learner.tp * learner.dp:
         raise ConfigError(f"learner.tp={learner.tp} x learner.dp={learner.dp}: needs world_size "
                          f"{learner.tp * learner.dp}, got {world_size}")
+    if learner.dp % learner.ep:
+        raise ConfigError(f"learner.ep={learner.ep}: must divide learner.dp={learner.dp}")
     backend = resolve_backend(ranks)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
@@ -89,11 +93,15 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != learner.tp:
-            raise ValueError(f"megatron parallel_state already set up with TP="
-                             f"{ps.get_tensor_model_parallel_world_size()}, asked for {learner.tp}")
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if have != (learner.tp, learner.ep):
+            raise ValueError(f"megatron parallel_state already set up with (TP, EP)={have}, asked "
+                             f"for {(learner.tp, learner.ep)}")
         return
-    kwargs: dict[str, Any] = {"tensor_model_parallel_size": learner.tp}
+    # EP groups: ep consecutive DP replicas (megatron's default order "tp-cp-ep-dp-pp"); each
+    # such group holds every expert once (qurl/learner/expert_parallel.py)
+    kwargs: dict[str, Any] = {"tensor_model_parallel_size": learner.tp,
+                              "expert_model_parallel_size": learner.ep}
     # Extra gloo groups only serve megatron's own distributed optimizer, which the learner does not
     # use (distopt.py shards over the main DP group).
     if "create_gloo_process_groups" in inspect.signature(ps.initialize_model_parallel).parameters:

@@ -20,13 +20,21 @@ end in one flat fp32 buffer of N elements, padded to a multiple of the DP size D
 - `distributed=False`: every DP rank holds the whole buffer; grads are all-reduced (sum) over DP.
   With D = 1 both are the plain single-rank optimizer.
 
+Expert parallelism (learner.ep = P > 1, qurl/learner/expert_parallel.py): an EP rank's routed
+experts are its own (other EP ranks hold other experts), so they go into groups of their own
+(decay / no-decay), replicated over the expert-data-parallel group of D/P ranks instead of DP: their
+gradients are summed, their masters and moments sharded, and their slices gathered over expert-DP.
+At P = 1 the experts stay in the two dense groups and nothing changes.
+
 Gradients are summed, not averaged, over DP: each DP rank's loss is already divided by the whole
 mini-batch's denominator (`qurl.algo.loss.loss_denominator`), so the sum is the mini-batch gradient.
 
 Grad norm = sqrt(Σ g²) over the full (unsharded) model gradient. An element is counted where its
 parameter is split across TP ranks, or is replicated across them (norm gains: same gradient on every
 TP rank without sequence parallelism) and this is TP rank 0. The partial sums are added over the TP
-group, and, when the buffer is DP-sharded, over the DP group too; float64 throughout. Clipping uses
+group, and, when the buffer is DP-sharded, over the DP group too; float64 throughout. With expert
+parallelism the experts' part is kept apart and summed over TP and over the EP group (whole
+experts per EP rank), or over DP when sharded (expert-DP x EP = DP). Clipping uses
 megatron's rule (coefficient max_norm / (norm + 1e-6) when < 1); a non-finite norm skips the update
 on every rank alike.
 
@@ -53,31 +61,42 @@ _NORM_CHUNK = 1 << 18  # fp64 elements (2 MiB) per step of the CPU grad-norm sum
 
 @dataclass(frozen=True)
 class Parallel:
-    """Where this rank sits: TP rank/size/group and DP rank/size/group (groups None when size 1)."""
+    """Where this rank sits: TP rank/size/group, DP rank/size/group and, with expert parallelism,
+    EP size/group and expert-DP rank/size/group (groups None when size 1)."""
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None
     dp_rank: int = 0
     dp_size: int = 1
     dp_group: Any = None
+    ep_size: int = 1
+    ep_group: Any = None
+    edp_rank: int = 0
+    edp_size: int = 1
+    edp_group: Any = None
 
 
 class _Group:
     """One flat buffer: which parameters, where each starts, and this rank's master slice."""
 
     def __init__(self, index: list[int], params: Sequence[torch.nn.Parameter], counted: Sequence[bool],
-                 par: Parallel, distributed: bool, initial: Sequence[torch.Tensor] | None) -> None:
+                 par: Parallel, distributed: bool, initial: Sequence[torch.Tensor] | None,
+                 expert: bool = False) -> None:
         self.index = index  # positions of this group's params in the model's parameter list
         self.params = [params[i] for i in index]
+        # replicas of these params: the DP group, or for an EP rank's own experts the expert-DP one
+        self.expert = expert
+        self.rank, self.size, self.group = ((par.edp_rank, par.edp_size, par.edp_group) if expert
+                                            else (par.dp_rank, par.dp_size, par.dp_group))
         self.offsets, n = [], 0
         for p in self.params:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        d = par.dp_size if distributed else 1
+        d = self.size if distributed else 1
         self.padded = -(-n // d) * d
         shard = self.padded // d
-        self.lo = (par.dp_rank if distributed else 0) * shard
+        self.lo = (self.rank if distributed else 0) * shard
         self.hi = self.lo + shard
         device = self.params[0].device if self.params else torch.device("cpu")
         start = self.params if initial is None else [initial[i] for i in index]
@@ -110,21 +129,33 @@ class DistributedAdamW:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], counted: Sequence[bool], optim: OptimConfig,
                  par: Parallel = Parallel(), *, distributed: bool = False,
-                 initial: Sequence[torch.Tensor] | None = None) -> None:
+                 initial: Sequence[torch.Tensor] | None = None,
+                 expert: Sequence[bool] | None = None) -> None:
         if len(params) != len(counted):
             raise ValueError(f"{len(params)} params but {len(counted)} counted flags")
         if initial is not None and [tuple(t.shape) for t in initial] != [tuple(p.shape) for p in params]:
             raise ValueError("initial: one tensor per parameter, of the parameter's shape")
         self.params, self.par, self.distributed = list(params), par, bool(distributed)
-        decay = [i for i, p in enumerate(self.params) if p.dim() >= 2]
-        no_decay = [i for i, p in enumerate(self.params) if p.dim() < 2]
-        self.groups = [_Group(decay, self.params, counted, par, self.distributed, initial),
-                       _Group(no_decay, self.params, counted, par, self.distributed, initial)]
+        # with expert parallelism an EP rank's experts get groups of their own (module docstring)
+        split = par.ep_size > 1
+        if split and (expert is None or len(expert) != len(self.params)):
+            raise ValueError(f"expert parallelism (ep={par.ep_size}): one expert flag per parameter")
+        own = [bool(split and expert[i]) for i in range(len(self.params))]  # type: ignore[index]
+        self.groups = []
+        decays = []
+        for is_expert in (False, True) if split else (False,):
+            for decay in (True, False):
+                index = [i for i, p in enumerate(self.params)
+                         if own[i] == is_expert and (p.dim() >= 2) == decay]
+                if is_expert and not index:
+                    continue  # e.g. experts without biases: no expert no-decay group
+                self.groups.append(_Group(index, self.params, counted, par, self.distributed,
+                                          initial, expert=is_expert))
+                decays.append(optim.weight_decay if decay else 0.0)
         # fused: one pass over master, grad and both moments per step (torch's CPU and CUDA
         # kernels); the unfused CPU path makes fresh temporaries of the whole buffer (3x slower).
         self.opt = torch.optim.AdamW(
-            [{"params": [self.groups[0].master], "weight_decay": optim.weight_decay},
-             {"params": [self.groups[1].master], "weight_decay": 0.0}],
+            [{"params": [g.master], "weight_decay": wd} for g, wd in zip(self.groups, decays)],
             lr=optim.lr, betas=tuple(optim.adam[:2]), eps=optim.adam[2], fused=True)
         self._scratch: torch.Tensor | None = None  # fp64 chunk for the grad norm on CPU
 
@@ -135,6 +166,9 @@ class DistributedAdamW:
     @property
     def sharded(self) -> bool:
         return self.distributed and self.par.dp_size > 1
+
+    def _sharded(self, g: _Group) -> bool:
+        return self.distributed and g.size > 1
 
     def master_numel(self) -> int:
         """fp32 master elements held by this rank (the Adam moments are the same size each)."""
@@ -167,24 +201,29 @@ class DistributedAdamW:
     def _reduce_grads(self) -> None:
         for g in self.groups:
             flat = g.flatten([p.grad for p in g.params], g.master.device)
-            if self.par.dp_size > 1 and self.distributed:
+            if self._sharded(g):
                 own = torch.empty(g.hi - g.lo, dtype=torch.float32, device=flat.device)
-                reduce_scatter_tensor(own, flat, op=dist.ReduceOp.SUM, group=self.par.dp_group)
+                reduce_scatter_tensor(own, flat, op=dist.ReduceOp.SUM, group=g.group)
                 flat = own
-            elif self.par.dp_size > 1:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.par.dp_group)
+            elif g.size > 1:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g.group)
             g.master.grad = flat
 
     def _global_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float64, device=self.groups[0].master.device)
+        # [dense, experts]: Σ g² of the counted elements this rank holds, float64
+        total = torch.zeros(2, dtype=torch.float64, device=self.groups[0].master.device)
         for g in self.groups:
             grad = g.master.grad if g.counted is None else g.master.grad[g.counted]
-            total += self._sum_squares_f64(grad)
+            total[int(g.expert)] += self._sum_squares_f64(grad)
         if self.par.tp_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.par.tp_group)
-        if self.sharded:
+        if self.sharded:  # dense slices over DP; expert slices over expert-DP x EP = DP as well
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.par.dp_group)
-        return float(total.sqrt())
+        elif self.par.ep_size > 1:  # each EP rank holds other experts, whole
+            expert = total[1:].clone()
+            dist.all_reduce(expert, op=dist.ReduceOp.SUM, group=self.par.ep_group)
+            total[1:] = expert
+        return float((total[0] + total[1]).sqrt())
 
     def _sum_squares_f64(self, x: torch.Tensor) -> torch.Tensor:
         """Σ x² of a flat fp32 tensor, in float64. On CUDA one reduction; on CPU chunk by chunk
@@ -202,11 +241,11 @@ class DistributedAdamW:
         return total
 
     def _full(self, g: _Group) -> torch.Tensor:
-        """The group's whole fp32 buffer (all-gathered over DP when sharded)."""
-        if not self.sharded:
+        """The group's whole fp32 buffer (all-gathered over its DP or expert-DP group when sharded)."""
+        if not self._sharded(g):
             return g.master.detach()
         full = torch.empty(g.padded, dtype=torch.float32, device=g.master.device)
-        all_gather_tensor(full, g.master.detach().contiguous(), group=self.par.dp_group)
+        all_gather_tensor(full, g.master.detach().contiguous(), group=g.group)
         return full
 
     @torch.no_grad()
@@ -230,17 +269,20 @@ class DistributedAdamW:
 
     def state_dict(self) -> dict[str, Any]:
         return {"dp_rank": self.par.dp_rank, "dp_size": self.par.dp_size,
+                "ep_size": self.par.ep_size,
                 "distributed": self.distributed, "numel": [g.numel for g in self.groups],
                 "masters": [g.master.detach().clone() for g in self.groups],
                 "adamw": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore masters and moments saved by the same layout, then publish them into the model."""
-        mine = (self.par.dp_rank, self.par.dp_size, self.distributed, [g.numel for g in self.groups])
-        saved = (state.get("dp_rank"), state.get("dp_size"), state.get("distributed"), state.get("numel"))
+        mine = (self.par.dp_rank, self.par.dp_size, self.par.ep_size, self.distributed,
+                [g.numel for g in self.groups])
+        saved = (state.get("dp_rank"), state.get("dp_size"), state.get("ep_size", 1),
+                 state.get("distributed"), state.get("numel"))
         if saved != mine:
-            raise ValueError(f"optimizer state is for (dp_rank, dp_size, distributed, numel)={saved}, "
-                             f"this learner is {mine}")
+            raise ValueError(f"optimizer state is for (dp_rank, dp_size, ep_size, distributed, "
+                             f"numel)={saved}, this learner is {mine}")
         with torch.no_grad():
             for g, m in zip(self.groups, state["masters"], strict=True):
                 g.master.copy_(m)

@@ -30,11 +30,14 @@ every mini-batch and the gradients are summed over DP.
 
 Mixture-of-experts (Qwen3-MoE): train_step takes the engine's routes [B, L, layers, k]; with
 algo.routing_replay=rollout every forward of the trained model replays them (replay.py),
-and the step's record gets the moe/ route-flip and expert-load entries (moe_step.py).
+and the step's record gets the moe/ route-flip and expert-load entries (moe_step.py). With
+learner.ep > 1 each rank holds E/ep experts of every layer (expert_parallel.py): the EP group's
+ranks agree on their micro-batch widths, the optimizer sums the experts' gradients over
+expert-DP, and `named_weights` gathers them back into every expert.
 
 Invariants: all ranks must call every method with identical inputs (rank 0 broadcasts batches);
 `named_weights()` is a collective that every rank must exhaust; `save`/`load` give bit-identical
-continuation on the same TP and DP sizes.
+continuation on the same TP, DP and EP sizes.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig, Ran
 from qurl.learner import optim as lopt
 from qurl.learner.build import build_gpt, read_hf, use_transformer_engine
 from qurl.learner.distopt import DistributedAdamW, Parallel, all_gather_tensor
+from qurl.learner.expert_parallel import ExpertParallel, expert_flags, plan_widths
 from qurl.learner.logits import first_loss_columns, head_logp, head_weight, hidden_states_out
 from qurl.learner.membudget import agreed_free, free_bytes, rows_per_micro
 from qurl.learner.memory_plan import token_cost_from_fields
@@ -104,6 +108,11 @@ class MegatronLearner(ShardCheckpoint):
                 raise ValueError("MegatronLearner: pass model_dir or both hf_state and hf_config")
             hf_state, hf_config = read_hf(model_dir)
         self.hf_config = hf_config
+        num_experts = moe.num_experts(hf_config) if convert.is_moe(hf_config) else 0
+        self.ep = ExpertParallel.current(num_experts, self.dp_rank, self.device)
+        if self.ep.size != learner.ep:
+            raise ValueError(f"learner.ep={learner.ep} but megatron's expert-parallel group has "
+                             f"{self.ep.size} ranks")
         hf_state = {k: v.float() if v.is_floating_point() else v for k, v in hf_state.items()}
         if convert.is_moe(hf_config):
             hf_state = moe.per_expert(hf_state)  # qurl's expert names (Mixtral's differ on disk)
@@ -119,8 +128,9 @@ class MegatronLearner(ShardCheckpoint):
         self.sdpa = not self.te and ranks.attention == "sdpa"
 
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        shard = self.ep.local_shard(shard, num_experts)  # learner.ep > 1: this rank's experts only
         spec = dict(tp=self.tp_size, dtype=self.dtype, device=self.device, te=self.te,
-                    attention=ranks.attention, recompute=learner.recompute)
+                    attention=ranks.attention, recompute=learner.recompute, ep=self.ep.size)
         if algo.routing_replay != "off" and not convert.is_moe(hf_config):
             raise ValueError(f"algo.routing_replay={algo.routing_replay!r}: the model is dense "
                              f"(no experts to replay); set it to off")
@@ -143,9 +153,11 @@ class MegatronLearner(ShardCheckpoint):
         # Norm counting: TP-split params on every rank, TP-replicated ones (norm gains) on rank 0.
         counted = [convert.partition_dim(n) is not None or self.tp_rank == 0 for n, _ in self.named_params]
         par = Parallel(self.tp_rank, self.tp_size, self.tp_group if self.tp_size > 1 else None,
-                       self.dp_rank, self.dp_size, self.dp_group)
+                       self.dp_rank, self.dp_size, self.dp_group, self.ep.size, self.ep.group,
+                       self.ep.data_rank, self.ep.data_size, self.ep.data_group)
         self.optimizer = DistributedAdamW([p for _, p in self.named_params], counted, optim, par,
-                                          distributed=ranks.distributed_optimizer, initial=initial)
+                                          distributed=ranks.distributed_optimizer, initial=initial,
+                                          expert=expert_flags([n for n, _ in self.named_params]))
         del initial
         self.step = 0
         padded = convert.padded_vocab_size(int(hf_config.vocab_size), self.tp_size)
@@ -198,20 +210,25 @@ class MegatronLearner(ShardCheckpoint):
         """Rows of width L per micro-batch: the fixed logits budget on CPU, GPU memory free now."""
         return rows_per_micro(L, self._token_cost, free, LOGITS_BUDGET)
 
-    def _micro_batches(self, rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor | None = None
-                       ) -> Iterator[tuple[torch.Tensor, int, int]]:
+    def _micro_batches(self, rows: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor | None = None,
+                       peer_ends: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, int, int]]:
         """Split row indices `rows` into micro-batches (idx, width, start): rows sorted by their end
         (longest first), each micro-batch as many rows as the logits budget allows at its width =
         its longest row's end. Columns at or past a row's end are never computed (right padding
         of a short response next to a long one costs nothing); start = the earliest of its rows'
-        `starts` (first loss columns; 1 when not given): the head skips the columns before it."""
+        `starts` (first loss columns; 1 when not given): the head skips the columns before it.
+        peer_ends [P, len(rows)]: with expert parallelism, the ends of every EP group member's rows
+        (this rank's among them): each micro-batch is then as wide as the widest of the group's at
+        its place (expert_parallel.py `plan_widths`: the token dispatcher's collectives need equal
+        shapes on every member)."""
         order = torch.sort(ends[rows], descending=True, stable=True).indices
         rows = rows[order]
+        lead = ends[rows] if peer_ends is None else plan_widths(peer_ends)  # width from each place
         # measured once per split, the minimum over every rank: one plan, the same pass count
         free = agreed_free(free_bytes(self.device), self.device)
         i = 0
         while i < len(rows):
-            width = int(ends[rows[i]])
+            width = int(lead[i])
             n = self._rows_per_micro(width, free)
             idx = rows[i:i + n]
             start = 1 if starts is None else max(1, int(starts[idx].min()))
@@ -222,10 +239,12 @@ class MegatronLearner(ShardCheckpoint):
     def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
                   ends: torch.Tensor | None = None, starts: torch.Tensor | None = None,
                   entropy: bool = False, routes: torch.Tensor | None = None,
-                  watch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  watch: torch.Tensor | None = None, peer_ends: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, L] log-probs, [B, L] entropies or None unless `entropy`); ends: [B], columns from ends[i] on are left 0
         (default: none); starts: [B], columns before a micro-batch's earliest start may be left 0
-        (default: 1); routes [B, L, layers, k], watch [B, L]: as `_forward_logp`'s."""
+        (default: 1); routes [B, L, layers, k], watch [B, L]: as `_forward_logp`'s; peer_ends
+        [P, B]: as `_micro_batches`'."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, L], got shape {tuple(tokens.shape)}")
         if not temperature > 0:
@@ -238,7 +257,8 @@ class MegatronLearner(ShardCheckpoint):
             return out, ent
         if ends is None:
             ends = torch.full((B,), L, dtype=torch.long, device=self.device)
-        for idx, width, start in self._micro_batches(torch.arange(B, device=self.device), ends, starts):
+        for idx, width, start in self._micro_batches(torch.arange(B, device=self.device), ends, starts,
+                                                     peer_ends):
             out[idx, :width], e = self._forward_logp(
                 model, tokens[idx, :width], temperature, start, entropy,
                 None if routes is None else routes[idx, :width],
@@ -354,8 +374,9 @@ class MegatronLearner(ShardCheckpoint):
                 own = i * mb + self.dp_rank * share
                 logp_own = torch.zeros(share, L, dtype=torch.float32, device=dev)
                 ent_own = torch.zeros_like(logp_own)
-                for idx, width, start in self._micro_batches(torch.arange(own, own + share, device=dev),
-                                                             ends, starts):
+                for idx, width, start in self._micro_batches(
+                        torch.arange(own, own + share, device=dev), ends, starts,
+                        self.ep.peer_ends(ends, i * mb, share)):
                     def take(t: torch.Tensor | None) -> torch.Tensor | None:
                         return None if t is None else (t[idx, :width] if t.dim() == 2 else t[idx])
 
@@ -412,23 +433,30 @@ class MegatronLearner(ShardCheckpoint):
         mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
         cut = lambda t: None if t is None else t[mine]  # noqa: E731
         lp, ent = self._logprobs(model, tokens[mine], temperature, ends[mine], starts[mine], entropy,
-                                 cut(routes), cut(watch))
+                                 cut(routes), cut(watch), self.ep.peer_ends(ends, 0, n))
         return self._dp_gather(lp), None if ent is None else self._dp_gather(ent)
 
     # ------------------------------------------------------------------ weights out
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for every weight, fp32 masters, on this learner's device;
-        rank 0 yields, the other ranks yield nothing. A collective (TP, and DP when the optimizer
-        is sharded): every rank must exhaust it. Tied models yield no lm_head.weight. Tensors are
+        rank 0 yields, the other ranks yield nothing. A collective (TP, DP when the optimizer is
+        sharded, EP with learner.ep > 1: every expert of every EP rank, in ep = 1's order and
+        names): every rank must exhaust it. Tied models yield no lm_head.weight. Tensors are
         fresh copies."""
         masters = self.optimizer.full_masters()
-        for (name, _), t in zip(self.named_params, masters):
-            if convert.partition_dim(name) is not None and self.tp_size > 1:
-                shards = [torch.empty_like(t) for _ in range(self.tp_size)]
-                dist.all_gather(shards, t.contiguous(), group=self.tp_group)
-            else:
-                shards = [t]
+
+        def tp_gathered() -> Iterator[tuple[str, list[torch.Tensor]]]:
+            for (name, _), t in zip(self.named_params, masters):
+                if convert.partition_dim(name) is not None and self.tp_size > 1:
+                    shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                    dist.all_gather(shards, t.contiguous(), group=self.tp_group)
+                else:
+                    shards = [t]
+                yield name, shards
+
+        # learner.ep > 1: every EP rank's experts, under their global names, in ep = 1's order
+        for name, shards in self.ep.gather_experts(tp_gathered()):
             if self.tp_rank == 0 and self.dp_rank == 0:
                 yield from convert.megatron_param_to_hf(name, shards, self.hf_config)
 

@@ -6,10 +6,11 @@ learner rank with the checked cost model (membudget.py) before anything starts:
 
 - weights (model dtype), gradients (plus a tied head's second gradient), fp32 master weights and
   AdamW moments (DP-sharded with deploy.ranks.distributed_optimizer) and the step's flat fp32 gradient;
-  for a mixture of experts (Qwen3-MoE) every layer's router (E x H, replicated over TP) and its E
-  experts (3·I·H each: gate, up, down; I/tp rows on each TP rank) count whole, because every learner
-  rank holds every expert: expert parallelism is not built, and `_params` takes the divisor (`ep`)
-  it would apply;
+  for a mixture of experts (Qwen3-MoE) every layer's router (E x H, replicated over TP) and
+  E/ep of its experts (3·I·H each: gate, up, down; I/tp rows on each TP rank): expert parallelism
+  (learner.ep, qurl/learner/expert_parallel.py) gives each rank E/ep experts, whose fp32 masters
+  and moments are sharded over the dp/ep ranks holding the same experts (expert-DP) where the
+  dense parameters' are sharded over dp;
 - the frozen reference model when algo.kl_coef > 0;
 - on learner rank 0, the weight sync's device staging: its copies of the 8-bit model (two
   alternating arenas, the SGLang adapter's kept copy: ~3 bytes per parameter of the whole model)
@@ -22,13 +23,13 @@ learner rank with the checked cost model (membudget.py) before anything starts:
   of width k·I (`token_cost_from_fields`), whatever E is; the dispatcher's permuted copies of the
   token (k·H in and out of the experts) and the router's E scores are not priced (not measured).
 
-What it reads of the config: `[model]` (dtype; base, for the shape), `[learner]` (tp, dp,
+What it reads of the config: `[model]` (dtype; base, for the shape), `[learner]` (tp, dp, ep,
 recompute), `[rollout]` (max_new_tokens, engine), `[deploy]` (ranks.attention,
 ranks.distributed_optimizer, sync.bucket_mb) and algo.kl_coef, passed as those sections and that
 value. `plan_ranks` returns the per-rank figures; `render` prints them with the rows per
 micro-batch the rest of the memory allows; `refusal` says in one line why a plan cannot fit at one row per
-micro-batch and which field to change (learner.tp, learner.recompute, the length), and for a MoE
-what its experts take. The model's shape comes from the checkpoint's config.json, or for the
+micro-batch and which field to change (learner.tp, learner.ep, learner.recompute, the length),
+and for a MoE what its experts take. The model's shape comes from the checkpoint's config.json, or for the
 presets' hub ids, which are not on disk before a run, from their published config fields
 (`KNOWN_SHAPES`).
 
@@ -85,9 +86,10 @@ class RankPlan:
     rows: int  # rows per micro-batch the remaining memory allows (>= 1 even when it does not fit)
     fits: bool
     params: int = 0  # parameters on this rank
-    experts: int = 0  # a MoE's routed experts per layer on this rank (0: dense)
+    experts: int = 0  # a MoE's routed experts per layer on this rank (0: dense): E / ep
     expert_params: int = 0  # the parameters of those experts, every layer's
     expert_bytes: float = 0.0  # their weights, gradients and optimizer state (part of fixed)
+    ep: int = 1  # learner.ep: the model has experts * ep routed experts per layer
 
     @property
     def fixed(self) -> float:
@@ -111,7 +113,7 @@ def _mlp(f: dict[str, Any]) -> tuple[int, int, int]:
 
 def _params(f: dict[str, Any], tp: int, vocab_pad: int, ep: int = 1) -> tuple[int, int, int]:
     """(parameters on one TP rank, of the whole model, tied-head elements on one rank); a MoE's
-    experts divided over `ep` expert-parallel ranks (1: not built, every rank holds all E)."""
+    experts divided over `ep` expert-parallel ranks (learner.ep; 1: every rank holds all E)."""
     from qurl.models.convert import dims, qk_norm, qkv_bias
 
     cfg = SimpleNamespace(**f)
@@ -173,21 +175,23 @@ def plan_ranks(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfi
     kl_coef: algo.kl_coef (> 0: a frozen reference copy)."""
     from qurl.models.convert import padded_vocab_size
 
-    tp, dp = learner.tp, learner.dp
+    tp, dp, ep = learner.tp, learner.dp, learner.ep
     elem = 2 if model.dtype == "bfloat16" else 4
     cost = token_cost_from_fields(fields, tp=tp, elem=elem,
                                   attention=attention_kind(deploy.ranks, te),
                                   recompute=learner.recompute)
     vocab_pad = padded_vocab_size(int(fields["vocab_size"]), tp)
-    per_rank, _, tied = _params(fields, tp, vocab_pad)
+    per_rank, _, tied = _params(fields, tp, vocab_pad, ep)
     expert, _, E = _mlp(fields)
-    experts = int(fields["num_hidden_layers"]) * E * expert // tp  # no expert parallelism: all E
+    experts = int(fields["num_hidden_layers"]) * (E // ep) * expert // tp  # this rank's E/ep
     distributed = deploy.ranks.distributed_optimizer
-    expert_bytes = fixed_bytes(experts, elem, dp, distributed) + (experts * elem if kl_coef > 0 else 0)
+    # the experts' optimizer state is sharded over expert-DP (dp/ep ranks), the rest over dp
+    expert_bytes = fixed_bytes(experts, elem, dp // ep, distributed) + (experts * elem if kl_coef > 0 else 0)
     L = prompt_tokens + rollout.max_new_tokens
     ref = per_rank * elem if kl_coef > 0 else 0
     weights = per_rank * elem + grad_bytes(per_rank, elem, tied) + ref
-    optimizer = fixed_bytes(per_rank, elem, dp, distributed) - 2 * per_rank * elem
+    optimizer = (fixed_bytes(per_rank - experts, elem, dp, distributed)
+                 + fixed_bytes(experts, elem, dp // ep, distributed) - 2 * per_rank * elem)
     # the largest wire tensor: embedding / head rows in bf16 (SGLang) or fp32 (the local engine)
     wire_elem = EngineKind.of(rollout).wire_element_bytes
     largest = int(fields["vocab_size"]) * int(fields["hidden_size"]) * wire_elem
@@ -199,7 +203,8 @@ def plan_ranks(model: ModelConfig, learner: LearnerConfig, rollout: RolloutConfi
         fits = cost.micro_bytes(1, L) <= GPU_FRACTION * left
         rows = rows_per_micro(L, cost, max(left, 0), 0)
         out.append(RankPlan(rank, weights, optimizer, sync, cost.micro_bytes(1, L), L, rows, fits,
-                            per_rank, E, experts, expert_bytes))
+                            params=per_rank, experts=E // ep if E else 0, expert_params=experts,
+                            expert_bytes=expert_bytes, ep=ep))
     return out
 
 
@@ -247,10 +252,12 @@ def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
                      f"{p.row / GB:6.1f} GB  = {(p.fixed + p.row) / GB:6.1f} GB: {verdict}")
     p = plans[0]
     if p.experts:
+        share = (f"its share of all {p.experts} experts of every layer" if p.ep == 1 else
+                 f"its share of {p.experts} of the {p.experts * p.ep} experts of every layer "
+                 f"(learner.ep={p.ep})")
         lines.append(f"#   every rank holds {_count(p.params)} parameters, {_count(p.expert_params)} "
-                     f"of them its share of all {p.experts} experts of every layer "
-                     f"({p.expert_bytes / GB:.1f} GB with their gradients and optimizer state): "
-                     f"expert parallelism, which would divide them over the ranks, is not built")
+                     f"of them {share} ({p.expert_bytes / GB:.1f} GB with their gradients and "
+                     f"optimizer state)")
     if gpu:
         lines.append(f"#   micro-batches: {min(p.rows for p in plans)} rows each (the minimum over "
                      f"the ranks: every rank runs the same plan)")
@@ -260,8 +267,9 @@ def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
 def refusal(learner: LearnerConfig, rollout: RolloutConfig, ranks: RanksDeployConfig,
             fields: dict[str, Any], plans: list[RankPlan], gpu_bytes: float) -> str | None:
     """One line when some rank cannot hold one row, naming the fields that would change it; for a
-    mixture of experts also what its experts take on the rank, and that expert parallelism (the
-    only way to hold fewer of them: learner.tp is not open to a MoE) is not built."""
+    mixture of experts also what its experts take on the rank and the learner.ep that would divide
+    them further (the only way to hold fewer of them: learner.tp is not open to a MoE), or, when
+    learner.dp leaves no larger one, that expert parallelism needs more data-parallel ranks."""
     bad = [p for p in plans if not p.fits]
     if not bad:
         return None
@@ -285,9 +293,14 @@ def refusal(learner: LearnerConfig, rollout: RolloutConfig, ranks: RanksDeployCo
                f"{(gpu_bytes - RESERVE) / GB:.1f} GB after the reserve"))
     if not p.experts:
         return f"{line}: set {' or '.join(fixes)}"
-    ep = (f"its share of all {p.experts} experts of every layer takes {p.expert_bytes / GB:.1f} GB "
-          f"with their gradients and optimizer state, and expert parallelism, which would divide "
-          f"them over the learner ranks, is not built")
+    E = p.experts * p.ep
+    wider = [e for e in range(p.ep + 1, learner.dp + 1) if learner.dp % e == 0 and E % e == 0]
+    held = (f"{'all' if p.ep == 1 else f'its {p.experts} of the'} {E} experts of every layer take "
+            f"{p.expert_bytes / GB:.1f} GB with their gradients and optimizer state")
+    ep = (f"{held}: set learner.ep={wider[0]} (now {p.ep}; expert parallelism divides them over "
+          f"the data-parallel ranks)" if wider else
+          f"{held}, and expert parallelism (learner.ep, which must divide learner.dp="
+          f"{learner.dp}) has no more data-parallel ranks to divide them over: raise learner.dp")
     if room <= 0:  # no length or recompute makes room: only fewer experts per rank would
         return f"{line}: {ep}"
     return f"{line}: set {' or '.join(fixes)}; or {ep}"

@@ -10,6 +10,9 @@ one line naming the sizes, exit 2.
   other than theirs, sliding windows, scaled RoPE, a missing weight shard or tokenizer) is
   refused here rather than inside the learner ranks. A MoE run also needs the learner at
   TP 1, the local engine and a precision its experts take (`check_moe_run`).
+- **Expert parallelism** (`learner.ep`): it divides a mixture of experts' E experts over ep
+  data-parallel ranks, so ep must divide E, and a dense model takes only ep = 1
+  (`check_learner_ep`; that ep divides learner.dp is a config rule, qurl/config/rules.py).
 - **Tensor parallelism** (`learner.tp`): Megatron splits attention heads, KV heads (GQA query
   groups) and the SwiGLU width across ranks, so tp must divide all three. SmolLM2-135M has 9
   heads over 3 KV heads: tp 1 and 3 fit, tp 2 does not.
@@ -94,6 +97,23 @@ def check_architecture(fields: dict[str, Any], base: str) -> None:
                          f"attention)") from None
 
 
+def check_learner_ep(fields: dict[str, Any], ep: int, base: str) -> None:
+    """InputError (one line) unless learner.ep = `ep` fits the model: 1 for a dense model, a
+    divisor of the expert count for a mixture of experts."""
+    if ep == 1:
+        return
+    from qurl.models.convert import is_moe
+    from qurl.models.moe import num_experts
+
+    cfg = SimpleNamespace(**fields)
+    if not is_moe(cfg):
+        raise InputError(f"learner.ep={ep}: model.base={base} is a dense model (expert parallelism "
+                         f"divides a mixture of experts' experts over the ranks); set learner.ep=1")
+    E = num_experts(cfg)
+    if E % ep:
+        raise InputError(f"learner.ep={ep}: must divide the {E} experts of model.base={base}")
+
+
 def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str) -> None:
     """What a MoE (Qwen3-MoE, Mixtral) run needs beyond the checkpoint (InputError, one line
     naming every part that is missing, joined by '; '): the learner at TP 1 (megatron-core 0.16's MoE layer trains at
@@ -119,7 +139,7 @@ def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str) ->
 
 
 def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglang_tp: int,
-               routing_replay: str = "off") -> None:
+               routing_replay: str = "off", learner_ep: int = 1) -> None:
     """Every check above for checkpoint `base` (a path or a local preset), and that it is a
     complete checkpoint of a supported architecture (and, with algo.routing_replay on, a
     mixture-of-experts one); InputError, one line."""
@@ -133,6 +153,7 @@ def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglan
     if routing_replay != "off" and not moe:
         raise InputError(f"algo.routing_replay={routing_replay}: model.base={base} is a dense model "
                          f"(no experts to replay); set algo.routing_replay=off")
+    check_learner_ep(fields, learner_ep, base)
     if moe:
         check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision)
     check_learner_tp(fields, learner_tp, base)

@@ -110,6 +110,7 @@ MODEL_TYPES = tuple(f.model_type for f in FAMILIES)
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
 _DISK = re.compile(r"^(model\.layers\.\d+\.)([a-z_]+)\.(gate\.weight|experts\.(\d+)\.([a-z0-9_]+)\.(.+))$")
 _EXPERT_TAIL = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT_NAME = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 _SHARED_FIELDS = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
                   "n_shared_experts", "num_shared_experts")
 
@@ -318,3 +319,33 @@ def param_to_hf(tail: str, hf_prefix: str, shards: Sequence[torch.Tensor]
     halves = [s.chunk(2, dim=0) for s in shards]  # each shard: [its gate rows; its up rows]
     return [(p + "gate_proj.weight", torch.cat([g for g, _ in halves])),
             (p + "up_proj.weight", torch.cat([u for _, u in halves]))]
+
+
+# ------------------------------------------------------------------ expert parallelism
+
+
+def expert_index(name: str) -> tuple[str, int, str] | None:
+    """(layer prefix `decoder.layers.N.mlp.experts.local_experts.`, expert index, the rest
+    `.linear_fc1.weight`) of a Megatron expert parameter name, or None for any other name."""
+    m = _EXPERT_NAME.match(name)
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
+
+
+def ep_shard(shard: Mapping[str, torch.Tensor], ep_rank: int, ep_size: int,
+             num_experts: int) -> dict[str, torch.Tensor]:
+    """Expert-parallel rank `ep_rank`'s part of a Megatron shard holding all `num_experts` experts
+    (convert.hf_to_megatron's): the experts [ep_rank·E/ep, (ep_rank+1)·E/ep), renumbered from 0 as
+    megatron-core's `SequentialMLP` names its local experts (`MoELayer.local_expert_indices`:
+    global index = ep_rank·E/ep + local index); every other tensor as given."""
+    if ep_size < 1 or num_experts % ep_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"expert-parallel rank {ep_rank} of {ep_size}: must divide the "
+                         f"{num_experts} experts")
+    per = num_experts // ep_size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in shard.items():
+        parts = expert_index(name)
+        if parts is None:
+            out[name] = t
+        elif ep_rank * per <= parts[1] < (ep_rank + 1) * per:
+            out[f"{parts[0]}{parts[1] - ep_rank * per}{parts[2]}"] = t
+    return out
