@@ -1,7 +1,8 @@
 """The Megatron learner on CPU (gloo, real megatron-core): logits and log-probs vs transformers at
 TP=1 and TP=2, one train step at TP=2 vs TP=1 vs a plain transformers + AdamW reference, UAQ keeps
 the function, exact resume, bf16 masters, KL reference, data parallelism with and without the
-sharded (ZeRO-1) optimizer vs one rank, and the pure optimizer pieces.
+sharded (ZeRO-1) optimizer vs one rank (and its expert groups at DP 4 x EP 2: expert-DP 2), and
+the pure optimizer pieces.
 
 The multi-process checks run in one spawned job per TP size (`_worker`), which returns numbers the
 tests below assert on; models are tiny (hidden 64, 2 layers, vocab 100).
@@ -417,12 +418,53 @@ def _dp_worker(rank: int, ws: int, tp: int, dp: int, distributed: bool, dtype: s
     return out
 
 
+def _optim_worker(rank: int, ws: int) -> dict:
+    """DP 4 with EP 2 (expert-DP 2), the optimizer alone on megatron's groups: two dense tensors
+    (the same on every rank) and this EP rank's expert, each rank with gradients of its own; one
+    clipped AdamW step with the masters sharded (dense over DP 4, the expert over expert-DP 2),
+    and one with them replicated."""
+    from megatron.core import parallel_state as ps
+
+    from qurl.learner.dist import init_learner_dist
+    from qurl.learner.distopt import DistributedAdamW, Parallel
+
+    init_learner_dist(LearnerConfig(dp=4, ep=2), rank, ws)
+    ep_rank = ps.get_expert_model_parallel_rank()
+    par = Parallel(0, 1, None, ps.get_data_parallel_rank(), 4, ps.get_data_parallel_group(), 2,
+                   ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_rank(), 2,
+                   ps.get_expert_data_parallel_group())
+    out = {"ep_rank": ep_rank}
+    for distributed in (True, False):
+        dense, experts = _optim_tensors()
+        params = [torch.nn.Parameter(t.clone()) for t in (*dense, experts[ep_rank])]
+        for p, g in zip(params, _optim_grads(rank)):
+            p.grad = g
+        opt = DistributedAdamW(params, [True] * 3, OPTIM, par, distributed=distributed,
+                               expert=[False, False, True])
+        norm = opt.step(max_norm=0.5)
+        out[distributed] = {"norm": norm, "masters": opt.full_masters(),
+                            "numel": opt.master_numel()}
+    return out
+
+
+def _optim_tensors() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return ([torch.randn(6, 3, generator=g), torch.randn(5, generator=g)],
+            [torch.randn(4, 3, generator=g) for _ in range(2)])  # experts 0, 1
+
+
+def _optim_grads(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(6, 3, generator=g), torch.randn(5, generator=g), torch.randn(4, 3, generator=g)]
+
+
 @pytest.fixture(scope="module")
 def dp_runs(tmp_path_factory) -> dict[tuple, list[dict]]:
     layouts = [(1, 1, False, "float32"), (1, 2, False, "float32"), (1, 2, True, "float32"),
                (2, 2, True, "float32"), (1, 2, True, "bfloat16")]
-    return spawn_in_turn([(lay, lay[0] * lay[1], _dp_worker, lay) for lay in layouts],
-                          tmp_path_factory.mktemp("dp-meet"))
+    jobs = [(lay, lay[0] * lay[1], _dp_worker, lay) for lay in layouts]
+    return spawn_in_turn(jobs + [("ep-optim", 4, _optim_worker, ())],
+                         tmp_path_factory.mktemp("dp-meet"))
 
 
 @pytest.mark.slow
@@ -460,9 +502,42 @@ def test_distributed_optimizer_shards_masters_and_resumes_exactly(dp_runs) -> No
     tp2 = [r["master_numel"] for r in dp_runs[(2, 2, True, "float32")]]
     assert max(tp2) < full // 3  # TP halves the shard, DP halves it again (replicated norms stay)
     for layout, outs in dp_runs.items():  # bf16 model + sharded fp32 masters included
+        if layout == "ep-optim":
+            continue  # the optimizer alone (test_expert_gradients_are_summed_...)
         assert all(r["resume_stats_equal"] and r["resume_weights_equal"] for r in outs), layout
     assert dp_runs[(1, 2, True, "float32")][0]["files"] == ["model_rank0.pt", "optim_rank0_dp0.pt",
                                                    "optim_rank0_dp1.pt"]
+
+
+@pytest.mark.slow
+def test_expert_gradients_are_summed_and_sharded_over_expert_data_parallel(dp_runs) -> None:
+    """DP 4 x EP 2 against one rank holding everything: dense gradients summed over the 4 ranks,
+    expert e's over the 2 ranks holding it; the norm over all of it (rel 1e-6) and the updated
+    masters (within 1e-6): fp32 gradient sums in another order; the expert masters halved."""
+    from qurl.learner.distopt import DistributedAdamW
+
+    got = dp_runs["ep-optim"]
+    dense, experts = _optim_tensors()
+    params = [torch.nn.Parameter(t.clone()) for t in (*dense, *experts)]
+    grads = [_optim_grads(r) for r in range(4)]
+    for i in range(2):
+        params[i].grad = sum(g[i] for g in grads)
+    for e in range(2):
+        params[2 + e].grad = sum(g[2] for g, out in zip(grads, got) if out["ep_rank"] == e)
+    assert sorted(out["ep_rank"] for out in got) == [0, 0, 1, 1]
+    ref = DistributedAdamW(params, [True] * 4, OPTIM)
+    norm = ref.step(max_norm=0.5)
+    want = ref.full_masters()
+    assert norm > 0.5  # the clip binds
+    for out in got:
+        for distributed in (True, False):
+            res = out[distributed]
+            assert res["norm"] == pytest.approx(norm, rel=1e-6), distributed
+            for m, w in zip(res["masters"], want[:2] + [want[2 + out["ep_rank"]]]):
+                torch.testing.assert_close(m, w, rtol=0, atol=1e-6)
+        # sharded, each group padded to a multiple of its ranks: dense 18 -> 20 and 5 -> 8 over
+        # DP 4, the expert's 12 over expert-DP 2; replicated, all 18 + 5 + 12
+        assert out[True]["numel"] == 20 // 4 + 8 // 4 + 12 // 2 and out[False]["numel"] == 35
 
 
 # ---------------------------------------------------------------- pure pieces (no processes)
