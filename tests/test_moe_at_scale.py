@@ -1,7 +1,7 @@
 """A mixture of experts at scale: Qwen3-30B-A3B's known shape, the MoE-aware memory plan
 (qurl/learner/memory_plan.py) and the qwen3-30b-a3b preset, which `qurl launch --dry-run` refuses
-in one line today (qurl/models/fits.py check_moe_run, and the plan: expert parallelism is not
-built).
+in one line today (qurl/models/fits.py check_moe_run, and the plan: a rank cannot hold all 128
+experts, and learner.ep would divide them).
 
 References: the model card's published counts (30.5B parameters, 3.3B activated, 29.9B without
 the embeddings) and a tiny Qwen3-MoE built by transformers, whose parameter count the plan must
@@ -47,7 +47,7 @@ def test_the_planned_count_of_a_built_tiny_moe_is_exact(tmp_path) -> None:
     E, k = fields["num_experts"], fields["num_experts_per_tok"]
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     assert active == built - experts * (E - k) // E
-    # the experts divide over expert-parallel ranks (the divisor expert parallelism would use)
+    # the experts divide over expert-parallel ranks (learner.ep)
     assert _params(fields, 1, fields["vocab_size"], ep=4)[0] == built - experts * 3 // 4
 
 
@@ -63,7 +63,7 @@ def test_the_a3b_preset_is_refused_in_one_line_before_anything_starts(capsys, mo
         out, err = capsys.readouterr()
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"qurl launch: error: {moe.value}; and ")
-        for missing in ("learner.tp=4", "inside SGLang", "expert parallelism", "is not built"):
+        for missing in ("learner.tp=4", "inside SGLang", "expert parallelism", "learner.ep=2 (now 1"):
             assert missing in lines[0], missing
         # the memory plan, per rank, with the experts every rank holds
         assert "#   ranks 1-7" in out and "all 128 experts of every layer" in out
@@ -72,12 +72,25 @@ def test_the_a3b_preset_is_refused_in_one_line_before_anything_starts(capsys, mo
 
 def test_a_moe_run_check_moe_run_accepts_is_refused_by_the_memory_plan(capsys) -> None:
     """At TP 1 on the local engine check_moe_run has nothing to say; 30.5B parameters per rank
-    cannot fit, and the plan's one line names the experts and expert parallelism, not learner.tp
-    (which a MoE cannot use)."""
+    cannot fit, and the plan's one line names the experts and learner.ep, not learner.tp (which a
+    MoE cannot use); at learner.ep = learner.dp = 8 every rank holds 16 of the 128 experts (5.16B
+    parameters in all), which the plan prints and the refusal names."""
     rc = main_launch(["--preset", "qwen3-30b-a3b", "--set", "learner.tp=1",
                       "--set", "rollout.engine=local", "--dry-run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("qurl launch: error: learner rank 0 needs")
     assert "128 experts" in err[0] and "expert parallelism" in err[0]
-    assert "learner.tp=" not in err[0]
+    assert "set learner.ep=2 (now 1" in err[0] and "learner.tp=" not in err[0]
+    rc = main_launch(["--preset", "qwen3-30b-a3b", "--set", "learner.tp=1", "--set", "learner.dp=8",
+                      "--set", "learner.ep=8", "--set", "rollout.engine=local", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "its 16 of the 128 experts of every layer" in err
+    assert "raise learner.dp" in err  # ep = dp: no larger learner.ep to suggest
+    from qurl.learner.memory_plan import plan_text
+
+    cfg = load_config("qwen3-30b-a3b", sets=["learner.tp=1", "learner.dp=8", "learner.ep=8"])
+    text, _ = plan_text(cfg.model, cfg.learner, cfg.rollout, cfg.deploy, 80e9, "GPU",
+                        kl_coef=cfg.algo.kl_coef)
+    assert ("every rank holds 5.16B parameters, 3.62B of them its 16 of the 128 experts of every "
+            "layer (learner.ep=8; ") in text

@@ -252,11 +252,11 @@ def render(plans: list[RankPlan], memory: str, gpu: bool = True) -> str:
                      f"{p.row / GB:6.1f} GB  = {(p.fixed + p.row) / GB:6.1f} GB: {verdict}")
     p = plans[0]
     if p.experts:
-        share = (f"its share of all {p.experts} experts of every layer" if p.ep == 1 else
-                 f"its share of {p.experts} of the {p.experts * p.ep} experts of every layer "
-                 f"(learner.ep={p.ep})")
+        share = (f"its share of all {p.experts} experts of every layer (" if p.ep == 1 else
+                 f"its {p.experts} of the {p.experts * p.ep} experts of every layer "
+                 f"(learner.ep={p.ep}; ")
         lines.append(f"#   every rank holds {_count(p.params)} parameters, {_count(p.expert_params)} "
-                     f"of them {share} ({p.expert_bytes / GB:.1f} GB with their gradients and "
+                     f"of them {share}{p.expert_bytes / GB:.1f} GB with their gradients and "
                      f"optimizer state)")
     if gpu:
         lines.append(f"#   micro-batches: {min(p.rows for p in plans)} rows each (the minimum over "
