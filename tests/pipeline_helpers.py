@@ -23,6 +23,11 @@ def tiny_sets(run_dir: Path, name: str, steps: int, **extra) -> dict:
         "data.digits": 1, "data.operands": 2, "data.train_size": 16,
         "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
         "eval.max_new_tokens": 16, "data.eval_size": 8, "optim.lr": 1e-3,
+        # an fp32 learner: on CPUs without native bf16 matmul (this project's machines) torch
+        # emulates a bf16 one ~20x slower than fp32, and what these tests check (streams, syncs,
+        # resumes, kills) does not depend on it; the bf16 learner has its own tests
+        # (test_learner.py, test_export.py, test_bf16_emulated.py)
+        "model.dtype": "float32",
     }
     sets.update(extra)
     return sets

@@ -45,8 +45,8 @@ class ModelConfig:
     base: str = "tiny"
     """The policy RL starts from: `tiny` (3.4M), `small` (104M) or `tiny-qwen3` (3.7M), models
     built and warm-started here, or the path of a Hugging Face checkpoint directory (dense Qwen2,
-    Qwen3 or Llama). `tiny-qwen3-moe` (6.85M, 8 experts, top-2) is built here too, but a run on a
-    mixture of experts is refused until issue 67 wires its engines and sync."""
+    Qwen3 or Llama). `tiny-qwen3-moe` (6.85M, 8 experts, top-2) is built here too, and a Qwen3-MoE
+    or Mixtral checkpoint trains as well (docs/moe.md)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Learner compute: bfloat16 (fp32 master weights and AdamW moments) or float32. On a CPU with
     AVX512-BF16 a bf16 matmul is 2.6x an fp32 one: the tiny learner's step is 1.75x faster."""

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from megatron_patches.import_warnings import quiet_import_warnings
+from megatron_patches.imports import import_megatron_core
 from qurl.config import ConfigError, LearnerConfig, RanksDeployConfig
 from qurl.errors import InputError
 
@@ -89,7 +89,7 @@ def init_learner_dist(learner: LearnerConfig, rank: int, world_size: int, *,
         _WAIT_MIN = ranks.wait_timeout_min
         _WAIT_GROUP = dist.new_group(backend="gloo",
                                      timeout=datetime.timedelta(minutes=_WAIT_MIN))
-    quiet_import_warnings()  # before any megatron import in this process
+    import_megatron_core()  # before any megatron import in this process (quiet and fast)
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():

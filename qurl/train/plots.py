@@ -9,7 +9,9 @@ truncated or masked by the correction); flip fraction
 of the 8-bit codes per sync (UAQ-scaled vs other layers); for a mixture-of-experts model, the
 share of (token, layer) routes where the learner's own top-k differs from the engine's, of tokens
 with such a flip in any layer, and of the worst layer (qurl/algo/routes.py). A panel whose metric the run did not
-record is drawn empty with a note, not skipped.
+record is drawn empty with a note, not skipped; the routes panel's note names the usual reason (a
+dense model has no routes; a mixture of experts records them on every train record its engine
+returned routes for).
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def plot_runs(runs: dict[str, list[dict]], out: Path, *, x: str = "step") -> Pat
         if drawn:
             ax.legend(fontsize=7)
         else:
-            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+            note = "no routes recorded (a dense model?)" if keys[0].startswith("moe/") else "not recorded"
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
