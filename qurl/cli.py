@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["launch"]:  # its own parser: options pass through untouched
         from qurl.commands.launch import main_launch
 
-        return main_launch(argv[1:])
+        try:
+            return main_launch(argv[1:])
+        except (InputError, FileNotFoundError) as e:
+            return _one_line(e)
     parser = argparse.ArgumentParser(prog="qurl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -221,15 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except (InputError, FileNotFoundError) as e:
-        rank = int(os.environ.get("RANK", "0"))
-        if rank and "TORCHELASTIC_RUN_ID" in os.environ:
-            # Under torchrun every rank reads the same config and data and fails alike: rank 0
-            # says so and torchrun then stops the others. A rank whose error is its own outlives
-            # that wait and says it, naming the rank.
-            time.sleep(_TORCHRUN_QUIET_S)
-        print(f"qurl: error{f' (rank {rank})' if rank else ''}: " + " ".join(str(e).splitlines()),
-              file=sys.stderr)
-        return 2
+        return _one_line(e)
+
+
+def _one_line(e: Exception) -> int:
+    """Say a bad input in one line on stderr (naming the rank under torchrun); exit code 2."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank and "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun every rank reads the same config and data and fails alike: rank 0
+        # says so and torchrun then stops the others. A rank whose error is its own outlives
+        # that wait and says it, naming the rank.
+        time.sleep(_TORCHRUN_QUIET_S)
+    print(f"qurl: error{f' (rank {rank})' if rank else ''}: " + " ".join(str(e).splitlines()),
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -464,3 +464,12 @@ def test_async_paper_plans_give_each_worker_a_server(preset):
     assert not any(c.role == "worker" for p in plans for c in p.commands)
     sync = plan(load_config(preset, sets=["model.base=/m"]), [], nodes=["a", "b"])
     assert [p.gpu_map() for p in plans] == [p.gpu_map() for p in sync]
+
+
+def test_a_bad_config_is_one_line_and_exit_2(capsys):
+    """`qurl launch` says a config the checks refuse in one line, as every other command does."""
+    from qurl.cli import main
+
+    assert main(["launch", "--dry-run", "--set", "learner.ep=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("qurl: error: learner.ep=3: must divide")
