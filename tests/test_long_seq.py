@@ -137,9 +137,10 @@ def _worker(rank: int, ws: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict]]:
-    # TP 1 then TP 2 in one pair of processes (tests/spawn_in_turn.py)
-    return spawn_in_turn([(ws, ws, _worker, ()) for ws in (1, 2)],
-                         tmp_path_factory.mktemp("runs-meet"))
+    # TP 1, TP 2, then the plan job in one pair of processes (tests/spawn_in_turn.py); the plan
+    # job goes last: it patches the learner module in the processes it runs in
+    jobs = [(ws, ws, _worker, ()) for ws in (1, 2)] + [("plan", 2, _plan_worker, ())]
+    return spawn_in_turn(jobs, tmp_path_factory.mktemp("runs-meet"))
 
 
 TOL = 2e-5
@@ -231,10 +232,8 @@ def _plan_worker(rank: int, ws: int) -> dict:
             "finite": all(v == v for k, v in stats.items() if k.startswith("grad_norm"))}
 
 
-def test_ranks_with_different_free_memory_agree_on_one_plan() -> None:
-    from qurl.learner.dist import spawn
-
-    r0, r1 = spawn(_plan_worker, 2)
+def test_ranks_with_different_free_memory_agree_on_one_plan(runs) -> None:
+    r0, r1 = runs["plan"]
     assert r0["own_rows"] != r1["own_rows"]  # left to themselves they would split differently
     assert r0["counts"] == r1["counts"] and r0["finite"] and r1["finite"]
     # the agreed plan is the tighter rank's: one row per micro-batch

@@ -3,7 +3,7 @@
 - HF <-> Megatron round trips of a Mixtral checkpoint (its `block_sparse_moe.…w1/w3/w2` names, or
   transformers 5's fused in-memory form), the router settings, what is refused in one line;
 - the learner's logits vs transformers' `MixtralForCausalLM` at TP 1 and TP 2 (real megatron-core
-  MoE layers on gloo, one spawned job per TP size, module-scoped);
+  MoE layers on gloo, TP 1 then TP 2 in one spawned pair of processes, module-scoped);
 - qurl/models/moe_from_dense.py: with every expert active and a zero router the derived Mixtral's
   logits equal the dense Llama's (fp32, DENSE_TOL), on a tiny Llama and on one real SmolLM2-135M
   MLP (skipped when not fetched); with its seeded router and top-k < E it is another model, whose
@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from spawn_in_turn import spawn_in_turn
 from tiny_hf import build, build_mixtral, hf_state, mixtral_config
 
 from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
@@ -104,10 +105,10 @@ def _worker(rank: int, ws: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict]]:
-    from qurl.learner.dist import spawn
-
-    return {ws: spawn(_worker, ws) for ws in (1, 2)}
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    # TP 1 then TP 2 in one pair of processes (tests/spawn_in_turn.py)
+    return spawn_in_turn([(ws, ws, _worker, ()) for ws in (1, 2)],
+                         tmp_path_factory.mktemp("meet"))
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Routing replay and the route-flip metrics (issue 67 items 4-5): the flip statistics on
 hand-worked index tensors, and the learner on tiny-qwen3-moe sizes (tests/tiny_hf.py: 2 layers,
-8 experts, top-2, fp32) at TP 1 in one spawned gloo job against transformers.
+8 experts, top-2, fp32) at TP 1 against transformers, every spawned job in one pair of processes.
 
 The "engine" routes are transformers' router top-k of a copy whose router weights are perturbed,
 so they differ from the learner's own choice on a good share of tokens; "forced" is transformers'
@@ -208,10 +208,17 @@ def _worker(rank: int, ws: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> dict:
-    from qurl.learner.dist import spawn
+def runs(tmp_path_factory) -> dict:
+    """Every spawned job of this file in one pair of processes (tests/spawn_in_turn.py): the
+    replay job, the unrenormalised router, and the moe/ sums at DP 1 then DP 2."""
+    jobs = [("replay", 1, _worker, ()), ("unnormalised", 1, _unnormalised_worker, ()),
+            ("dp1", 1, _dp_worker, ()), ("dp2", 2, _dp_worker, ())]
+    return spawn_in_turn(jobs, tmp_path_factory.mktemp("meet"))
 
-    return spawn(_worker, 1)[0]
+
+@pytest.fixture(scope="module")
+def run(runs) -> dict:
+    return runs["replay"][0]
 
 
 @pytest.mark.slow
@@ -292,10 +299,8 @@ def _dp_worker(rank: int, ws: int) -> dict:
 
 
 @pytest.mark.slow
-def test_moe_stats_are_summed_over_data_parallel_ranks(tmp_path) -> None:
-    # DP 1 then DP 2 in one pair of processes (tests/spawn_in_turn.py)
-    runs = spawn_in_turn([(ws, ws, _dp_worker, ()) for ws in (1, 2)], tmp_path)
-    one, two = runs[1][0], runs[2]
+def test_moe_stats_are_summed_over_data_parallel_ranks(runs) -> None:
+    one, two = runs["dp1"][0], runs["dp2"]
     assert set(one) == {"moe/route_flip_frac", "moe/tokens_any_flip", "moe/worst_layer_flip",
                         "moe/worst_layer", "moe/expert_load_max_over_mean"}
     for got in two:  # every DP rank reports the whole batch's numbers
@@ -317,7 +322,5 @@ def _unnormalised_worker(rank: int, ws: int) -> float:
 
 
 @pytest.mark.slow
-def test_replay_matches_forced_routes_without_renormalisation() -> None:
-    from qurl.learner.dist import spawn
-
-    assert spawn(_unnormalised_worker, 1)[0] <= LOGP_TOL
+def test_replay_matches_forced_routes_without_renormalisation(runs) -> None:
+    assert runs["unnormalised"][0] <= LOGP_TOL
