@@ -179,7 +179,10 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     return out
 
 
-def _spawn_entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _spawn_entry(rank: int, world_size: int, port: int, out_dir: str, env: dict[str, str],
+                 fn: Callable, args: tuple) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from its start
+    os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)  # ranks share few cores; oversubscription only slows them down
@@ -191,9 +194,22 @@ def _spawn_entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callab
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
+def _rank_server() -> str:
+    """The start method of learner ranks: "forkserver", its server preloading
+    qurl/learner/preload.py (set once, before the server's first start)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["qurl.learner.preload"])
+    return "forkserver"
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes (spawn start method) with
-    MASTER_ADDR/PORT set to a free local port; return the ranks' return values in rank order.
+    """Run `fn(rank, world_size, *args)` in `world_size` new processes with MASTER_ADDR/PORT set
+    to a free local port; return the ranks' return values in rank order. The processes are forks
+    of a server that has imported torch, megatron-core and transformers once (qurl/learner/
+    preload.py; the forkserver start method), each given the caller's environment and, as with
+    the spawn method, its working directory and import path.
     `fn` and `args` must be picklable (module-level function). A failing rank raises here: an
     InputError (bad config, data or run dir) as that error, from the lowest rank that raised one."""
     # torch logs "Terminating process ..." for the ranks it stops after one failed: noise next to
@@ -201,8 +217,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="qurl-spawn-") as out:
         try:
-            mp.spawn(_spawn_entry, args=(world_size, free_port(), out, fn, args),
-                     nprocs=world_size, join=True)
+            mp.start_processes(_spawn_entry, nprocs=world_size, join=True,
+                               args=(world_size, free_port(), out, dict(os.environ), fn, args),
+                               start_method=_rank_server())
         except ProcessException:
             raised = sorted(Path(out).glob("error*.pt"), key=lambda p: int(p.stem[5:]))
             if raised:
