@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -45,10 +45,10 @@ _FIELDS = {"gsm8k_test": ("question", "answer"), "math500": ("problem", "solutio
            "minerva_math": ("problem", "solution")}
 
 
-def set_texts(tokenizer: Any, name: str, rows: range) -> list[list[int]]:
-    """Token ids of rows `rows` of qurl/data/sets/<name>.jsonl: the question as the "chat"
-    template renders it, then the reference answer as the assistant turn, then <|im_end|>-style
-    end of turn (the tokenizer's EOS). One list per row, no padding."""
+def set_texts(tokenizer: Any, name: str, rows: range) -> Iterator[list[int]]:
+    """Token ids of rows `rows` of qurl/data/sets/<name>.jsonl, one list per row (tokenized as
+    consumed): the question as the "chat" template renders it, then the reference answer as the
+    assistant turn, then the tokenizer's EOS (<|im_end|> for SmolLM2). No padding."""
     from qurl.data.templates import render_prompt
 
     if name not in _FIELDS:
@@ -57,15 +57,14 @@ def set_texts(tokenizer: Any, name: str, rows: range) -> list[list[int]]:
     if rows.start < 0 or rows.stop > len(lines) or len(rows) == 0:
         raise ValueError(f"rows {rows.start}..{rows.stop}: {name} has {len(lines)} rows")
     q_field, a_field = _FIELDS[name]
-    out = []
     for i in rows:
         row = json.loads(lines[i])
         text = render_prompt(row[q_field], "chat", tokenizer) + row[a_field] + tokenizer.eos_token
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
+        yield tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def take_tokens(seqs: list[list[int]], max_tokens: int, max_len: int = 512) -> list[list[int]]:
+def take_tokens(seqs: Iterable[list[int]], max_tokens: int, max_len: int = 512
+                ) -> list[list[int]]:
     """Sequences (each cut to max_len) in order until `max_tokens` tokens are taken (the last cut)."""
     out, n = [], 0
     for s in seqs:

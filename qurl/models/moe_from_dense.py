@@ -9,30 +9,41 @@ The split (upcycling without training). A dense SwiGLU MLP of width I is a sum o
 
     mlp(x) = sum_j  down[:, j] * silu(gate[j] . x) * (up[j] . x)
 
-Partition the neurons into E consecutive blocks of I/E (expert e takes neurons
-e*I/E .. (e+1)*I/E - 1): expert e's gate / up are those rows of gate / up, its down those columns of
-down, multiplied by E. A Mixtral layer computes y = sum_{e in S} w_e * expert_e(x) with w the
-renormalised top-k of softmax(W_r x). With every expert active (k = E) and a zero router every
-w_e = 1/E, so y = sum_e (1/E) * E * block_e(x) = mlp(x): the derived model *is* the dense model
-(tested against its logits in fp32). With k < E the token keeps k of the E blocks, weighted by
-the router: a different model, and a real MoE whose experts are trained weights.
+Partition the neurons into E groups of I/E: expert e's gate / up are its neurons' rows of gate /
+up, its down their columns of down, multiplied by k (the top-k). A Mixtral layer computes
+y = sum_{e in S} w_e * expert_e(x) with w the renormalised top-k of softmax(W_r x). With every
+expert active (k = E) and a zero router every w_e = 1/E, so y = sum_e (1/E) * E * group_e(x) =
+mlp(x): the derived model *is* the dense model (tested against its logits in fp32). With k < E
+and top-k weights near 1/k the token gets k * (1/k) * its k groups: the dense MLP restricted to
+those neurons. (Multiplying down by E instead, as this file once did, makes that E/k times too
+large: 4x at top-2 of 8.)
 
-The router. W_r [E, H] is drawn N(0, 1) from a seeded generator (`seed`), per layer scaled by
-`router_scale / (sqrt(H) * rms(g))` where g is that layer's post-attention RMSNorm gain, the
-vector the router's input is multiplied by: an input of unit RMS (what RMSNorm makes before its
-gain) then gets router logits of standard deviation about `router_scale`, so the routing depends
-on the input without being one-hot. `router_scale=0` gives the zero router of the equality above.
+Which neurons, which router (`method`):
+- "cluster" (the default): MoEfication (qurl/models/moe_calibrate.py). The dense model runs on
+  calibration text the project owns (gsm8k_test questions in the chat template with their
+  reference answers); the neurons are grouped by balanced k-means of their |activation| patterns
+  (neurons large on the same tokens share an expert), and the router is the least-squares fit
+  from the MLP input to each expert's relative contribution ||down_e a_e||, times `router_scale`
+  (default ROUTER_SCALE = 0.03; the logits rank the experts, their scale sets how far the top-k
+  weights are from 1/k: the flatter the closer to the dense MLP on those neurons, measured in
+  docs/moe.md). Deterministic given `seed` (the k-means start).
+- "blocks": expert e takes the consecutive neurons e*I/E .. (e+1)*I/E - 1, and W_r [E, H] is drawn
+  N(0, 1) from the seeded generator, per layer scaled by `router_scale / (sqrt(H) * rms(g))` (g the
+  post-attention RMSNorm gain): logits of std ~`router_scale` on a unit-RMS input. Arbitrary
+  neurons: at top-2 of 8 not a language model (docs/moe.md).
+`router_scale=0` gives the zero router of the equality above.
 
 The result is a `MixtralForCausalLM` checkpoint (transformers' Mixtral is Llama's attention plus
 that sparse MLP; Qwen3-MoE cannot hold it, its attention always normalises q and k): config.json
 (the dense config's attention, norms, RoPE, vocabulary and tie; `intermediate_size` = I/E,
 `num_local_experts` = E, `num_experts_per_tok` = k, no router jitter, no sliding window), the
 weights under Mixtral's checkpoint names in the source's dtype (the down columns are multiplied by
-E in fp32 and cast back: exact for E a power of two, barring overflow), the source's tokenizer,
+k in fp32 and cast back: exact for k a power of two, barring overflow), the source's tokenizer,
 chat template and generation config, and `derived.json` recording how it was made.
 
 Refused in one line (ValueError): a source that is not a Llama checkpoint, E that does not divide
-I, k outside [2, E] (top-1 renormalised has no megatron twin, qurl/models/moe.py), linear biases.
+I, k outside [2, E] (top-1 renormalised has no megatron twin, qurl/models/moe.py), linear biases,
+an unknown method, a negative or non-finite router_scale.
 """
 from __future__ import annotations
 
@@ -49,7 +60,8 @@ from qurl.models.hf import check_checkpoint, read_state_dict, write_state_dict
 from qurl.models.moe import to_disk
 
 DERIVED = "derived.json"
-ROUTER_SCALE = 1.0  # the fitted router's logits multiplier (docs/moe.md measures 0.25, 1, 4)
+# the fitted router's logits multiplier: top-k weights within a few % of 1/k (docs/moe.md)
+ROUTER_SCALE = 0.03
 _COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
          "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 # dense Llama config.json fields a Mixtral config carries over unchanged
