@@ -6,8 +6,8 @@ gsm8k_test:
 - with every expert active and a zero router the derived model still equals the dense one
   (DENSE_TOL, fp32): the partition only reorders the neurons;
 - every layer's partition is a permutation of all neurons into equal experts;
-- the fitted router keeps more of the best top-k contribution than a random one (calibration
-  tokens);
+- the fitted router keeps more of the best top-k contribution than a random one, and the refitted
+  down brings the kept experts' output closer to the dense MLP's (calibration tokens);
 - the derivation is deterministic given the seed.
 """
 from __future__ import annotations
@@ -56,14 +56,17 @@ def test_every_expert_and_zero_router_equals_the_dense_llama(llama_dir, tmp_path
 
 
 def test_partition_is_balanced_and_router_beats_random(llama_dir) -> None:
-    perms, routers, stats = calibrate(llama_dir, 4, 2, seed=0, tokens=TOKENS)
-    assert len(perms) == len(routers) == 2
-    for perm, router in zip(perms, routers):
+    perms, routers, downs, stats = calibrate(llama_dir, 4, 2, seed=0, tokens=TOKENS)
+    assert len(perms) == len(routers) == len(downs) == 2
+    for perm, router, down in zip(perms, routers, downs):
         assert torch.equal(perm.sort().values, torch.arange(128))  # every neuron exactly once
         assert all(len(set(c.tolist())) == 32 for c in perm.reshape(4, 32))
         assert router.shape == (4, 64) and torch.isfinite(router).all()
+        assert down.shape == (64, 128)
     fit, rand = stats["captured_fitted"], stats["captured_random"]
     assert all(f > r + 0.02 for f, r in zip(fit, rand)), stats
+    # the refitted down brings the kept experts' output closer to the dense MLP's
+    assert all(a < b for a, b in zip(stats["kept_rel_err_refit"], stats["kept_rel_err"])), stats
 
 
 def test_balanced_partition_refuses_bad_input() -> None:

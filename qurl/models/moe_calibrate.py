@@ -27,6 +27,13 @@ the token's mean; a Mixtral router has no bias and softmax ignores a per-token s
 logits W x rank the experts by predicted contribution. Their *scale* decides the renormalised
 top-k weights w: the caller multiplies W by `router_scale` (docs/moe.md measures it).
 
+The down refit (`refit_down`, k < E only). Keeping k of E experts drops the others' output, part
+of which the kept neurons can carry: with S(t) the experts the fitted router picks for token t and
+m_t the mask of their neurons, the new down [H, I] minimises, over the calibration tokens,
+sum_t ||D (m_t * a_t) - down a_t||^2 + lam ||D - down||_F^2: the dense MLP's output from the
+kept neurons only, shrunk toward the dense down (lam = `ridge` times the mean diagonal of the
+masked Gram matrix; closed form). At k = E nothing is dropped and down stays as it is.
+
 Ranking quality (`captured`): the share of the oracle top-k contribution that a router's top-k
 set keeps, sum_{e in router top-k} c[t, e] / sum_{e in best k} c[t, e], averaged over tokens
 (1.0: the router always picks the k largest).
@@ -65,7 +72,8 @@ def set_texts(tokenizer: Any, name: str, rows: range) -> Iterator[list[int]]:
 
 def take_tokens(seqs: Iterable[list[int]], max_tokens: int, max_len: int = 512
                 ) -> list[list[int]]:
-    """Sequences (each cut to max_len) in order until `max_tokens` tokens are taken (the last cut)."""
+    """Sequences (each cut to max_len) in order until `max_tokens` tokens are taken (the last
+    one cut)."""
     out, n = [], 0
     for s in seqs:
         s = s[:min(max_len, max_tokens - n)]
@@ -98,7 +106,8 @@ def mlp_inputs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tens
 
 
 def activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU neuron activations silu(x gate^T) * (x up^T): x [N, H], gate/up [I, H] -> [N, I] fp32."""
+    """SwiGLU neuron activations silu(x gate^T) * (x up^T): x [N, H], gate/up [I, H] -> [N, I]
+    fp32."""
     x = x.float()
     return torch.nn.functional.silu(x @ gate.float().t()) * (x @ up.float().t())
 
@@ -169,6 +178,25 @@ def fit_router(x: torch.Tensor, contrib: torch.Tensor, *, ridge: float = 1e-3) -
     return torch.linalg.solve(gram, x.t() @ y).t().float()
 
 
+def refit_down(act: torch.Tensor, down: torch.Tensor, perm: torch.Tensor, picked: torch.Tensor,
+               experts: int, *, ridge: float = 0.3) -> torch.Tensor:
+    """Down [H, I] fp32 refitted for the experts each token keeps (module docstring): act [N, I],
+    down [H, I], perm [I], picked [N, k] expert ids per token."""
+    N, I = act.shape
+    owner = torch.empty(I, dtype=torch.int64)
+    owner[perm] = torch.arange(I) // (I // experts)  # expert of each neuron
+    kept = torch.zeros(N, experts).scatter_(1, picked, 1.0)[:, owner]  # [N, I]
+    a = (act * kept).double()
+    d0 = down.double()
+    gram = a.t() @ a
+    lam = ridge * float(gram.diagonal().mean())
+    rhs = a.t() @ (act.double() @ d0.t()) + lam * d0.t()
+    out = torch.linalg.solve(gram + lam * torch.eye(I, dtype=gram.dtype), rhs).t().float()
+    if not torch.isfinite(out).all():
+        raise ValueError("down refit is not finite (degenerate calibration activations)")
+    return out
+
+
 def captured(logits: torch.Tensor, contrib: torch.Tensor, top_k: int) -> float:
     """Mean over tokens of the oracle top-k contribution a router's top-k keeps (module
     docstring): logits, contrib [N, E]."""
@@ -180,11 +208,14 @@ def captured(logits: torch.Tensor, contrib: torch.Tensor, top_k: int) -> float:
 @torch.no_grad()
 def calibrate(src: str | Path, experts: int, top_k: int, *, seed: int = 0,
               set_name: str = "gsm8k_test", rows: range = range(0, 60), tokens: int = 3000,
-              ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, Any]]:
-    """Partition and router of every layer of dense Llama checkpoint `src` from its activations on
-    `tokens` calibration tokens (module docstring): per layer perm [I] int64 and router [E, H]
-    fp32 (unscaled), and stats (per-layer captured share of the fitted and of a seeded random
-    router on the calibration tokens)."""
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None],
+                         dict[str, Any]]:
+    """Partition, router and down of every layer of dense Llama checkpoint `src` from its
+    activations on `tokens` calibration tokens (module docstring): per layer perm [I] int64,
+    router [E, H] fp32 (unscaled) and the refitted down [H, I] fp32 (None at top_k == experts),
+    and stats: per layer the captured share of the fitted and of a seeded random router, and the
+    median relative error of the MLP output from the kept experts, before and after the refit
+    (calibration tokens: in-sample)."""
     from qurl.models.hf import load_checkpoint
 
     model, tok = load_checkpoint(src, dtype=torch.float32)
@@ -194,19 +225,34 @@ def calibrate(src: str | Path, experts: int, top_k: int, *, seed: int = 0,
         raise ValueError(f"{set_name} rows {rows.start}..{rows.stop} give {n} < {tokens} tokens")
     xs = mlp_inputs(model, seqs)
     gen = torch.Generator().manual_seed(seed)
-    perms, routers, fit_cap, rand_cap = [], [], [], []
+    perms, routers, downs = [], [], []
+    stats: dict[str, Any] = {"calibration": {"set": set_name, "rows": [rows.start, rows.stop],
+                                             "tokens": n},
+                             "captured_fitted": [], "captured_random": [],
+                             "kept_rel_err": [], "kept_rel_err_refit": []}
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
+        down = mlp.down_proj.weight
         act = activations(xs[i], mlp.gate_proj.weight, mlp.up_proj.weight)
         perm = balanced_partition(act, experts, seed=seed)
-        contrib = contributions(act, mlp.down_proj.weight, perm, experts)
+        contrib = contributions(act, down, perm, experts)
         router = fit_router(xs[i], contrib)
+        logits = xs[i] @ router.t()
+        rand = torch.randn(experts, xs[i].shape[1], generator=gen)
+        stats["captured_fitted"].append(round(captured(logits, contrib, top_k), 4))
+        stats["captured_random"].append(round(captured(xs[i] @ rand.t(), contrib, top_k), 4))
+        refit = None
+        if top_k < experts:
+            picked = logits.topk(top_k, dim=1).indices
+            refit = refit_down(act, down, perm, picked, experts)
+            owner = torch.empty_like(perm)
+            owner[perm] = torch.arange(len(perm)) // (len(perm) // experts)
+            kept = act * torch.zeros(len(act), experts).scatter_(1, picked, 1.0)[:, owner]
+            want = act @ down.float().t()
+            for key, d in (("kept_rel_err", down.float()), ("kept_rel_err_refit", refit)):
+                err = (kept @ d.t() - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-12)
+                stats[key].append(round(float(err.median()), 4))
         perms.append(perm)
         routers.append(router)
-        fit_cap.append(captured(xs[i] @ router.t(), contrib, top_k))
-        rand = torch.randn(experts, xs[i].shape[1], generator=gen)
-        rand_cap.append(captured(xs[i] @ rand.t(), contrib, top_k))
-    stats = {"calibration": {"set": set_name, "rows": [rows.start, rows.stop], "tokens": n},
-             "captured_fitted": [round(c, 4) for c in fit_cap],
-             "captured_random": [round(c, 4) for c in rand_cap]}
-    return perms, routers, stats
+        downs.append(refit)
+    return perms, routers, downs, stats

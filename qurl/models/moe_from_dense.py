@@ -26,7 +26,10 @@ Which neurons, which router (`method`):
   from the MLP input to each expert's relative contribution ||down_e a_e||, times `router_scale`
   (default ROUTER_SCALE = 0.03; the logits rank the experts, their scale sets how far the top-k
   weights are from 1/k: the flatter the closer to the dense MLP on those neurons, measured in
-  docs/moe.md). Deterministic given `seed` (the k-means start).
+  docs/moe.md). Below k = E each layer's down is then refitted by ridge least squares so that the
+  kept experts' output approaches the dense MLP's on the calibration tokens (the dropped neurons'
+  share carried by the kept ones); at k = E it is the dense down. Deterministic given `seed`
+  (the k-means start).
 - "blocks": expert e takes the consecutive neurons e*I/E .. (e+1)*I/E - 1, and W_r [E, H] is drawn
   N(0, 1) from the seeded generator, per layer scaled by `router_scale / (sqrt(H) * rms(g))` (g the
   post-attention RMSNorm gain): logits of std ~`router_scale` on a unit-RMS input. Arbitrary
@@ -157,14 +160,16 @@ def derive_moe(src: str | Path, out: str | Path, *, experts: int = 8, top_k: int
     if method == "cluster":
         from qurl.models.moe_calibrate import calibrate
 
-        perms, routers, stats = calibrate(src, experts, top_k, seed=seed, tokens=calib_tokens)
+        perms, routers, downs, stats = calibrate(src, experts, top_k, seed=seed,
+                                                 tokens=calib_tokens)
         routers = [r * router_scale for r in routers]
         record.update(partition="balanced k-means of |activation| patterns (moe_calibrate.py)",
                       router="least squares to relative expert contributions, x router_scale",
+                      down="least-squares refit for the kept experts (k < E), then x top_k",
                       **stats)
     else:
         gen = torch.Generator().manual_seed(seed)
-        perms = [None] * layers
+        perms, downs = [None] * layers, [None] * layers
         routers = [router_weight(state[f"model.layers.{i}.post_attention_layernorm.weight"],
                                  experts, gen, router_scale) for i in range(layers)]
         record.update(partition="expert e = dense MLP neurons [e*I/E, (e+1)*I/E)",
@@ -175,8 +180,11 @@ def derive_moe(src: str | Path, out: str | Path, *, experts: int = 8, top_k: int
             moe_state[name] = t
     for i in range(layers):
         p = f"model.layers.{i}."
+        down = state[p + "mlp.down_proj.weight"]
+        if downs[i] is not None:
+            down = downs[i].to(down.dtype)
         parts = split_mlp(state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"],
-                          state[p + "mlp.down_proj.weight"], experts, top_k=top_k, perm=perms[i])
+                          down, experts, top_k=top_k, perm=perms[i])
         for e, (g, u, d) in enumerate(parts):
             for proj, w in (("gate_proj", g), ("up_proj", u), ("down_proj", d)):
                 moe_state[f"{p}mlp.experts.{e}.{proj}.weight"] = w
