@@ -23,7 +23,7 @@ from qurl.models.moe_calibrate import balanced_partition, calibrate
 from qurl.models.moe_from_dense import DERIVED, derive_moe
 
 DENSE_TOL = 1e-4  # as tests/test_moe_mixtral.py
-TOKENS = 400
+TOKENS = 200
 
 
 @pytest.fixture(scope="module")
