@@ -2,11 +2,12 @@
 without `.venv-sglang`).
 
 What the CPU server does with a mixture of experts (docs/moe.md "Real SGLang"):
-- a bf16 server loads a tiny Qwen3-MoE and generates through SGLang's generic CPU path: top-k by
+- a bf16 server loads a tiny Qwen3-MoE and generates through SGLang's native ops (a CPU without
+  AMX: `kernels/fused_op.py` dispatches every fused op to `forward_native`): top-k by
   `fused_topk_torch_native` (softmax, torch.topk: most probable expert first, renormalised) and
-  the experts by `moe_forward_native` (`layers/quantization/unquant.py` `forward_cpu`: one
-  F.linear per expert over its tokens, `layers/moe/fused_moe_native.py`). Its greedy tokens are
-  transformers' (fp32 forward on the same bf16 weights) up to near-ties;
+  the experts by `moe_forward_native` (one F.linear per expert over its tokens,
+  `layers/moe/fused_moe_native.py`). Its greedy tokens are transformers' (fp32 forward on the
+  same bf16 weights) up to near-ties;
 - with `--enable-return-routed-experts` and a request's `return_routed_experts`, the reply's
   `meta_info.routed_experts` is base64 of int32 [P + T - 1, L, k] (`state_capturer/base.py`
   `get_topk`: positions [0, seqlen - 1), every layer, the k chosen experts in top-k order), the
@@ -14,11 +15,15 @@ What the CPU server does with a mixture of experts (docs/moe.md "Real SGLang"):
   on those tokens. On a CPU torch this needs tests/sglang_cpu/sitecustomize.py (the capturer's
   host buffer is page-locked with cudaHostRegister);
 - a bf16 expert update through qurl's SGLangEngine under the checkpoint's per-expert names
-  (`experts.e.{gate,up,down}_proj.weight`) lands in expert e's slices of the fused `w13_weight`
-  [E, 2I, H] (gate rows, then up rows) and `w2_weight` [E, H, I] and nowhere else; the fused
-  names qurl's weight sync sends (qurl/quant/experts.py `fuse_experts`) are refused by the stock
-  loader (`FusedMoE.weight_loader() missing 3 required positional arguments`), which is one reason
-  `rollout.engine=sglang` is refused for a MoE (qurl/models/fits.py `check_moe_run`).
+  (`experts.e.{gate,up,down}_proj.weight`) lands, through SGLang's own loader, in expert e's
+  slices of the fused `w13_weight` [E, 2I, H] (gate rows, then up rows) and `w2_weight` [E, H, I]
+  and nowhere else;
+- qurl's production sync (WeightSync) sends the experts fused (qurl/quant/experts.py
+  `fuse_experts`), names SGLang's loader refuses (`FusedMoE.weight_loader() missing 3 required
+  positional arguments`), and an 8-bit server has lost its expert loaders after the first load;
+  qurl's in-server expert loader (qurl/engines/sglang/inside/experts.py) writes them in place,
+  and every sync is verified per expert, on bf16, `w8a8_int8` and `w8a8_fp8` servers;
+- a qurl 8-bit export (int8, fp8) loads with every expert's codes and scales byte-equal.
 
 The checkpoint is untied: SGLang 0.5.23's Qwen3MoeForCausalLM always builds its own lm_head
 (`models/qwen3_moe.py:1017`) and never ties it to embed_tokens, so a tied checkpoint (no
@@ -176,3 +181,90 @@ def test_bf16_expert_update_changes_exactly_that_expert(server, moe, env):
             assert not torch.equal(after[name][EXPERT], t[EXPERT]), name
         else:
             assert torch.equal(after[name], t), name
+
+
+def moved_expert(state: dict[str, torch.Tensor], layer: int, expert: int, seed: int
+                 ) -> dict[str, torch.Tensor]:
+    """`state` with expert `expert` of layer `layer` redrawn around its old weights."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    return {n: (t.float() + 0.1 * torch.randn(t.shape, generator=g) * t.float().std()).to(t.dtype)
+            if n.startswith(prefix) else t for n, t in state.items()}
+
+
+def fused_expected(state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """What the server must hold of every fused expert tensor after a sync of `state`."""
+    from qurl.weights.digest import expert_sliced
+
+    return {n: t for n, t in engine_chunks(state.items(), fmt, wire_dtype=torch.bfloat16)
+            if expert_sliced(n)}
+
+
+def sync_and_check(eng, dump, state0, fmt: str, first: int) -> None:
+    """qurl's production sync (WeightSync, delta mode: experts fused per layer, verified per
+    expert by the server's digests) moves the server to state0, then to state0 with one expert
+    moved: both verified, the held experts equal the sent codes / values, and the delta left
+    every other expert byte-equal."""
+    from qurl.weights.publish import WeightSync
+    from tests.sglang_real import raw_bytes
+
+    state1 = moved_expert(state0, LAYER, EXPERT, seed=7)
+    sync = WeightSync(fmt, wire_dtype=torch.bfloat16, mode="delta")
+    rep0 = sync.push(iter(state0.items()), eng, version=first)
+    held0 = read_back(eng, dump)
+    rep1 = sync.push(iter(state1.items()), eng, version=first + 1)
+    held1 = read_back(eng, dump)
+    assert rep0.get("sync/verified") == 1.0 and rep1.get("sync/verified") == 1.0, (rep0, rep1)
+    for held, state in ((held0, state0), (held1, state1)):
+        for name, t in fused_expected(state, fmt).items():
+            assert held[name].dtype == t.dtype and torch.equal(raw_bytes(held[name]),
+                                                               raw_bytes(t)), name
+    fused = f"model.layers.{LAYER}.mlp.experts."
+    for name in held0:
+        if name.startswith(fused):
+            others = [e for e in range(held0[name].shape[0]) if e != EXPERT]
+            assert torch.equal(raw_bytes(held1[name][others]), raw_bytes(held0[name][others]))
+            assert not torch.equal(raw_bytes(held1[name][EXPERT]), raw_bytes(held0[name][EXPERT]))
+        elif ".mlp.experts." not in name:
+            assert torch.equal(raw_bytes(held1[name]), raw_bytes(held0[name])), name
+
+
+def test_bf16_sync_of_fused_experts_is_verified_per_expert(server, moe, env):
+    """The fused names qurl's sync sends (which SGLang's own loader refuses) go through qurl's
+    in-server expert loader (qurl/engines/sglang/inside/experts.py)."""
+    sync_and_check(server, env, read_state_dict(moe), "bf16", first=2)
+    out, _ = generate_with_routes(server, PROMPTS[0])  # the server still generates after it
+    assert len(out) == NEW
+
+
+@pytest.mark.parametrize("fmt,quantization", [("int8", "w8a8_int8"), ("fp8", "w8a8_fp8")])
+def test_8bit_export_loads_per_expert_and_takes_a_verified_expert_sync(env, moe, tmp_path, fmt,
+                                                                       quantization):
+    """A qurl 8-bit export of the MoE loads into a real w8a8 server with every expert's codes
+    and per-channel scales byte-equal in SGLang's fused layout ([E, rows, H] codes, [E, rows, 1]
+    fp32 scales); qurl's sync then moves it, verified per expert (SGLang's own loader cannot: the
+    expert loaders are gone after the first load)."""
+    from qurl.models.export8bit import export_8bit, read_8bit
+    from tests.sglang_real import raw_bytes
+
+    src = export_8bit(moe, tmp_path / f"m_{fmt}", fmt)
+    eng = launch(src, quantization, tmp_path, precision=fmt, generates=False)
+    try:
+        held = read_back(eng, env)
+        sent = read_state_dict(src)
+        for layer in range(2):
+            p = f"model.layers.{layer}.mlp.experts."
+            for e in range(8):
+                w13 = torch.cat([sent[f"{p}{e}.gate_proj.weight"], sent[f"{p}{e}.up_proj.weight"]])
+                s13 = torch.cat([sent[f"{p}{e}.gate_proj.weight_scale"],
+                                 sent[f"{p}{e}.up_proj.weight_scale"]])
+                assert torch.equal(raw_bytes(held[p + "w13_weight"][e]), raw_bytes(w13))
+                assert torch.equal(held[p + "w13_weight_scale"][e], s13.float())
+                assert torch.equal(raw_bytes(held[p + "w2_weight"][e]),
+                                   raw_bytes(sent[f"{p}{e}.down_proj.weight"]))
+                assert torch.equal(held[p + "w2_weight_scale"][e],
+                                   sent[f"{p}{e}.down_proj.weight_scale"].float())
+        base, _ = read_8bit(src)
+        sync_and_check(eng, env, base, fmt, first=1)
+    finally:
+        eng.close()
