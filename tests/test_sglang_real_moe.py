@@ -273,8 +273,10 @@ def test_8bit_export_loads_per_expert_and_takes_a_verified_expert_sync(env, moe,
 def test_qurl_train_with_a_moe_on_real_sglang(env, moe, tmp_path):
     """`qurl train` with rollout.engine=sglang on the untied bf16 Qwen3-MoE (check_moe_run's one
     SGLang case): the learner's per-expert weights go out fused through qurl's expert loader,
-    every sync verified per expert, and the bf16 server samples what the learner scores. Warm
-    started on 1-digit sums so that some samples are right and steps move the weights."""
+    every sync verified per expert, and the bf16 server samples what the learner scores. The
+    40 warm-start steps move every tensor before the first (full) sync, so the server holds
+    the learner's weights only if that sync landed: KL(behav||prox) stays small. (The random
+    model got every sum wrong when this was written, so the later syncs had nothing to send.)"""
     import json
     import sys
 
