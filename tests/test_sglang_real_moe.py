@@ -215,6 +215,7 @@ def sync_and_check(eng, dump, state0, fmt: str, first: int) -> None:
     rep1 = sync.push(iter(state1.items()), eng, version=first + 1)
     held1 = read_back(eng, dump)
     assert rep0.get("sync/verified") == 1.0 and rep1.get("sync/verified") == 1.0, (rep0, rep1)
+    assert rep1.get("sync/delta") == 1.0, rep1  # the second push: only the changed positions
     for held, state in ((held0, state0), (held1, state1)):
         for name, t in fused_expected(state, fmt).items():
             assert held[name].dtype == t.dtype and torch.equal(raw_bytes(held[name]),
