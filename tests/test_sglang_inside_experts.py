@@ -1,7 +1,8 @@
-"""qurl's in-server expert loader (qurl/engines/sglang/inside/experts.py) and per-expert verification
-(apply.py `targets_of` on `<name>@expert<e>` keys), simulated without SGLang: a module holding one
-MoE layer's experts as SGLang's FusedMoE holds them at TP 1 (`w13_weight` [E, 2I, H] gate rows
-then up rows, `w2_weight` [E, H, I], int8 codes with fp32 scales [E, rows, 1]).
+"""qurl's in-server expert loader (qurl/engines/sglang/inside/experts.py) and per-expert
+verification (apply.py `targets_of` on `<name>@expert<e>` keys), simulated without SGLang: a
+module holding one MoE layer's experts as SGLang's FusedMoE holds them at TP 1 (`w13_weight`
+[E, 2I, H] gate rows then up rows, `w2_weight` [E, H, I], int8 codes with fp32 scales
+[E, rows, 1]).
 
 Checked: a full sync of fused expert tensors lands in place (every data_ptr kept) and verifies per
 expert; a delta that moves one expert applies and verifies; one code flipped in one expert fails

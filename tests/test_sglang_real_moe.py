@@ -40,7 +40,7 @@ import torch
 from qurl.models.hf import read_state_dict
 from qurl.quant.named import engine_chunks
 from qurl.types import GenRequest, SamplingParams
-from tests.sglang_real import env, launch, needs_sglang, read_back  # noqa: F401
+from tests.sglang_real import env, launch, needs_sglang, read_back  # noqa: F401 (env: fixture)
 
 pytestmark = needs_sglang + [pytest.mark.timeout(1800)]
 PROMPTS = [[5, 17, 23, 42, 8], [30, 2, 2, 41], [12, 9], [33, 34, 35, 36, 37, 38, 39]]
@@ -143,7 +143,8 @@ def test_routes_match_the_local_engine(server, moe):
     for prompt, g in zip(PROMPTS, got):
         out, flat = generate_with_routes(server, prompt)
         ours = g.output_ids.tolist()
-        agree = next((t for t, (a, b) in enumerate(zip(out, ours)) if a != b), min(len(out), len(ours)))
+        agree = next((t for t, (a, b) in enumerate(zip(out, ours)) if a != b),
+                     min(len(out), len(ours)))
         rows = len(prompt) + agree - 1  # positions both forwarded with the same tokens
         theirs = torch.from_numpy(flat.reshape(len(prompt) + len(out) - 1, -1, 2).copy())
         assert g.routed_experts is not None and g.routed_experts.dtype == torch.uint8
@@ -288,8 +289,8 @@ def test_qurl_train_with_a_moe_on_real_sglang(env, moe, tmp_path):
             "data.train_size=32",
             f"model.base={moe}", "rollout.engine=sglang", "rollout.precision=bf16",
             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
-            "eval.max_new_tokens=12", "sglang.args=" + ",".join(CPU_FLAGS), f"deploy.dir={tmp_path}",
-            "run.name=moe", "deploy.torch_threads=1"]
+            "eval.max_new_tokens=12", "sglang.args=" + ",".join(CPU_FLAGS),
+            f"deploy.dir={tmp_path}", "run.name=moe", "deploy.torch_threads=1"]
     argv = [sys.executable, "-m", "qurl.cli", "train"]
     for kv in sets:
         argv += ["--set", kv]
@@ -302,5 +303,6 @@ def test_qurl_train_with_a_moe_on_real_sglang(env, moe, tmp_path):
         assert r["grad_norm"] == 0 or r["sync/tensors_full"] + r["sync/tensors_delta"] > 0, r
         # bf16 SGLang sampler vs the learner on the same weights: small but nonzero mismatch
         assert 0.0 <= r["kl_behav_prox"] < 0.05, r["kl_behav_prox"]
-    log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "moe" / "logs").glob("*.log"))
+    logs = (tmp_path / "moe" / "logs").glob("*.log")
+    log = "\n".join(p.read_text(errors="replace") for p in logs)
     assert log.count('"POST /update_weights_from_distributed HTTP/1.1" 200') >= 3

@@ -8,8 +8,9 @@ those names itself:
 - its Qwen3-MoE `load_weights` maps only per-expert checkpoint names to its expert loader
   (`models/qwen3_moe.py:1235-1258`); a fused name falls through to the generic branch, which calls
   `FusedMoE.weight_loader(param, loaded_weight)` (`qwen3_moe.py:1271-1274`) without the
-  `weight_name`, `shard_id` and `expert_id` it requires (`layers/moe/fused_moe_triton/layer.py:1163`):
-  "FusedMoE.weight_loader() missing 3 required positional arguments";
+  `weight_name`, `shard_id` and `expert_id` it requires
+  (`layers/moe/fused_moe_triton/layer.py:1163`): "FusedMoE.weight_loader() missing 3 required
+  positional arguments";
 - per-expert names load in bf16, but an 8-bit server has lost the expert loaders after its
   first load: `W8A8Int8MoEMethod.process_weights_after_loading` re-wraps `w13_weight`, `w2_weight`
   and their scales as plain Parameters (`layers/quantization/w8a8_int8.py:312-323`; `w8a8_fp8.py`
