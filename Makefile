@@ -49,7 +49,7 @@ test-sglang: setup $(SGL_VENV)/.installed
 		$(BIN)/python -m pytest -v -m sglang tests/test_sglang_real.py tests/test_sglang_real_deploy.py \
 		tests/test_sglang_real_delta.py tests/test_sglang_real_tp_delta.py tests/test_sglang_real_model.py \
 		tests/test_sglang_real_qwen3.py tests/test_sglang_real_kernels.py tests/test_sglang_real_stall.py \
-		tests/test_sglang_real_halt.py
+		tests/test_sglang_real_halt.py tests/test_sglang_real_moe.py
 
 # The offline one-GPU check (qurl/research/bench/gpu_check/; ~8 minutes on one H100/H200). The GPU machine
 # has its own python3 and CUDA torch, no network: nothing is set up there. Here (PyPI): `make

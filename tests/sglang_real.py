@@ -71,13 +71,15 @@ def cpu_server_args(generates: bool) -> tuple[str, ...]:
 
 
 def launch(model_dir: Path, quantization: str | None, log_dir: Path, *, precision: str,
-           generates: bool, tokenizer=None, vocab_size: int = 0, tp: int = 1) -> SGLangEngine:
+           generates: bool, tokenizer=None, vocab_size: int = 0, tp: int = 1,
+           extra: tuple[str, ...] = ()) -> SGLangEngine:
     """One qurl-launched real server on a free port, driven by qurl's SGLangEngine (gloo group).
     tp > 1: qurl's launch sets SGLANG_CPU_OMP_THREADS_BIND for a CPU server unless the
-    environment has it (qurl/engines/sglang/launcher.py `launch_env`; `tp_env` sets it here)."""
+    environment has it (qurl/engines/sglang/launcher.py `launch_env`; `tp_env` sets it here).
+    `extra`: more server flags (e.g. --enable-return-routed-experts)."""
     port = free_port()
     cmd = server_command(str(model_dir), port=port, tp=tp, quantization=quantization,
-                         extra=cpu_server_args(generates), python=str(SGL_PY))
+                         extra=cpu_server_args(generates) + tuple(extra), python=str(SGL_PY))
     return SGLangEngine([ServerSpec(f"http://127.0.0.1:{port}", tp=tp, command=cmd)],
                         precision=precision,
                         backend="gloo", timeouts=TIMEOUTS, log_dir=log_dir, tokenizer=tokenizer,

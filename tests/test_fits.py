@@ -62,3 +62,31 @@ def test_cli_refuses_before_ranks(tmp_path, capsys) -> None:
     with pytest.raises(InputError, match="cannot read config.json"):
         check_fits(str(tmp_path / "missing"), learner_tp=1, engine="local", precision="int8",
                    sglang_tp=1)
+
+
+# an untied Qwen3-MoE: the one MoE a real SGLang server ran end to end (tests/test_sglang_real_moe.py)
+QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+             "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"precision": "int8"}, "rollout.precision=int8"),
+    ({"sglang_tp": 2}, "sglang.tp=2"),
+    ({"routing_replay": "rollout"}, "algo.routing_replay=rollout"),
+    ({"fields": dict(QWEN3_MOE, tie_word_embeddings=True)}, "a tied lm_head"),
+    ({"fields": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}},
+     "other than Qwen3-MoE"),
+])
+def test_a_moe_on_sglang_runs_only_as_the_real_server_ran_it(change, named) -> None:
+    from qurl.models.fits import check_moe_run
+
+    args = dict(learner_tp=1, engine="sglang", precision="bf16", sglang_tp=1,
+                routing_replay="off", fields=QWEN3_MOE)
+    check_moe_run("m", **args)  # untied Qwen3-MoE, bf16, sglang.tp 1, no replay: runs
+    check_moe_run("m", **dict(args, engine="local", precision="int8"))
+    with pytest.raises(InputError) as e:
+        check_moe_run("m", **dict(args, **change))
+    msg = str(e.value)
+    assert "\n" not in msg and named in msg and "inside SGLang" in msg
+    with pytest.raises(InputError, match="tied lm_head"):  # the tiny-qwen3-moe preset is tied
+        check_fits("tiny-qwen3-moe", learner_tp=1, engine="sglang", precision="bf16", sglang_tp=1)

@@ -14,7 +14,8 @@ from qurl.commands import launch
 from qurl.commands.launch import main_launch
 from qurl.config import load_config
 from qurl.errors import InputError
-from qurl.learner.memory_plan import KNOWN_SHAPES, _params, param_counts, token_cost_from_fields
+from qurl.learner.memory_plan import (KNOWN_SHAPES, _params, model_fields, param_counts,
+                                      token_cost_from_fields)
 from qurl.models.fits import check_moe_run, read_fields
 
 A3B = KNOWN_SHAPES["Qwen/Qwen3-30B-A3B"]
@@ -55,7 +56,8 @@ def test_the_a3b_preset_is_refused_in_one_line_before_anything_starts(capsys, mo
     cfg = load_config("qwen3-30b-a3b")
     with pytest.raises(InputError) as moe:  # the check every MoE run gets (qurl train: check_fits)
         check_moe_run(cfg.model.base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
-                      precision=cfg.rollout.precision)
+                      precision=cfg.rollout.precision, sglang_tp=cfg.sglang.tp,
+                      routing_replay=cfg.algo.routing_replay, fields=model_fields(cfg.model.base))
     monkeypatch.setattr(launch, "plan", lambda *a, **k: pytest.fail("placement planned"))
     monkeypatch.setattr(launch, "run_node", lambda *a, **k: pytest.fail("a node started"))
     for argv in (["--dry-run"], ["--nodes", "h0,h1", "--node-rank", "0"]):

@@ -60,7 +60,8 @@ def main_launch(argv: list[str] | None = None) -> int:
                               args.gpu_memory_gb * 1e9, f"preset {args.preset}, GPU",
                               kl_coef=cfg.algo.kl_coef)
     moe = moe_refusal(cfg.model.base, learner_tp=cfg.learner.tp, engine=cfg.rollout.engine,
-                      precision=cfg.rollout.precision, learner_ep=cfg.learner.ep)
+                      precision=cfg.rollout.precision, learner_ep=cfg.learner.ep,
+                      sglang_tp=cfg.sglang.tp, routing_replay=cfg.algo.routing_replay)
     if moe:  # before placement: nothing about the layout matters until this changes
         print(text)
         print(f"qurl launch: error: {moe}" + (f"; and {refused}" if refused else ""),
@@ -90,7 +91,7 @@ def main_launch(argv: list[str] | None = None) -> int:
 
 
 def moe_refusal(base: str, *, learner_tp: int, engine: str, precision: str,
-                learner_ep: int = 1) -> str | None:
+                learner_ep: int = 1, sglang_tp: int = 1, routing_replay: str = "off") -> str | None:
     """qurl/models/fits.py `check_learner_ep`'s and `check_moe_run`'s one line for a model.base
     whose config fields are known here (memory_plan.model_fields): learner.ep that does not fit
     the model (any ep > 1 on a dense model), or a mixture-of-experts run check_moe_run refuses;
@@ -107,7 +108,8 @@ def moe_refusal(base: str, *, learner_tp: int, engine: str, precision: str,
         check_learner_ep(fields, learner_ep, base)
         if not is_moe(SimpleNamespace(**fields)):
             return None
-        check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision)
+        check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision,
+                      sglang_tp=sglang_tp, routing_replay=routing_replay, fields=fields)
     except InputError as e:
         return str(e)
     return None

@@ -9,7 +9,9 @@ one line naming the sizes, exit 2.
   `check_supported`, qurl/models/moe.py `check_moe`); anything else (another family, MoE options
   other than theirs, sliding windows, scaled RoPE, a missing weight shard or tokenizer) is
   refused here rather than inside the learner ranks. A MoE run also needs the learner at
-  TP 1, the local engine and a precision its experts take (`check_moe_run`).
+  TP 1 and the local engine with a precision its experts take, or SGLang in the one case a real
+  server ran end to end: an untied Qwen3-MoE at bf16, sglang.tp 1, no routing replay
+  (`check_moe_run`).
 - **Expert parallelism** (`learner.ep`): it divides a mixture of experts' E experts over ep
   data-parallel ranks, so ep must divide E, and a dense model takes only ep = 1
   (`check_learner_ep`; that ep divides learner.dp is a config rule, qurl/config/rules.py).
@@ -114,23 +116,59 @@ def check_learner_ep(fields: dict[str, Any], ep: int, base: str) -> None:
         raise InputError(f"learner.ep={ep}: must divide the {E} experts of model.base={base}")
 
 
-def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str) -> None:
+def sglang_moe_problems(fields: dict[str, Any] | None, *, precision: str, sglang_tp: int,
+                        routing_replay: str) -> list[str]:
+    """What keeps a MoE run off SGLang (empty: it runs there): the one case a real SGLang 0.5.23
+    server ran end to end (docs/moe.md "Real SGLang", tests/test_sglang_real_moe.py) is an untied
+    Qwen3-MoE at bf16 on sglang.tp=1 without routing replay. 8-bit MoE servers load and take
+    qurl's verified expert sync, but their forward (Triton's fused MoE) has not run here; the
+    in-server expert loader writes TP 1 layouts only; qurl's SGLang engine does not yet ask the
+    server for its routes; SGLang's Qwen3MoeForCausalLM never ties lm_head to embed_tokens
+    (models/qwen3_moe.py:1017), so a tied checkpoint serves uniform logits; Mixtral has not
+    been run. fields None: the shape is unknown."""
+    out = []
+    arch = (fields or {}).get("model_type") or "".join((fields or {}).get("architectures") or [])
+    if fields is None:
+        out.append("a model whose config is unknown here")
+    elif "qwen3_moe" not in arch and "Qwen3Moe" not in arch:
+        out.append("a model other than Qwen3-MoE")
+    if precision != "bf16":
+        out.append(f"rollout.precision={precision} (8-bit MoE servers have not generated here)")
+    if sglang_tp != 1:
+        out.append(f"sglang.tp={sglang_tp} (qurl's expert loader writes TP 1 layouts only)")
+    if routing_replay != "off":
+        out.append(f"algo.routing_replay={routing_replay} (qurl's SGLang engine does not yet "
+                   "ask for the server's routes)")
+    if fields is not None and fields.get("tie_word_embeddings"):
+        out.append("a tied lm_head (SGLang's Qwen3-MoE never ties it: uniform logits)")
+    return out
+
+
+def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str,
+                  sglang_tp: int = 1, routing_replay: str = "off",
+                  fields: dict[str, Any] | None = None) -> None:
     """What a MoE (Qwen3-MoE, Mixtral) run needs beyond the checkpoint (InputError, one line
     naming every part that is missing, joined by '; '): the learner at TP 1 (megatron-core 0.16's MoE layer trains at
     TP > 1 only with sequence parallelism, which qurl's learner does not use; evaluation would
-    run), the local engine (SGLang's in-server expert loader and per-expert read-back are not
-    built), and a precision the local engine's experts take (bf16, int8, fp8:
-    qurl/engines/moe_block.py). `qurl train` (check_fits) and `qurl launch` (its model check) both
-    ask here."""
+    run), a precision the local engine's experts take (bf16, int8, fp8:
+    qurl/engines/moe_block.py), and on SGLang the one case a real server ran
+    (`sglang_moe_problems`; `fields`: the model's config fields, None when unknown). `qurl train`
+    (check_fits) and `qurl launch` (its model check) both ask here."""
     missing = []
     if learner_tp > 1:
         missing.append(f"learner.tp={learner_tp} (megatron-core trains a MoE layer at TP > 1 only "
                        "with sequence parallelism, which qurl's learner does not use; set "
                        "learner.tp=1)")
-    if engine != "local":
-        missing.append(f"rollout.engine={engine} (qurl's expert loader and per-expert "
-                       "verification inside SGLang are not built yet; use rollout.engine=local)")
-    if precision not in ("bf16", "int8", "fp8"):
+    if engine == "sglang":
+        problems = sglang_moe_problems(fields, precision=precision, sglang_tp=sglang_tp,
+                                       routing_replay=routing_replay)
+        if problems:
+            missing.append("rollout.engine=sglang (qurl runs a MoE inside SGLang only as an "
+                           "untied Qwen3-MoE at bf16, sglang.tp=1, routing replay off; here: "
+                           f"{', '.join(problems)}; or use rollout.engine=local)")
+    elif engine != "local":
+        missing.append(f"rollout.engine={engine} (use rollout.engine=local)")
+    if engine == "local" and precision not in ("bf16", "int8", "fp8"):
         missing.append(f"rollout.precision={precision} (the local engine's experts take bf16, "
                        "int8 or fp8)")
     if missing:
@@ -155,7 +193,8 @@ def check_fits(base: str, *, learner_tp: int, engine: str, precision: str, sglan
                          f"(no experts to replay); set algo.routing_replay=off")
     check_learner_ep(fields, learner_ep, base)
     if moe:
-        check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision)
+        check_moe_run(base, learner_tp=learner_tp, engine=engine, precision=precision,
+                      sglang_tp=sglang_tp, routing_replay=routing_replay, fields=fields)
     check_learner_tp(fields, learner_tp, base)
     if engine == "sglang" and precision == "fp8_block":
         problem = fp8_block_problem(fields, sglang_tp)

@@ -53,7 +53,7 @@ from qurl.engines.sglang.inside.layout import (HEADER, KERNELS, MISMATCH_MARK, S
 from qurl.engines.sglang.inside.loader import KERNELS_LOAD_FORMAT, SYNC_LOAD_FORMAT
 from qurl.engines.sglang.inside.tp_cut import Layout, cpu_padding, rank_digests, shard_box
 from qurl.weights.delta import apply_positions, check_delta, group_delta_chunks
-from qurl.weights.digest import combine, tensor_digest
+from qurl.weights.digest import combine, digest_target, tensor_digest
 from qurl.weights.host import to_host
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,17 @@ def verify_chunk(version: int, digests: dict[str, str], meta: dict[str, tuple[li
     """The verification request; a name the adapter never sent is a KeyError (caller's bug).
     tp: {T: {name: [digest of rank r's box]}} for the TP sizes > 1 among the servers."""
     msg: dict[str, Any] = {"version": int(version),
-                           "digests": {n: [d, *meta[n]] for n, d in digests.items()}}
+                           "digests": {n: [d, *_meta_of(meta, n)] for n, d in digests.items()}}
     if tp:
         msg["tp"] = {str(t): d for t, d in tp.items()}
     return name, json_chunk(msg)
+
+
+def _meta_of(meta: dict[str, tuple[list[int], str]], key: str) -> tuple[list[int], str]:
+    got = key_meta(meta, key)
+    if got is None:
+        raise KeyError(key)
+    return got
 
 
 def check_cuts(meta: dict[str, tuple[list[int], str]], tp: int, layout: Layout | None,
@@ -128,6 +135,18 @@ def layout_of_model_dir(path: str | None) -> Layout | None:
 def chunk_meta(chunks: Chunks) -> dict[str, tuple[list[int], str]]:
     """{name: (shape, dtype name)} of a full version's chunks."""
     return {n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in chunks}
+
+
+def key_meta(meta: dict[str, tuple[list[int], str]], key: str) -> tuple[list[int], str] | None:
+    """(shape, dtype name) of digest key `key`: a chunk's, or for one expert's slice of a fused
+    expert tensor (`<name>@expert<e>`, qurl/weights/digest.py) the slice's; None if not sent."""
+    name, expert = digest_target(key)
+    if name not in meta:
+        return None
+    shape, dtype = meta[name]
+    if expert is None:
+        return meta[name]
+    return (list(shape[1:]), dtype) if shape and 0 <= expert < shape[0] else None
 
 
 def apply_to_kept(kept: dict[str, torch.Tensor], chunks: Chunks) -> None:
@@ -256,7 +275,7 @@ class SGLangDeltaMixin:
 
         if self._meta is None:
             return sorted(digests)  # nothing loaded through qurl's sync: nothing vouched for
-        unknown = sorted(set(digests) - set(self._meta))
+        unknown = sorted(k for k in digests if key_meta(self._meta, k) is None)
         if unknown:
             return unknown
         tp = {}

@@ -61,13 +61,15 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from qurl.engines.sglang.inside.experts import is_fused_expert_tensor, load_fused_experts
 from qurl.engines.sglang.inside.readback import (KERNEL_MARK, clear_skips, kernel_params,
                                                 skip_next_repack)
 from qurl.engines.sglang.inside.layout import (CONTROL, HEADER, KERNELS, MISMATCH_MARK, STALE_MARK,
                                                VERIFY, hf_view, read_json_chunk, sglang_name)
-from qurl.engines.sglang.inside.tp_cut import Box, Layout, local_positions, shard_box, slice_shape
+from qurl.engines.sglang.inside.tp_cut import (Box, Layout, local_positions, shard_box, slice_shape,
+                                               whole)
 from qurl.weights.delta import apply_positions, check_delta, delta_owner, is_delta_name
-from qurl.weights.digest import combine, tensor_digest
+from qurl.weights.digest import combine, digest_target, tensor_digest
 
 log = logging.getLogger(__name__)
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
@@ -230,6 +232,9 @@ def _load_bucket(model: torch.nn.Module, inner: Callable,
             raise ValueError(f"{STALE_MARK} delta chunks outside a qurl sync")
     out = None
     whole = [(n, t) for n, t in rest if not is_delta_name(n)]
+    experts = [(n, t) for n, t in whole if is_fused_expert_tensor(n)]
+    whole = [(n, t) for n, t in whole if not is_fused_expert_tensor(n)]
+    load_fused_experts(model, experts)  # in place: SGLang cannot load fused names (experts.py)
     if whole:
         out = inner(whole, *args, **kw)
     for name, t in rest:
@@ -278,6 +283,9 @@ def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None,
     st = STATE
     if hf_shape is None:
         raise ValueError(f"{hf_name}: no shape in the sync's header")
+    fused, expert = digest_target(hf_name)
+    if expert is not None:  # one expert's slice of a fused expert tensor (experts.py)
+        return _expert_target(model, fused, expert, hf_shape, params), whole(hf_shape)
     box = shard_box(hf_name, hf_shape, st.rank, st.tp, st.layout)
     shape = slice_shape(hf_shape, box)
     params = params if params is not None else {n: p.data for n, p in model.named_parameters()}
@@ -300,6 +308,18 @@ def targets_of(model: torch.nn.Module, hf_name: str, hf_shape: list[int] | None,
             getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         views.append(hf_view(params[TIED[1]], None, None, shape))
     return views, box
+
+
+def _expert_target(model: torch.nn.Module, name: str, expert: int, shape: list[int],
+                   params: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+    """[the view of expert `expert` in fused parameter `name`] (TP 1 only: a TP > 1 rank holds
+    a cut of each expert that this map does not know)."""
+    if STATE.tp > 1:
+        raise ValueError(f"{name}@expert{expert}: per-expert verification at TP > 1 is not built")
+    params = params if params is not None else {n: p.data for n, p in model.named_parameters()}
+    if name not in params or not 0 <= expert < params[name].shape[0]:
+        raise ValueError(f"{name}@expert{expert}: this server holds no such expert")
+    return [hf_view(params[name][expert], None, None, shape)]
 
 
 def held_digests(model: torch.nn.Module, spec: dict[str, list],
@@ -359,7 +379,7 @@ def check_kernels(model: torch.nn.Module, msg: dict) -> None:
     got = held_digests(model, spec, params=params)
     bad = []
     for name in sorted(spec):
-        pname = sglang_name(name)[0]
+        pname = sglang_name(digest_target(name)[0])[0]  # an expert's slice: its fused tensor
         if pname in unknown:
             bad.append(f"{name}{KERNEL_MARK}: {unknown[pname]}")
         elif want[name] is None or got[name] != want[name]:
