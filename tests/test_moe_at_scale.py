@@ -1,7 +1,8 @@
 """A mixture of experts at scale: Qwen3-30B-A3B's known shape, the MoE-aware memory plan
 (qurl/learner/memory_plan.py) and the qwen3-30b-a3b preset, which `qurl launch --dry-run` refuses
-in one line today (qurl/models/fits.py check_moe_run, and the plan: a rank cannot hold all 128
-experts, and learner.ep would divide them).
+in one line today after planning it (TP 1 x DP 16 x EP 16 fits; qurl/models/fits.py
+check_moe_run refuses 8-bit MoE servers, sglang.tp=2 and replay on SGLang), and the plan's
+refusal of a rank holding all 128 experts, which learner.ep divides.
 
 References: the model card's published counts (30.5B parameters, 3.3B activated, 29.9B without
 the embeddings) and a tiny Qwen3-MoE built by transformers, whose parameter count the plan must
@@ -64,12 +65,14 @@ def test_the_a3b_preset_is_refused_in_one_line_before_anything_starts(capsys, mo
         assert main_launch(["--preset", "qwen3-30b-a3b", *argv]) == 2
         out, err = capsys.readouterr()
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"qurl launch: error: {moe.value}; and ")
-        for missing in ("learner.tp=4", "inside SGLang", "expert parallelism", "learner.ep=2 (now 1"):
+        assert lines == [f"qurl launch: error: {moe.value}"]  # the memory plan fits
+        for missing in ("rollout.precision=int8", "sglang.tp=2", "algo.routing_replay=rollout"):
             assert missing in lines[0], missing
+        assert "learner.tp=" not in lines[0]  # TP 1 x DP 16 x EP 16: nothing to say
         # the memory plan, per rank, with the experts every rank holds
-        assert "#   ranks 1-7" in out and "all 128 experts of every layer" in out
-        assert "every rank holds 7.64B parameters, 7.25B of them" in out
+        assert "#   ranks 1-15" in out and out.count(": fits") == 2
+        assert ("every rank holds 3.35B parameters, 1.81B of them its 8 of the 128 experts of "
+                "every layer (learner.ep=16") in out
 
 
 def test_a_moe_run_check_moe_run_accepts_is_refused_by_the_memory_plan(capsys) -> None:
@@ -77,21 +80,21 @@ def test_a_moe_run_check_moe_run_accepts_is_refused_by_the_memory_plan(capsys) -
     cannot fit, and the plan's one line names the experts and learner.ep, not learner.tp (which a
     MoE cannot use); at learner.ep = learner.dp = 8 every rank holds 16 of the 128 experts (5.16B
     parameters in all), which the plan prints and the refusal names."""
-    rc = main_launch(["--preset", "qwen3-30b-a3b", "--set", "learner.tp=1",
+    rc = main_launch(["--preset", "qwen3-30b-a3b", "--set", "learner.dp=2", "--set", "learner.ep=1",
                       "--set", "rollout.engine=local", "--dry-run"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("qurl launch: error: learner rank 0 needs")
     assert "128 experts" in err[0] and "expert parallelism" in err[0]
     assert "set learner.ep=2 (now 1" in err[0] and "learner.tp=" not in err[0]
-    rc = main_launch(["--preset", "qwen3-30b-a3b", "--set", "learner.tp=1", "--set", "learner.dp=8",
+    rc = main_launch(["--preset", "qwen3-30b-a3b", "--set", "learner.dp=8",
                       "--set", "learner.ep=8", "--set", "rollout.engine=local", "--dry-run"])
     out, err = capsys.readouterr()
     assert rc == 2 and "its 16 of the 128 experts of every layer" in err
     assert "raise learner.dp" in err  # ep = dp: no larger learner.ep to suggest
     from qurl.learner.memory_plan import plan_text
 
-    cfg = load_config("qwen3-30b-a3b", sets=["learner.tp=1", "learner.dp=8", "learner.ep=8"])
+    cfg = load_config("qwen3-30b-a3b", sets=["learner.dp=8", "learner.ep=8"])
     text, _ = plan_text(cfg.model, cfg.learner, cfg.rollout, cfg.deploy, 80e9, "GPU",
                         kl_coef=cfg.algo.kl_coef)
     assert ("every rank holds 5.16B parameters, 3.62B of them its 16 of the 128 experts of every "

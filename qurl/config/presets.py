@@ -97,17 +97,19 @@ def qwen3_30b_a3b() -> Config:
     1e-3, 8 samples per prompt, 8k context, its five evaluation sets at Avg@32, up to 1200 steps.
     Chosen here: routing replay (algo.routing_replay=rollout: the learner takes the experts the
     8-bit engine chose, so quantization cannot move a token to other experts between rollout and
-    update); the layout of one 8-GPU learner node, learner TP 4 x DP 2 with full recompute and the
-    distributed optimizer (slime's Qwen3-30B-A3B script trains at TP 4 with expert parallelism 8,
-    the EP over a node this layout leaves room for), and SGLang INT8 servers of 2 GPUs on the other
-    nodes (~15 GB of 8-bit weights per GPU, the rest for KV cache). Today `qurl launch` refuses it
-    in one line (qurl/models/fits.py check_moe_run: SGLang's expert loader and per-expert
-    verification, MoE training at TP > 1; and the memory plan: expert parallelism is not built)."""
+    update); the learner on two 8-GPU nodes at TP 1 x DP 16 with expert parallelism 16 (each rank
+    holds 8 of the 128 experts of every layer: 3.35B parameters, ~67 GB planned per rank with one
+    8,704-token row; megatron-core's MoE layer trains at TP > 1 only with sequence parallelism,
+    which qurl's learner does not use), full recompute and the distributed optimizer; SGLang INT8
+    servers of 2 GPUs on the other nodes (~15 GB of 8-bit weights per GPU, the rest for KV cache).
+    Today `qurl launch` plans it and then refuses it in one line (qurl/models/fits.py
+    check_moe_run): qurl runs a MoE inside SGLang only at bf16, sglang.tp=1 and without routing
+    replay, the case a real server ran here (docs/moe.md)."""
     return override(paper_deepscaler_1p5b(), {
         "run.name": "qwen3-30b-a3b",
         "model.base": "Qwen/Qwen3-30B-A3B",
         "algo.routing_replay": "rollout",
-        "learner.tp": 4, "learner.dp": 2, "learner.recompute": "full",
+        "learner.tp": 1, "learner.dp": 16, "learner.ep": 16, "learner.recompute": "full",
         "deploy.ranks.distributed_optimizer": True, "sglang.tp": 2,
     })
 
