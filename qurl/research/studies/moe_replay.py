@@ -42,7 +42,7 @@ REPLAY = ("off", "rollout")
 # smollm2-arith's task on the derived MoE, small enough for a few CPU minutes a run
 DEFAULTS: dict[str, Any] = {
     "model.base": "smollm2-135m-moe", "run.steps": 4, "run.eval_every": 4,
-    "rollout.prompts_per_step": 4, "rollout.group_size": 4, "data.eval_size": 40,
+    "rollout.prompts_per_step": 4, "rollout.group_size": 4, "data.eval_size": 10,
     "algo.mini_batches": 1, "deploy.torch_threads": 1, "deploy.progress": False,
     "deploy.ckpt_every": 2, "deploy.rollout": "inline",
 }
