@@ -16,9 +16,9 @@ import json
 
 import pytest
 import torch
-from tiny_hf import build
+from tiny_hf import load_eager, save_llama
 
-from qurl.models.hf import load_checkpoint, read_state_dict
+from qurl.models.hf import read_state_dict
 from qurl.models.moe_calibrate import balanced_partition, calibrate
 from qurl.models.moe_from_dense import DERIVED, derive_moe
 
@@ -28,18 +28,7 @@ TOKENS = 200
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from qurl.models.tokenizer import build_tokenizer
-
-    d = tmp_path_factory.mktemp("llama") / "dense"
-    build("llama", seed=5).save_pretrained(d)
-    build_tokenizer().save_pretrained(d)
-    return d
-
-
-def _load(path):
-    model = load_checkpoint(path, dtype=torch.float32)[0]
-    model.config._experts_implementation = "eager"
-    return model
+    return save_llama(tmp_path_factory.mktemp("llama") / "dense")
 
 
 def test_every_expert_and_zero_router_equals_the_dense_llama(llama_dir, tmp_path) -> None:
@@ -48,7 +37,7 @@ def test_every_expert_and_zero_router_equals_the_dense_llama(llama_dir, tmp_path
     record = json.loads((out / DERIVED).read_text())
     assert record["method"] == "cluster" and record["calibration"]["tokens"] == TOKENS
     assert sorted(record["perms"][0]) != record["perms"][0]  # the neurons were regrouped
-    dense, derived = _load(llama_dir), _load(out)
+    dense, derived = load_eager(llama_dir), load_eager(out)
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got = dense(tokens).logits, derived(tokens).logits

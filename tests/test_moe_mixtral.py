@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 from spawn_in_turn import spawn_in_turn
-from tiny_hf import build, build_mixtral, hf_state, mixtral_config
+from tiny_hf import build_mixtral, hf_state, load_eager, mixtral_config, save_llama
 
 from qurl.config import AlgoConfig, LearnerConfig, ModelConfig, OptimConfig
 from qurl.models import convert, moe
@@ -126,22 +126,7 @@ def test_learner_logits_match_transformers_mixtral(runs, ws: int) -> None:
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    """A tiny random Llama checkpoint (untied, head_dim != hidden/heads) with the character
-    tokenizer."""
-    from qurl.models.tokenizer import build_tokenizer
-
-    d = tmp_path_factory.mktemp("llama") / "dense"
-    build("llama", seed=5).save_pretrained(d)
-    build_tokenizer().save_pretrained(d)
-    return d
-
-
-def _load(path):
-    from qurl.models.hf import load_checkpoint
-
-    model = load_checkpoint(path, dtype=torch.float32)[0]
-    model.config._experts_implementation = "eager"
-    return model
+    return save_llama(tmp_path_factory.mktemp("llama") / "dense")
 
 
 def test_derived_moe_with_every_expert_equals_the_dense_llama(llama_dir, tmp_path) -> None:
@@ -154,7 +139,7 @@ def test_derived_moe_with_every_expert_equals_the_dense_llama(llama_dir, tmp_pat
         ["MixtralForCausalLM"], 32, 4)
     assert json.loads((out / DERIVED).read_text())["experts"] == 4
     assert (out / "tokenizer.json").is_file()
-    dense, derived = _load(llama_dir), _load(out)
+    dense, derived = load_eager(llama_dir), load_eager(out)
     assert type(derived).__name__ == "MixtralForCausalLM"
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -179,7 +164,7 @@ def test_derived_moe_routes_by_token_and_is_another_model(llama_dir, tmp_path) -
 
     sa, sb = read_state_dict(a), read_state_dict(b)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)  # seeded: the same model twice
-    dense, derived = _load(llama_dir), _load(a)
+    dense, derived = load_eager(llama_dir), load_eager(a)
     tokens = torch.arange(0, 96).reshape(1, 96)
     with torch.no_grad():
         out = derived(tokens, output_router_logits=True)

@@ -117,3 +117,23 @@ def _randomized(model, seed: int):
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
     return model.eval()
+
+
+def save_llama(d) -> "Path":
+    """A tiny random Llama checkpoint (untied, head_dim != hidden/heads, seed 5) with the
+    character tokenizer, written to `d`: the dense source of the derived-MoE tests."""
+    from qurl.models.tokenizer import build_tokenizer
+
+    build("llama", seed=5).save_pretrained(d)
+    build_tokenizer().save_pretrained(d)
+    return d
+
+
+def load_eager(path) -> torch.nn.Module:
+    """A checkpoint in fp32 with transformers' per-expert (eager) MoE loop, so that a test's
+    hooks see every expert."""
+    from qurl.models.hf import load_checkpoint
+
+    model = load_checkpoint(path, dtype=torch.float32)[0]
+    model.config._experts_implementation = "eager"
+    return model
