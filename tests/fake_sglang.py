@@ -41,6 +41,20 @@ tests/test_sglang_real_deploy.py); no vocabulary padding of embed_tokens (real: 
 W8A8 weights transposed); `/weights_checker` and `/get_weights_by_name` are not served;
 `/update_weights_from_tensor` takes no tensors (only qurl's no-data restore).
 
+Routes of a mixture of experts (config.json with `num_experts`, `num_experts_per_tok`,
+`num_hidden_layers`), as SGLang 0.5.23 returns them: with `--enable-return-routed-experts` and a
+body's `return_routed_experts`, `meta_info.routed_experts` is base64 of int32 [rows, L, k]
+(`srt/managers/detokenizer_manager.py:432-447`, `tokenizer_manager.py:2602-2609`) for positions
+[routed_experts_start_len, seqlen - 1), seqlen = input + output ids (`srt/state_capturer/base.py:
+173-188`; a start beyond the input aborts the request, `srt/managers/scheduler.py:3300-3318`).
+Position i's experts are those of the weights that forwarded it: the prompt's at the first step,
+output token t's at the step after it; in layer l they are (7 * token_i + 3 * l + version + j) % E,
+j = 0 .. k-1 (fake). An aborted running request still gets the routes of what it forwarded
+(`scheduler.py:5797-5812`: one more decode step, then the normal finish path,
+`scheduler_components/batch_result_processor.py:136-160`); one aborted before its first step and
+every request on a server without the flag get none (`srt/state_capturer/routed_experts.py:50`),
+without an error.
+
 Test-only extras (never used by qurl): `--dump-dir` writes the received weights after every
 `/end_weight_update` as safetensors; `/_fake/fault` injects malformed or stuck responses, or
 (`refuse_update`) makes `/update_weights_from_distributed` refuse every bucket as real SGLang
@@ -56,6 +70,7 @@ process exit in the middle of its first sync (when FILE does not exist yet; it c
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import math
 import os
@@ -77,7 +92,8 @@ SAMPLING_KEYS = {"max_new_tokens": int, "temperature": (int, float), "top_p": (i
                  "no_stop_trim": bool, "skip_special_tokens": bool}
 GENERATE_KEYS = {"rid": str, "input_ids": list, "sampling_params": dict, "return_logprob": bool,
                  "logprob_start_len": int, "top_logprobs_num": int, "stream": bool,
-                 "return_text_in_logprobs": bool, "text": str}
+                 "return_text_in_logprobs": bool, "text": str, "return_routed_experts": bool,
+                 "routed_experts_start_len": int}
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,8 +140,12 @@ class FakeSGLang:
         self.buckets_seen = 0
         self.ready_at = time.time() + args.startup_delay
         self.eos = None
+        self.moe: tuple[int, int, int] | None = None  # (L, k, E) of a mixture of experts
         if cfg.is_file():
-            self.eos = json.loads(cfg.read_text()).get("eos_token_id")
+            c = json.loads(cfg.read_text())
+            self.eos = c.get("eos_token_id")
+            if c.get("num_experts"):
+                self.moe = (c["num_hidden_layers"], c["num_experts_per_tok"], c["num_experts"])
         # W8A8 servers repack linears after loading (drop their weight loaders, transpose) and
         # 0.5.23's begin_weight_update does not undo it: only qurl's restore loader does
         self.repacks = args.quantization in ("w8a8_int8", "w8a8_fp8")
@@ -153,6 +173,15 @@ class FakeSGLang:
             self.running[rid] = state
             self.peak_running = max(self.peak_running, len(self.running))
         out, lps, spans = [], [], []
+        fwd: list[int] = []  # version that forwarded each position (the routes' weights)
+        start = int(body.get("routed_experts_start_len") or 0)
+        if body.get("return_routed_experts") and not 0 <= start <= len(ids):
+            rid = body.get("rid") or f"r{len(self.requests)}"
+            return 200, {"text": "", "output_ids": [], "meta_info": {
+                "id": rid, "finish_reason": {"type": "abort", "message":
+                f"routed_experts_start_len={start} is outside [0, {len(ids)}]"},
+                "prompt_tokens": len(ids), "weight_version": self.version,
+                "completion_tokens": 0, "output_token_logprobs": []}}
         finish = {"type": "length", "length": sp.get("max_new_tokens", 128)}
         stops = set(sp.get("stop_token_ids") or [])
         try:
@@ -168,6 +197,7 @@ class FakeSGLang:
                                   "err_type": None}
                         break
                     version = self.version
+                fwd += [int(version)] * (len(ids) if not out else 1)  # prefill, or last token
                 ctx = ids + out
                 tok = (31 * sum(ctx) + len(ctx) + 7 * int(version)) % self.vocab
                 out.append(tok)
@@ -196,11 +226,24 @@ class FakeSGLang:
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)],
                 "output_token_logprobs_length": len(lps), "input_token_logprobs": [],
                 "weight_versions": spans or [{"version": self.version, "start": 0, "end": 0}]}
+        if body.get("return_routed_experts") and self.args.enable_return_routed_experts \
+                and self.moe is not None and fwd:
+            meta["routed_experts"] = self.routes(ids + out, fwd, start)
         if self.fault == "no_meta":
             return 200, {"text": "", "output_ids": out}
         if self.fault == "bad_json":
             return 200, b"{not json"
         return 200, {"text": "", "output_ids": out, "meta_info": meta}
+
+    def routes(self, seq: list[int], fwd: list[int], start: int) -> str:
+        """base64 of int32 [len(fwd) - start, L, k]: position i's experts at version fwd[i]."""
+        layers, k, experts = self.moe
+        rows = [[[(7 * seq[i] + 3 * lay + v + j) % experts for j in range(k)]
+                 for lay in range(layers)] for i, v in enumerate(fwd)][start:]
+        if self.fault == "short_routes":  # one position fewer than asked
+            rows = rows[:-1]
+        flat = torch.tensor(rows, dtype=torch.int32).reshape(-1)
+        return base64.b64encode(flat.numpy().astype("<i4").tobytes()).decode()
 
     def pause(self, body: dict) -> tuple[int, object]:
         check_body(body, {"mode": str, "rid": str})
@@ -516,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--custom-weight-loader", nargs="*", default=[])
     p.add_argument("--health-pause-timeout", type=float, default=20.0)
     p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--enable-return-routed-experts", action="store_true")
     args = p.parse_args(argv)
     if args.tp_size != 1:
         sys.exit("fake_sglang: only --tp-size 1")

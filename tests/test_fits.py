@@ -72,7 +72,6 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]
 @pytest.mark.parametrize("change,named", [
     ({"precision": "int8"}, "rollout.precision=int8"),
     ({"sglang_tp": 2}, "sglang.tp=2"),
-    ({"routing_replay": "rollout"}, "algo.routing_replay=rollout"),
     ({"fields": dict(QWEN3_MOE, tie_word_embeddings=True)}, "a tied lm_head"),
     ({"fields": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}},
      "other than Qwen3-MoE"),
@@ -83,6 +82,7 @@ def test_a_moe_on_sglang_runs_only_as_the_real_server_ran_it(change, named) -> N
     args = dict(learner_tp=1, engine="sglang", precision="bf16", sglang_tp=1,
                 routing_replay="off", fields=QWEN3_MOE)
     check_moe_run("m", **args)  # untied Qwen3-MoE, bf16, sglang.tp 1, no replay: runs
+    check_moe_run("m", **dict(args, routing_replay="rollout"))  # replaying the server's routes too
     check_moe_run("m", **dict(args, engine="local", precision="int8"))
     with pytest.raises(InputError) as e:
         check_moe_run("m", **dict(args, **change))

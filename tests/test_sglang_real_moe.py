@@ -156,6 +156,41 @@ def test_routes_match_the_local_engine(server, moe):
     assert same_rows >= sum(len(p) for p in PROMPTS) - len(PROMPTS)
 
 
+def test_engine_routes_are_the_routers_choice(server, moe):
+    """qurl's SGLangEngine asked for routes (what a run with algo.routing_replay=rollout builds,
+    qurl/engines/sglang/from_config.py): each result's routed_experts is uint8 [P + T - 1, L, k]
+    and, on rows whose top-k set is not a near-tie, the experts transformers' router picks on
+    the same tokens (sets; first place where it is not a near-tie either)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(moe)
+    layers, k, experts = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts
+    server.routes = (layers, k, experts)
+    try:
+        params = SamplingParams(max_new_tokens=NEW, temperature=0.0, top_p=1.0)
+        got = server.generate([GenRequest(f"r{i}", p, params) for i, p in enumerate(PROMPTS)])
+    finally:
+        server.routes = None
+    checked = rows = 0
+    for prompt, g in zip(PROMPTS, got):
+        seq = prompt + g.output_ids.tolist()
+        assert g.routed_experts.dtype == torch.uint8
+        assert g.routed_experts.shape == (len(seq) - 1, layers, k), g.routed_experts.shape
+        _, probs = hf_forward(moe, seq[:-1])
+        top = probs.sort(dim=-1, descending=True)
+        for i in range(len(seq) - 1):
+            for lay in range(layers):
+                rows += 1
+                p, idx = top.values[i, lay], top.indices[i, lay]
+                if float(p[k - 1] - p[k]) > ROUTE_TIE:
+                    checked += 1
+                    assert set(g.routed_experts[i, lay].tolist()) == set(idx[:k].tolist()), \
+                        (prompt, i, lay)
+                if float(p[0] - p[1]) > ROUTE_TIE:
+                    assert int(g.routed_experts[i, lay, 0]) == int(idx[0]), (prompt, i, lay)
+    assert checked >= 0.75 * rows, (checked, rows)
+
+
 def test_bf16_expert_update_changes_exactly_that_expert(server, moe, env):
     """qurl's SGLangEngine.load_weights with one expert's per-expert chunks: expert EXPERT of layer
     LAYER holds them (gate rows, then up rows of w13; w2 whole), every other parameter and
@@ -306,3 +341,36 @@ def test_qurl_train_with_a_moe_on_real_sglang(env, moe, tmp_path):
     logs = (tmp_path / "moe" / "logs").glob("*.log")
     log = "\n".join(p.read_text(errors="replace") for p in logs)
     assert log.count('"POST /update_weights_from_distributed HTTP/1.1" 200') >= 3
+
+
+def test_qurl_train_replays_the_real_servers_routes(env, moe, tmp_path):
+    """`qurl train` with rollout.engine=sglang and algo.routing_replay=rollout: the launched
+    bf16 server runs with --enable-return-routed-experts, every trajectory carries its routes,
+    and the learner replays them: its π_prox uses the server's experts, so KL(behav||prox)
+    stays small, while moe/route_flip_frac (the learner's own router vs the server's) is
+    recorded every step; every sync is verified."""
+    import json
+    import sys
+
+    from tests.sglang_real import CPU_FLAGS, run_leaving_no_server
+
+    sets = ["run.steps=2", "run.eval_every=0", "deploy.ckpt_every=0", "deploy.progress=false",
+            "model.warmstart_steps=40", "data.digits=1", "data.operands=2", "data.eval_size=4",
+            "data.train_size=32", "algo.routing_replay=rollout",
+            f"model.base={moe}", "rollout.engine=sglang", "rollout.precision=bf16",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
+            "eval.max_new_tokens=12", "sglang.args=" + ",".join(CPU_FLAGS),
+            f"deploy.dir={tmp_path}", "run.name=moe", "deploy.torch_threads=1"]
+    argv = [sys.executable, "-m", "qurl.cli", "train"]
+    for kv in sets:
+        argv += ["--set", kv]
+    run_leaving_no_server(argv, "qurl train")
+    recs = [json.loads(x) for x in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r.get("kind") == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["sync/verified"] == 1.0 and r["sync/verify_mismatches"] == 0, r
+        assert 0.0 <= r["kl_behav_prox"] < 0.05, r["kl_behav_prox"]
+        # the learner's own fp32 router vs the bf16 server's choice: near-ties only
+        assert 0.0 <= r["moe/route_flip_frac"] < 0.2, r["moe/route_flip_frac"]
+    # (the learner refuses a replaying batch without routes: qurl/learner/moe_step.py)

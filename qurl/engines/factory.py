@@ -27,13 +27,15 @@ class ServerSite:
     engines the run has (deploy.engines), the address they reach the weight group at
     (deploy.host), the UAQ scale of the export (algo.uaq_scale), and the learner's `learner` and
     `deploy.ranks` sections: launched servers take GPUs after the learner's ranks on this node
-    (qurl/node/placement.py `sglang_base_gpus`)."""
+    (qurl/node/placement.py `sglang_base_gpus`); `routes`: the run replays a mixture of experts'
+    routes (algo.routing_replay=rollout), so its servers must return them."""
     run_dir: Path
     count: int
     group_host: str
     uaq_scale: float
     learner: LearnerConfig
     ranks: RanksDeployConfig
+    routes: bool = False
 
     @classmethod
     def of(cls, deploy: DeployConfig, run: RunConfig, algo: AlgoConfig,
@@ -42,7 +44,8 @@ class ServerSite:
         from qurl.checkpoint.rundir import run_dir_for
 
         return cls(run_dir=run_dir_for(deploy, run), count=deploy.engines, group_host=deploy.host,
-                   uaq_scale=algo.uaq_scale, learner=learner, ranks=deploy.ranks)
+                   uaq_scale=algo.uaq_scale, learner=learner, ranks=deploy.ranks,
+                   routes=algo.routing_replay == "rollout")
 
 
 def local_engine(model_dir: str, precision: str, *, seed: int) -> Engine:
@@ -84,7 +87,7 @@ def make_engine(rollout: RolloutConfig, sglang: SGLangConfig, sync: SyncSettings
         count=site.count, uaq_scale=site.uaq_scale, group_host=host or site.group_host,
         group_port=sync.port if slot is None else 0,  # async workers: one group each
         bucket_bytes=sync.bucket_bytes, slot=slot, base_gpus=gpus,
-        verify_kernels_every=sync.verify_kernels_every)  # the post-repack read-back
+        verify_kernels_every=sync.verify_kernels_every, routes=site.routes)  # the post-repack read-back
 
 
 _SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",

@@ -120,12 +120,13 @@ def sglang_moe_problems(fields: dict[str, Any] | None, *, precision: str, sglang
                         routing_replay: str) -> list[str]:
     """What keeps a MoE run off SGLang (empty: it runs there): the one case a real SGLang 0.5.23
     server ran end to end (docs/moe.md "Real SGLang", tests/test_sglang_real_moe.py) is an untied
-    Qwen3-MoE at bf16 on sglang.tp=1 without routing replay. 8-bit MoE servers load and take
-    qurl's verified expert sync, but their forward (Triton's fused MoE) has not run here; the
-    in-server expert loader writes TP 1 layouts only; qurl's SGLang engine does not yet ask the
-    server for its routes; SGLang's Qwen3MoeForCausalLM never ties lm_head to embed_tokens
-    (models/qwen3_moe.py:1017), so a tied checkpoint serves uniform logits; Mixtral has not
-    been run. fields None: the shape is unknown."""
+    Qwen3-MoE at bf16 on sglang.tp=1, with or without routing replay (the engine then asks the
+    server for its routes: qurl/engines/sglang/protocol.py "Routes"). 8-bit MoE servers load
+    and take qurl's verified expert sync, but their forward (Triton's fused MoE) has not run
+    here; the in-server expert loader writes TP 1 layouts only; SGLang's Qwen3MoeForCausalLM
+    never ties lm_head to embed_tokens (models/qwen3_moe.py:1017), so a tied checkpoint serves
+    uniform logits; Mixtral has not been run. `routing_replay` no longer limits anything (kept for
+    the callers). fields None: the shape is unknown."""
     out = []
     arch = (fields or {}).get("model_type") or "".join((fields or {}).get("architectures") or [])
     if fields is None:
@@ -136,9 +137,6 @@ def sglang_moe_problems(fields: dict[str, Any] | None, *, precision: str, sglang
         out.append(f"rollout.precision={precision} (8-bit MoE servers have not generated here)")
     if sglang_tp != 1:
         out.append(f"sglang.tp={sglang_tp} (qurl's expert loader writes TP 1 layouts only)")
-    if routing_replay != "off":
-        out.append(f"algo.routing_replay={routing_replay} (qurl's SGLang engine does not yet "
-                   "ask for the server's routes)")
     if fields is not None and fields.get("tie_word_embeddings"):
         out.append("a tied lm_head (SGLang's Qwen3-MoE never ties it: uniform logits)")
     return out
@@ -164,7 +162,7 @@ def check_moe_run(base: str, *, learner_tp: int, engine: str, precision: str,
                                        routing_replay=routing_replay)
         if problems:
             missing.append("rollout.engine=sglang (qurl runs a MoE inside SGLang only as an "
-                           "untied Qwen3-MoE at bf16, sglang.tp=1, routing replay off; here: "
+                           "untied Qwen3-MoE at bf16, sglang.tp=1; here: "
                            f"{', '.join(problems)}; or use rollout.engine=local)")
     elif engine != "local":
         missing.append(f"rollout.engine={engine} (use rollout.engine=local)")

@@ -50,7 +50,8 @@ from qurl.config import ConfigError
 from qurl.engines.sglang.inside.tp_cut import Layout
 from qurl.engines.sglang.launcher import Server, ServerSpec, stop_all
 from qurl.engines.sglang.protocol import (QUANTIZATION, RESTORE_QUANTIZATIONS, SGLangError,
-                                          SGLangUnavailable, parse_generate, topk_entropy)
+                                          SGLangUnavailable, parse_generate, parse_routes,
+                                          topk_entropy)
 from qurl.engines.sglang.update import WeightUpdates
 from qurl.engines.sglang.watchdog import StallHandling, Watchdog
 from qurl.types import GenRequest, GenResult
@@ -80,6 +81,8 @@ class _Pending:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # [rows, L, k] per reply, in order
+    route_rows: int = 0  # positions routed so far: the next call's routed_experts_start_len
     calls: int = 0
 
 
@@ -92,7 +95,8 @@ class SGLangEngine(StallHandling, WeightUpdates):
                  timeouts: Timeouts | None = None, log_dir: str | Path | None = None,
                  max_restarts: int = 3, poll_s: float = 0.05, keep_weights: bool = True,
                  tokenizer: Any = None, vocab_size: int = 0, ready_probe: str = "/health",
-                 layout: Layout | None = None, max_running: int = 0, top_logprobs: int = 0) -> None:
+                 layout: Layout | None = None, max_running: int = 0, top_logprobs: int = 0,
+                 routes: tuple[int, int, int] | None = None) -> None:
         """`tokenizer` / `vocab_size`: the served model's (the loops encode prompts with it and
         validate token ids against it); from_config.py reads both from the model directory.
         `ready_probe`: what a (re)started server must answer 200 before use: "/health" (a real
@@ -102,7 +106,10 @@ class SGLangEngine(StallHandling, WeightUpdates):
         read from the config.json of the model path the server reports, when readable here).
         `max_running`: requests sent to each server at once; 0 = what the server reports it runs
         (module docstring). `top_logprobs`: k > 0 asks for the top k at every token and gives
-        each result its entropy bound (protocol.py `topk_entropy`)."""
+        each result its entropy bound (protocol.py `topk_entropy`). `routes`: (L, k, E) of a
+        mixture of experts whose routes the run needs (algo.routing_replay=rollout): every request
+        asks for them and each result carries `routed_experts` (the servers must run with
+        `--enable-return-routed-experts`; from_config.py adds it to the ones it launches)."""
         if not servers:
             raise ValueError("SGLangEngine needs at least one server")
         if precision not in QUANTIZATION:
@@ -128,7 +135,7 @@ class SGLangEngine(StallHandling, WeightUpdates):
         self.servers = [Server(s, log, ready_probe) for s in servers]
         if max_running < 0:
             raise ValueError(f"max_running={max_running}: must be >= 0 (0 = the server's own)")
-        self.max_running, self.top_logprobs = max_running, top_logprobs
+        self.max_running, self.top_logprobs, self.routes = max_running, top_logprobs, routes
         self._lock = threading.RLock()  # syncs and recoveries, one at a time
         self._pick_lock = threading.Condition()  # request routing counters only
         self._resume = threading.Event()  # cleared while weights change: no new submissions
@@ -308,6 +315,9 @@ class SGLangEngine(StallHandling, WeightUpdates):
                     "sampling_params": sp, "return_logprob": True, "stream": False}
             if self.top_logprobs:
                 body["top_logprobs_num"] = self.top_logprobs
+            if self.routes is not None:  # resumed: only the positions not routed yet
+                body["return_routed_experts"] = True
+                body["routed_experts_start_len"] = p.route_rows
             p.calls += 1
             where = f"POST /generate on {server.spec.url} (request {req.rid})"
             try:
@@ -335,6 +345,8 @@ class SGLangEngine(StallHandling, WeightUpdates):
             p.versions += vers
             if self.top_logprobs:
                 p.entropy += topk_entropy(reply, where)
+            if self.routes is not None:
+                self._take_routes(p, reply, where, finish, len(body["input_ids"]))
             interrupted = self._pauses != pauses or not self._resume.is_set()
             if finish == "abort" and interrupted:
                 continue  # a weight update cut it short: resubmit prompt + prefix
@@ -344,12 +356,40 @@ class SGLangEngine(StallHandling, WeightUpdates):
                               f"budget of {budget}")
         if finish == "abort" and len(p.ids) >= budget:
             finish = "length"
+        routed = None
+        if self.routes is not None:
+            routed = torch.cat(p.routes) if p.routes else \
+                torch.zeros((0, *self.routes[:2]), dtype=self._route_dtype())
+            if routed.shape[0] != len(req.prompt_ids) + len(p.ids) - 1:
+                raise SGLangError(f"request {req.rid}: {routed.shape[0]} routed positions for "
+                                  f"{len(req.prompt_ids)} prompt + {len(p.ids)} output tokens "
+                                  "(expected prompt + output - 1)")
         return GenResult(rid=req.rid, prompt_ids=list(req.prompt_ids),
                          output_ids=torch.tensor(p.ids, dtype=torch.int64),
                          logprobs=torch.tensor(p.logprobs, dtype=torch.float32),
                          versions=torch.tensor(p.versions, dtype=torch.int64),
                          finish_reason=finish, entropy=torch.tensor(p.entropy, dtype=torch.float32)
-                         if self.top_logprobs else None)
+                         if self.top_logprobs else None, routed_experts=routed)
+
+    def _route_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.routes is not None and self.routes[2] <= 256 else torch.int32
+
+    def _take_routes(self, p: _Pending, reply: dict, where: str, finish: str,
+                     n_input: int) -> None:
+        """Append a reply's routes (positions p.route_rows .. input + output - 2) to p. A request
+        continued after a weight update keeps the routes its earlier calls returned for the
+        positions they forwarded (as the local engine keeps each position's routes from the
+        step that forwarded it), and asks the server only for the rest: SGLang recomputes the
+        prefix under the new weights, whose routes nothing sampled with. A reply without routes
+        is allowed only for an abort that generated nothing (aborted while queued)."""
+        got = parse_routes(reply, where, n_input=n_input, start=p.route_rows, shape=self.routes)
+        if got is None:
+            if finish != "abort" or reply.get("output_ids"):
+                raise SGLangError(f"{where}: no meta_info.routed_experts (was the server started "
+                                  "with --enable-return-routed-experts?)")
+            return
+        p.routes.append(got)
+        p.route_rows += got.shape[0]
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:

@@ -48,6 +48,18 @@ weight_updater.py`); recheck them when the pinned release changes:
   `weight_block_size` [128, 128] (FP8 `weight` + fp32 `weight_scale_inv`). SGLang's `fp8` method
   without blocks is per-TENSOR, so per-channel FP8 is `w8a8_fp8`. Weight names are HF names;
   SGLang's loader fuses q/k/v and gate/up itself. Unknown names are ignored by SGLang, silently.
+- Routes of a mixture of experts: a server started with `--enable-return-routed-experts` answers a
+  /generate body with `"return_routed_experts": true` (`srt/managers/io_struct.py:264`) with
+  `meta_info.routed_experts`, base64 of int32 [rows, L, k] (`srt/managers/detokenizer_manager.py`
+  `_b64_encode_per_request`, `tokenizer_manager.py:2602-2609`): the k experts each of the L MoE
+  layers chose, in top-k order, at positions [start, seqlen - 1), seqlen = input + output tokens,
+  start = the body's `routed_experts_start_len` (default 0, at most the input's length,
+  `io_struct.py:265-268`, `srt/managers/scheduler.py:3300-3318`; `srt/state_capturer/base.py`
+  `get_topk`). They are read from a host buffer indexed by KV slot, written when the position
+  was forwarded. They are collected when a request finishes (`scheduler_components/
+  batch_result_processor.py:136-160`), an aborted running request included (it runs one more
+  decode step, `scheduler.py:5797-5812`); a request aborted while queued, or any request on a
+  server started without the flag (`state_capturer/routed_experts.py:50`), gets none, silently.
 - `GET /server_info` (`srt/entrypoints/http_server.py` `server_info`, `srt/utils/common.py`
   `build_server_info`) answers the resolved server args (`tp_size`, `dp_size`, `quantization`,
   `custom_weight_loader`, `max_running_requests`: the flag as given, null when unset), the
@@ -65,15 +77,21 @@ weight_updater.py`); recheck them when the pinned release changes:
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import pickle
 from typing import Any
+
+import numpy as np
+import torch
 
 # precision (+ fp8 scaling) -> (SGLang --quantization, qurl sync format)
 QUANTIZATION = {"int8": ("w8a8_int8", "int8"), "fp8": ("w8a8_fp8", "fp8"),
                 "fp8_block": ("fp8", "fp8_block"), "bf16": (None, "bf16")}
 # --quantization methods that repack weights after loading without a restore (inside/loader.py)
 RESTORE_QUANTIZATIONS = ("w8a8_int8", "w8a8_fp8")
+# the server flag without which /generate returns no routes (see "Routes" above)
+ROUTES_FLAG = "--enable-return-routed-experts"
 # an empty named-tensor list, as SGLang's MultiprocessingSerializer reads it (pickle, base64)
 NO_TENSORS = base64.b64encode(pickle.dumps([])).decode()
 
@@ -167,3 +185,32 @@ def topk_entropy(reply: dict, where: str) -> list[float]:
         rest = max(0.0, 1.0 - sum(p for p, _ in ps))
         out.append(sum(-p * lp for p, lp in ps if p > 0) - (rest * math.log(rest) if rest > 0 else 0.0))
     return out
+
+
+def parse_routes(reply: dict, where: str, *, n_input: int, start: int,
+                 shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """The routes of a /generate reply to n_input input ids asked with `return_routed_experts` and
+    `routed_experts_start_len` = start: [n_input + output - 1 - start, L, k] expert ids, uint8 when
+    the model has E <= 256 experts, else int32 (qurl/pipeline/payload.py). shape = (L, k, E).
+    None when the reply carries none (a request aborted before its first forward); a reply of the
+    wrong size or with ids outside [0, E) is an SGLangError."""
+    layers, k, experts = shape
+    raw = reply["meta_info"].get("routed_experts")
+    if raw is None:
+        return None
+    n_out = len(reply.get("output_ids") or [])
+    try:
+        flat = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<i4")
+    except (TypeError, ValueError, binascii.Error):
+        raise SGLangError(f"{where}: meta_info.routed_experts is not base64 of int32: "
+                          f"{str(raw)[:80]!r}") from None
+    rows = n_input + n_out - 1 - start
+    if rows < 0 or flat.size != rows * layers * k:
+        raise SGLangError(f"{where}: meta_info.routed_experts has {flat.size} ids, expected "
+                          f"[{n_input} + {n_out} - 1 - {start}, {layers}, {k}] (input + output - 1 "
+                          "positions from routed_experts_start_len)")
+    if flat.size and (flat.min() < 0 or flat.max() >= experts):
+        raise SGLangError(f"{where}: meta_info.routed_experts holds expert ids in "
+                          f"[{flat.min()}, {flat.max()}], outside [0, {experts})")
+    out = torch.from_numpy(flat.astype(np.uint8 if experts <= 256 else np.int32))
+    return out.reshape(rows, layers, k)
