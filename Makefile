@@ -22,7 +22,7 @@ run: setup
 	$(BIN)/qurl train --set run.name=$(RUN)
 	$(BIN)/qurl report runs/$(RUN)
 
-# The real-server tests (marker sglang) are `make test-sglang`'s: about 1.5 hours on 2 cores (80 min measured before the MoE file, which took 13 min).
+# The real-server tests (marker sglang) are `make test-sglang`'s: about 1 h 45 min on 2 cores (80 min measured before the MoE file, whose tests took 22 min).
 # TEST_WORKERS pytest-xdist workers, each pinned to its share of the cores (tests/conftest.py); a
 # test file's tests stay on one worker, so its module fixtures are built once. 0 runs serially.
 TEST_WORKERS ?= 2

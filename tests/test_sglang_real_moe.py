@@ -24,6 +24,9 @@ What the CPU server does with a mixture of experts (docs/moe.md "Real SGLang"):
   qurl's in-server expert loader (qurl/engines/sglang/inside/experts.py) writes them in place,
   and every sync is verified per expert, on bf16, `w8a8_int8` and `w8a8_fp8` servers;
 - a qurl 8-bit export (int8, fp8) loads with every expert's codes and scales byte-equal.
+- qurl's SGLangEngine, asked for routes (a run with algo.routing_replay=rollout), returns them
+  as GenResult.routed_experts, equal to transformers' router choice off near-ties; and a
+  2-step `qurl train` replays the real server's routes (KL(behav‖prox) small, syncs verified).
 
 The checkpoint is untied: SGLang 0.5.23's Qwen3MoeForCausalLM always builds its own lm_head
 (`models/qwen3_moe.py:1017`) and never ties it to embed_tokens, so a tied checkpoint (no
