@@ -19,9 +19,10 @@ per arm over seeds:
 
 Arms are named `<precision>-replay-<off|rollout>`; every other setting is the caller's config
 (the default is smollm2-arith's task at a small batch on `smollm2-135m-moe`). Records go to
-`<out>/<arm>/seed<S>/metrics.jsonl` as each arm finishes; run directories to `--runs`; a run
-already finished there is not run again (qurl/research/studies/runner.py), so an interrupted study
-continues where it stopped. `--table-only` rebuilds `<out>/table.md` from the records.
+`<out>/<arm>/seed<S>/metrics.jsonl` as each arm finishes (its checkpoints are then deleted);
+run directories to `--runs`; an arm recorded in `<out>` is not run again, and an interrupted run
+is resumed from its last checkpoint (qurl/research/studies/runner.py). `--table-only` rebuilds
+`<out>/table.md` from the records.
 
     python -m qurl.research.studies.moe_replay --seeds 0,1,2 --out docs/data/moe_replay \\
         --runs runs/moe_replay [--precisions bf16,int8,fp8] [--set key=value ...] [--table-only]
@@ -129,6 +130,9 @@ def study(base: Config, out: Path, runs: Path, seeds: list[int], precisions: lis
                 dest.mkdir(parents=True, exist_ok=True)
                 for name in ("metrics.jsonl", "config.toml"):
                     shutil.copy2(run_dir / name, dest / name)
+                # a finished arm's checkpoints are ~4 GB on smollm2-135m-moe (weights and Adam
+                # moments, two kept): twelve arms filled a 250 GB disk's last 47 GB
+                shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
                 print(f"seed {seed} {cfg.run.name}: {how}", flush=True)
     path = out / "table.md"
     path.write_text(table(out))
