@@ -310,21 +310,18 @@ def test_8bit_export_loads_per_expert_and_takes_a_verified_expert_sync(env, moe,
         eng.close()
 
 
-def test_qurl_train_with_a_moe_on_real_sglang(env, moe, tmp_path):
-    """`qurl train` with rollout.engine=sglang on the untied bf16 Qwen3-MoE (check_moe_run's one
-    SGLang case): the learner's per-expert weights go out fused through qurl's expert loader,
-    every sync verified per expert, and the bf16 server samples what the learner scores. The
-    40 warm-start steps move every tensor before the first (full) sync, so the server holds
-    the learner's weights only if that sync landed: KL(behav||prox) stays small. (The random
-    model got every sum wrong when this was written, so the later syncs had nothing to send.)"""
+def _train_on_server(moe, tmp_path, steps: int, *extra: str) -> list[dict]:
+    """`qurl train` of `steps` steps on the bf16 MoE `moe` with a launched real SGLang server
+    (40 warm-start steps, one-digit sums, 2 prompts x 4 samples; `extra`: more key=value
+    settings), leaving no server behind; its train records."""
     import json
     import sys
 
     from tests.sglang_real import CPU_FLAGS, run_leaving_no_server
 
-    sets = ["run.steps=3", "run.eval_every=0", "deploy.ckpt_every=0", "deploy.progress=false",
-            "model.warmstart_steps=40", "data.digits=1", "data.operands=2", "data.eval_size=4",
-            "data.train_size=32",
+    sets = [f"run.steps={steps}", "run.eval_every=0", "deploy.ckpt_every=0",
+            "deploy.progress=false", "model.warmstart_steps=40", "data.digits=1",
+            "data.operands=2", "data.eval_size=4", "data.train_size=32", *extra,
             f"model.base={moe}", "rollout.engine=sglang", "rollout.precision=bf16",
             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
             "eval.max_new_tokens=12", "sglang.args=" + ",".join(CPU_FLAGS),
@@ -334,7 +331,17 @@ def test_qurl_train_with_a_moe_on_real_sglang(env, moe, tmp_path):
         argv += ["--set", kv]
     run_leaving_no_server(argv, "qurl train")
     recs = [json.loads(x) for x in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r.get("kind") == "train"]
+    return [r for r in recs if r.get("kind") == "train"]
+
+
+def test_qurl_train_with_a_moe_on_real_sglang(env, moe, tmp_path):
+    """`qurl train` with rollout.engine=sglang on the untied bf16 Qwen3-MoE (check_moe_run's one
+    SGLang case): the learner's per-expert weights go out fused through qurl's expert loader,
+    every sync verified per expert, and the bf16 server samples what the learner scores. The
+    40 warm-start steps move every tensor before the first (full) sync, so the server holds
+    the learner's weights only if that sync landed: KL(behav||prox) stays small. (The random
+    model got every sum wrong when this was written, so the later syncs had nothing to send.)"""
+    train = _train_on_server(moe, tmp_path, 3)
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:  # the sync after each step: verified, changed tensors sent when it learned
         assert r["sync/verified"] == 1.0 and r["sync/verify_mismatches"] == 0, r
@@ -352,24 +359,7 @@ def test_qurl_train_replays_the_real_servers_routes(env, moe, tmp_path):
     and the learner replays them: its π_prox uses the server's experts, so KL(behav||prox)
     stays small, while moe/route_flip_frac (the learner's own router vs the server's) is
     recorded every step; every sync is verified."""
-    import json
-    import sys
-
-    from tests.sglang_real import CPU_FLAGS, run_leaving_no_server
-
-    sets = ["run.steps=2", "run.eval_every=0", "deploy.ckpt_every=0", "deploy.progress=false",
-            "model.warmstart_steps=40", "data.digits=1", "data.operands=2", "data.eval_size=4",
-            "data.train_size=32", "algo.routing_replay=rollout",
-            f"model.base={moe}", "rollout.engine=sglang", "rollout.precision=bf16",
-            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
-            "eval.max_new_tokens=12", "sglang.args=" + ",".join(CPU_FLAGS),
-            f"deploy.dir={tmp_path}", "run.name=moe", "deploy.torch_threads=1"]
-    argv = [sys.executable, "-m", "qurl.cli", "train"]
-    for kv in sets:
-        argv += ["--set", kv]
-    run_leaving_no_server(argv, "qurl train")
-    recs = [json.loads(x) for x in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r.get("kind") == "train"]
+    train = _train_on_server(moe, tmp_path, 2, "algo.routing_replay=rollout")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["sync/verified"] == 1.0 and r["sync/verify_mismatches"] == 0, r
