@@ -24,11 +24,10 @@ run: setup
 
 # The real-server tests (marker sglang) are `make test-sglang`'s: about 1 h 45 min on 2 cores (80 min measured before the MoE file, whose tests took 22 min).
 # TEST_WORKERS pytest-xdist workers, each pinned to its share of the cores (tests/conftest.py); a
-# test file's tests stay on one worker, so its module fixtures are built once; the longest files
-# are queued first (tests/conftest.py, tests/durations.json). 0 runs serially.
+# test file's tests stay on one worker, so its module fixtures are built once. 0 runs serially.
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not real_model and not sglang" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not real_model and not sglang" tests
 
 # The real pretrained model through every layer (tests/test_real_model.py; tens of minutes on 2
 # cores, so not part of `make test`): fetches SmolLM2-135M first (a no-op when already there).

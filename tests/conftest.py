@@ -1,9 +1,7 @@
 """Test-wide settings: offline Hugging Face (no hub here), GPU tests skipped without CUDA, the
 `one_thread` fixture for modules of tiny in-process models, `runs_dir`: run directories that
 share one cache of warm-started base models for the whole session, and the CPU share of each
-pytest-xdist worker (`make test` runs the suite on two), which gets the longest test files first
-(tests/durations.py)."""
-import json
+pytest-xdist worker (`make test` runs the suite on two)."""
 import os
 from pathlib import Path
 
@@ -37,21 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _longest_files_first(items: list) -> None:
-    """Order the tests by their file's seconds in tests/durations.json, longest first (a file's
-    tests keep their order; files not listed keep theirs, after the listed ones). Every xdist
-    worker collects the same order, and `--no-loadscope-reorder` (the Makefile) queues the files
-    in it."""
-    durations = Path(__file__).with_name("durations.json")
-    secs = json.loads(durations.read_text()) if durations.exists() else {}
-    first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        first.setdefault(item.path.name, i)
-    items.sort(key=lambda it: (-secs.get(it.path.name, 0.0), first[it.path.name]))
-
-
 def pytest_collection_modifyitems(config, items):
-    _longest_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
