@@ -340,6 +340,10 @@ def test_at_most_returns_every_distinct_question_of_a_small_task():
         arithmetic_task(2000, seed=0, split="train", digits=1, n_operands=2)
     few = arithmetic_task(2000, seed=0, split="train", digits=1, n_operands=2, at_most=True)
     assert 50 < len(few) < 200 and len({e.prompt for e in few}) == len(few)
+    # every one of them: the draw stops once it has them all (the space is counted), not earlier
+    every = {f"{a}{op}{b}=" for a in range(10) for b in range(10) for op in "+-"
+             if op == "+" or a >= b}
+    assert {e.prompt for e in few} == {q for q in every if not in_eval_split(q)}
     assert few[:10] == arithmetic_task(10, seed=0, split="train", digits=1, n_operands=2)
 
 

@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import re
 
@@ -101,9 +102,16 @@ def arithmetic_task(
     seen: set[str] = set()
     out: list[Example] = []
     budget = 200 * n + 20_000  # draws before we conclude the split is too small for n
+    # Past 10n + 1000 draws a small question space is counted, so a draw that has found every
+    # question of the split stops there instead of spending the rest of its budget on repeats
+    # (the same list: no later draw could add one).
+    count_after, available = budget - 10 * n - 1000, None
     while len(out) < n:
         budget -= 1
-        if budget < 0:
+        if budget == count_after:
+            available = _split_size(lo, hi, n_operands, op_choices, allow_negative,
+                                    eval_fraction, want_eval)
+        if budget < 0 or len(out) == available:
             if at_most:
                 break
             raise ValueError(
@@ -125,6 +133,27 @@ def arithmetic_task(
         out.append(Example(uid=f"arith:{question}", prompt=question, answer=str(value),
                            answer_kind="number"))
     return out
+
+
+_COUNT_UP_TO = 50_000  # questions spaces at most this large are counted before drawing
+
+
+def _split_size(lo: int, hi: int, n_operands: int, op_choices: list[str], allow_negative: bool,
+                eval_fraction: float, want_eval: bool) -> int | None:
+    """How many distinct questions the split holds, or None where the space is too large to count
+    cheaply (more than _COUNT_UP_TO operand and operator choices)."""
+    if (hi - lo + 1) ** n_operands * len(op_choices) ** (n_operands - 1) > _COUNT_UP_TO:
+        return None
+    found: set[str] = set()
+    for numbers in itertools.product(range(lo, hi + 1), repeat=n_operands):
+        for chosen in itertools.product(op_choices, repeat=n_operands - 1):
+            value, ok = numbers[0], True
+            for op, b in zip(chosen, numbers[1:]):
+                value = _apply(value, op, b)
+                ok = ok and (allow_negative or value >= 0)
+            if ok:
+                found.add(_render(list(numbers), list(chosen)))
+    return sum(in_eval_split(q, eval_fraction) == want_eval for q in found)
 
 
 _TOKEN = re.compile(r"\d+|[-+*]")
