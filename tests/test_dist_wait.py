@@ -82,8 +82,9 @@ def test_a_rank_picks_the_interface_that_reaches_its_master(monkeypatch):
     from qurl.learner.dist import pick_interface
     from qurl.node.netif import interface_addresses
 
-    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(k, raising=False)
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # set first, so undo removes what
+        monkeypatch.setenv(k, "")                          # pick_interface sets (a later test in
+        monkeypatch.delenv(k)                              # this process must not inherit it)
     assert pick_interface("127.0.0.1") is None and "GLOO_SOCKET_IFNAME" not in os.environ
     outer = {n: a for n, a in interface_addresses().items() if not a.startswith("127.")}
     if not outer:
