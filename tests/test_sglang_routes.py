@@ -149,6 +149,41 @@ def test_malformed_routes_and_a_server_without_the_flag_are_one_line_errors(tmp_
         eng.close()
 
 
+def test_return_routes_asks_without_replay_and_a_dense_model_is_refused(tmp_path, monkeypatch):
+    """sglang.return_routes=true with replay off: the launched servers get the flag and the engine
+    asks for the routes (the learner then measures its flips against them); neither setting: no
+    flag, no routes; asked of a dense model: one ConfigError naming both settings."""
+    from qurl.config import ConfigError, load_config
+    from qurl.engines.sglang import from_config
+    from tests.test_sglang_engine import _model_dir, engine_of
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(specs, **kw):
+        seen["cmd"], seen["routes"] = specs[0].command, kw["routes"]
+        raise Stop
+
+    model = _moe_dir(tmp_path)
+    monkeypatch.setattr("qurl.models.export8bit.export_8bit", lambda *a, **k: model)
+    monkeypatch.setattr(from_config, "SGLangEngine", fake_engine)
+    for extra, flag in ((["sglang.return_routes=true"], 1), ([], 0)):
+        cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", f"deploy.dir={tmp_path}",
+                                            *extra])
+        with pytest.raises(Stop):
+            engine_of(cfg, str(model))
+        assert seen["cmd"].count("--enable-return-routed-experts") == flag
+        assert seen["routes"] == (MOE if flag else None)
+    (tmp_path / "dense").mkdir()
+    dense = _model_dir(tmp_path / "dense")
+    cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", f"deploy.dir={tmp_path}",
+                                        "sglang.return_routes=true"])
+    with pytest.raises(ConfigError, match="sglang.return_routes=true: .* is a dense model"):
+        engine_of(cfg, str(dense))
+
+
 def test_a_replaying_run_launches_its_servers_with_the_flag_and_attaches_asking_routes(
         tmp_path, monkeypatch):
     """make_engine with algo.routing_replay=rollout: launched servers get the flag (the 8-bit

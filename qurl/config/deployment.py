@@ -42,6 +42,13 @@ class SGLangConfig:
     lower bound: the top k's terms plus the rest of the mass as one token); 0 = not asked, and
     SGLang runs record no engine entropy. The local engine always records the exact one. A
     reporting setting: the samples are the same, the replies k times larger."""
+    return_routes: bool = False
+    """A mixture of experts: ask the servers for the experts they routed each token to even with
+    algo.routing_replay=off, so the learner measures how often its own top-k differs from theirs
+    (moe/route_flip_frac and the rest of qurl/algo/routes.py); replay on always asks. Launched
+    servers get `--enable-return-routed-experts`, attached ones must run with it. A reporting
+    setting: the samples are the same, each reply carries k expert ids per token and layer. On a
+    CPU-only torch that flag stops SGLang 0.5.23 at start (docs/moe.md, "Real SGLang")."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ class ServerSite:
     (deploy.host), the UAQ scale of the export (algo.uaq_scale), and the learner's `learner` and
     `deploy.ranks` sections: launched servers take GPUs after the learner's ranks on this node
     (qurl/node/placement.py `sglang_base_gpus`); `routes`: the run replays a mixture of experts'
-    routes (algo.routing_replay=rollout), so its servers must return them."""
+    routes (algo.routing_replay=rollout), so its servers must return them (sglang.return_routes
+    asks for them without replay: make_engine)."""
     run_dir: Path
     count: int
     group_host: str
@@ -87,7 +88,8 @@ def make_engine(rollout: RolloutConfig, sglang: SGLangConfig, sync: SyncSettings
         count=site.count, uaq_scale=site.uaq_scale, group_host=host or site.group_host,
         group_port=sync.port if slot is None else 0,  # async workers: one group each
         bucket_bytes=sync.bucket_bytes, slot=slot, base_gpus=gpus,
-        verify_kernels_every=sync.verify_kernels_every, routes=site.routes)  # the post-repack read-back
+        verify_kernels_every=sync.verify_kernels_every,  # the post-repack read-back
+        routes=site.routes or sglang.return_routes)
 
 
 _SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",

@@ -107,7 +107,8 @@ class SGLangEngine(StallHandling, WeightUpdates):
         `max_running`: requests sent to each server at once; 0 = what the server reports it runs
         (module docstring). `top_logprobs`: k > 0 asks for the top k at every token and gives
         each result its entropy bound (protocol.py `topk_entropy`). `routes`: (L, k, E) of a
-        mixture of experts whose routes the run needs (algo.routing_replay=rollout): every request
+        mixture of experts whose routes the run needs (algo.routing_replay=rollout, or
+        sglang.return_routes to measure the flips without replay): every request
         asks for them and each result carries `routed_experts` (the servers must run with
         `--enable-return-routed-experts`; from_config.py adds it to the ones it launches)."""
         if not servers:

@@ -5,15 +5,16 @@ the section when the engine starts. Launched ones first need a checkpoint they c
 model exported in the rollout's 8-bit format, UAQ-scaled as the learner's masters are
 (qurl/models/export8bit.py), written under the run directory so async workers never share a
 write. Each launched server gets a free port and, on GPU hosts, its own first GPU. A run that
-replays a mixture of experts' routes (`routes`) launches its servers with
-`--enable-return-routed-experts` and has the engine ask every request for them; attached servers
-must have been started with it (the first reply without routes says so).
+replays a mixture of experts' routes (`routes`; or measures its flips against them without
+replay, sglang.return_routes) launches its servers with `--enable-return-routed-experts` and has
+the engine ask every request for them; attached servers must have been started with it (the first
+reply without routes says so).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from qurl.config import SGLangConfig
+from qurl.config import ConfigError, SGLangConfig
 from qurl.engines.sglang.engine import SGLangEngine, Timeouts
 from qurl.engines.sglang.inside.tp_cut import Layout
 from qurl.engines.sglang.launcher import ServerSpec, server_command
@@ -32,14 +33,16 @@ def from_section(sg: SGLangConfig, model_dir: str, *, precision: str, run_dir: P
     base_gpus: the first GPU of each launched server (`--base-gpu-id`; qurl/node/placement.py
     `sglang_base_gpus`), unless sg.args sets it; None = no placement (CPU).
     verify_kernels_every: deploy.sync.verify_kernels_every (verified_sync.py). routes: the run
-    needs the servers' routes (algo.routing_replay=rollout; the model must be a MoE)."""
+    needs the servers' routes (algo.routing_replay=rollout, or sglang.return_routes; the model
+    must be a MoE)."""
     quant, fmt = QUANTIZATION[precision]
     from transformers import AutoConfig, AutoTokenizer
 
     hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     shape = route_shape(hf.to_dict()) if routes else None
     if routes and shape is None:
-        raise ValueError(f"routes asked of {model_dir}: the model has no experts")
+        raise ConfigError(f"algo.routing_replay=rollout or sglang.return_routes=true: "
+                          f"{model_dir} is a dense model, it has no experts to route")
     args = list(sg.args)
     if routes and ROUTES_FLAG not in args:
         args.append(ROUTES_FLAG)
