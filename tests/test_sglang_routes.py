@@ -149,13 +149,11 @@ def test_malformed_routes_and_a_server_without_the_flag_are_one_line_errors(tmp_
         eng.close()
 
 
-def test_return_routes_asks_without_replay_and_a_dense_model_is_refused(tmp_path, monkeypatch):
-    """sglang.return_routes=true with replay off: the launched servers get the flag and the engine
-    asks for the routes (the learner then measures its flips against them); neither setting: no
-    flag, no routes; asked of a dense model: one ConfigError naming both settings."""
-    from qurl.config import ConfigError, load_config
+def _launched(cfg, model: Path, monkeypatch) -> tuple[list[str], tuple | None]:
+    """The server command and route shape make_engine launches `cfg`'s first server with, `model`
+    standing in for its 8-bit export (no server started)."""
     from qurl.engines.sglang import from_config
-    from tests.test_sglang_engine import _model_dir, engine_of
+    from tests.test_sglang_engine import engine_of
 
     seen = {}
 
@@ -166,22 +164,34 @@ def test_return_routes_asks_without_replay_and_a_dense_model_is_refused(tmp_path
         seen["cmd"], seen["routes"] = specs[0].command, kw["routes"]
         raise Stop
 
+    with monkeypatch.context() as m:
+        m.setattr("qurl.models.export8bit.export_8bit", lambda *a, **k: model)
+        m.setattr(from_config, "SGLangEngine", fake_engine)
+        with pytest.raises(Stop):
+            engine_of(cfg, str(model))
+    return seen["cmd"], seen["routes"]
+
+
+def test_return_routes_asks_without_replay_and_a_dense_model_is_refused(tmp_path, monkeypatch):
+    """sglang.return_routes=true with replay off: the launched servers get the flag and the engine
+    asks for the routes (the learner then measures its flips against them); neither setting: no
+    flag, no routes; asked of a dense model: one ConfigError naming both settings."""
+    from qurl.config import ConfigError, load_config
+    from tests.test_sglang_engine import _model_dir
+
     model = _moe_dir(tmp_path)
-    monkeypatch.setattr("qurl.models.export8bit.export_8bit", lambda *a, **k: model)
-    monkeypatch.setattr(from_config, "SGLangEngine", fake_engine)
     for extra, flag in ((["sglang.return_routes=true"], 1), ([], 0)):
         cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", f"deploy.dir={tmp_path}",
                                             *extra])
-        with pytest.raises(Stop):
-            engine_of(cfg, str(model))
-        assert seen["cmd"].count("--enable-return-routed-experts") == flag
-        assert seen["routes"] == (MOE if flag else None)
+        cmd, routes = _launched(cfg, model, monkeypatch)
+        assert cmd.count("--enable-return-routed-experts") == flag
+        assert routes == (MOE if flag else None)
     (tmp_path / "dense").mkdir()
     dense = _model_dir(tmp_path / "dense")
     cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", f"deploy.dir={tmp_path}",
                                         "sglang.return_routes=true"])
     with pytest.raises(ConfigError, match="sglang.return_routes=true: .* is a dense model"):
-        engine_of(cfg, str(dense))
+        _launched(cfg, dense, monkeypatch)
 
 
 def test_a_replaying_run_launches_its_servers_with_the_flag_and_attaches_asking_routes(
@@ -190,28 +200,14 @@ def test_a_replaying_run_launches_its_servers_with_the_flag_and_attaches_asking_
     export is skipped here), an attached server is asked for routes of the model's shape."""
     from qurl.config import load_config
     from qurl.engines.factory import ServerSite
-    from qurl.engines.sglang import from_config
     from tests.test_sglang_engine import engine_of
 
     model = _moe_dir(tmp_path)
     cfg = load_config("cpu-tiny", sets=["rollout.engine=sglang", "algo.routing_replay=rollout",
                                         f"deploy.dir={tmp_path}"])
     assert ServerSite.of(cfg.deploy, cfg.run, cfg.algo, cfg.learner).routes
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_engine(specs, **kw):
-        seen["cmd"], seen["routes"] = specs[0].command, kw["routes"]
-        raise Stop
-
-    monkeypatch.setattr("qurl.models.export8bit.export_8bit", lambda *a, **k: model)
-    monkeypatch.setattr(from_config, "SGLangEngine", fake_engine)
-    with pytest.raises(Stop):
-        engine_of(cfg, str(model))
-    assert seen["cmd"].count("--enable-return-routed-experts") == 1 and seen["routes"] == MOE
-    monkeypatch.undo()
+    cmd, routes = _launched(cfg, model, monkeypatch)
+    assert cmd.count("--enable-return-routed-experts") == 1 and routes == MOE
 
     port = free_port()
     cmd = _fake_cmd(tmp_path, port, extra=("--enable-return-routed-experts",))
