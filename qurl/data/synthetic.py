@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import random
 import re
+from collections.abc import Sequence
 
 from qurl.data.datasets import Example
 
@@ -49,6 +50,16 @@ def in_eval_split(question: str, eval_fraction: float = 0.1) -> bool:
 
 def _apply(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _value(numbers: Sequence[int], ops: Sequence[str], allow_negative: bool) -> int | None:
+    """The left-to-right value, or None where a negative intermediate or result is not allowed."""
+    value = numbers[0]
+    for op, b in zip(ops, numbers[1:]):
+        value = _apply(value, op, b)
+        if value < 0 and not allow_negative:
+            return None
+    return value
 
 
 def _render(numbers: list[int], ops: list[str]) -> str:
@@ -120,11 +131,8 @@ def arithmetic_task(
             )
         numbers = [rng.randint(lo, hi) for _ in range(n_operands)]
         chosen = [rng.choice(op_choices) for _ in range(n_operands - 1)]
-        value, ok = numbers[0], True
-        for op, b in zip(chosen, numbers[1:]):
-            value = _apply(value, op, b)
-            ok = ok and (allow_negative or value >= 0)
-        if not ok:
+        value = _value(numbers, chosen, allow_negative)
+        if value is None:
             continue
         question = _render(numbers, chosen)
         if question in seen or in_eval_split(question, eval_fraction) != want_eval:
@@ -135,7 +143,7 @@ def arithmetic_task(
     return out
 
 
-_COUNT_UP_TO = 50_000  # questions spaces at most this large are counted before drawing
+_COUNT_UP_TO = 50_000  # question spaces at most this large are counted (arithmetic_task)
 
 
 def _split_size(lo: int, hi: int, n_operands: int, op_choices: list[str], allow_negative: bool,
@@ -144,15 +152,10 @@ def _split_size(lo: int, hi: int, n_operands: int, op_choices: list[str], allow_
     cheaply (more than _COUNT_UP_TO operand and operator choices)."""
     if (hi - lo + 1) ** n_operands * len(op_choices) ** (n_operands - 1) > _COUNT_UP_TO:
         return None
-    found: set[str] = set()
-    for numbers in itertools.product(range(lo, hi + 1), repeat=n_operands):
-        for chosen in itertools.product(op_choices, repeat=n_operands - 1):
-            value, ok = numbers[0], True
-            for op, b in zip(chosen, numbers[1:]):
-                value = _apply(value, op, b)
-                ok = ok and (allow_negative or value >= 0)
-            if ok:
-                found.add(_render(list(numbers), list(chosen)))
+    found = {_render(list(numbers), list(chosen))
+             for numbers in itertools.product(range(lo, hi + 1), repeat=n_operands)
+             for chosen in itertools.product(op_choices, repeat=n_operands - 1)
+             if _value(numbers, chosen, allow_negative) is not None}
     return sum(in_eval_split(q, eval_fraction) == want_eval for q in found)
 
 
