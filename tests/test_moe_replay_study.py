@@ -29,6 +29,7 @@ def test_a_runs_row_averages_its_steps_and_keeps_its_last_evaluation():
     assert row["steps"] == 2 and row["flip"] == pytest.approx(0.2) and row["kl"] == pytest.approx(0.02)
     assert row["any_flip"] == pytest.approx(0.6) and row["clipped"] == pytest.approx(0.02)
     assert (row["reward_first"], row["reward_last"], row["acc"], row["acc_fp"]) == (0.25, 0.5, 0.3, 0.4)
+    assert (row["reward_mean"], row["acc_first"]) == (0.375, 0.1)
     assert run_summary(_run(0.1, 0.01)[1:2])["acc"] is None  # no evaluation: no accuracy
     with pytest.raises(ValueError, match="no train records"):
         run_summary(_run(0.1, 0.01)[:1])

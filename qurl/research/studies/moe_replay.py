@@ -14,8 +14,9 @@ per arm over seeds:
     any flip          moe/tokens_any_flip: share of tokens with a flip in at least one layer
     KL(behav‖prox)    kl_behav_prox, the k3 estimate, mean over the run's steps
     clipped           clip_frac_low + clip_frac_high, mean over steps
-    reward            the training reward, first step and last step
-    held-out          the final greedy evaluation of the 8-bit engine (and of the fp policy)
+    reward            the training reward: first step, mean over steps, last step
+    held-out          greedy accuracy of the 8-bit engine at the first evaluation (step 0) and
+                      the final one, and the fp policy's at the final one
 
 Arms are named `<precision>-replay-<off|rollout>`; every other setting is the caller's config
 (the default is smollm2-arith's task at a small batch on `smollm2-135m-moe`). Records go to
@@ -65,8 +66,9 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def run_summary(records: list[dict]) -> dict[str, Any]:
-    """One run's row (module docstring): means over its train records, first/last reward, and its
-    last evaluation's greedy accuracy of the engine and of the fp policy (None where absent)."""
+    """One run's row (module docstring): means over its train records, first/mean/last reward,
+    its first evaluation's greedy accuracy of the engine and its last one's of the engine and of
+    the fp policy (None where absent)."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if not train:
@@ -76,11 +78,12 @@ def run_summary(records: list[dict]) -> dict[str, Any]:
         return _mean([r[key] for r in train if key in r])
 
     clipped = [r.get("clip_frac_low", 0.0) + r.get("clip_frac_high", 0.0) for r in train]
-    last = evals[-1] if evals else {}
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
     return {"steps": len(train), "flip": mean_of("moe/route_flip_frac"),
             "any_flip": mean_of("moe/tokens_any_flip"), "kl": mean_of("kl_behav_prox"),
             "clipped": _mean(clipped), "reward_first": train[0].get("reward"),
-            "reward_last": train[-1].get("reward"), "acc": last.get("eval/mean/greedy"),
+            "reward_mean": mean_of("reward"), "reward_last": train[-1].get("reward"),
+            "acc_first": first.get("eval/mean/greedy"), "acc": last.get("eval/mean/greedy"),
             "acc_fp": last.get("eval_fp/mean/greedy")}
 
 
@@ -106,11 +109,13 @@ def table(out: Path) -> str:
                     f"{_cell(col['steps'], '.0f')} | {_cell(col['flip'], '.3f')} | "
                     f"{_cell(col['any_flip'], '.3f')} | {_cell(col['kl'], '.2e')} | "
                     f"{_cell(col['clipped'], '.3f')} | {_cell(col['reward_first'], '.3f')} | "
-                    f"{_cell(col['reward_last'], '.3f')} | {_cell(col['acc'], '.3f')} | "
+                    f"{_cell(col['reward_mean'], '.3f')} | {_cell(col['reward_last'], '.3f')} | "
+                    f"{_cell(col['acc_first'], '.3f')} | {_cell(col['acc'], '.3f')} | "
                     f"{_cell(col['acc_fp'], '.3f')} |")
     head = ("| arm | seeds | steps | route flip | any flip | KL(behav‖prox) | clipped | "
-            "reward step 1 | reward last | held-out greedy, engine | held-out greedy, fp policy |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "reward step 1 | reward, mean | reward last | held-out greedy step 0, engine | "
+            "held-out greedy, engine | held-out greedy, fp policy |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(rows) + "\n"
 
 
